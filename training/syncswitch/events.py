@@ -1,0 +1,143 @@
+"""The metrics contract: JSON-lines events that every training process appends to the run folder.
+
+Every event is one JSON object per line with these common keys:
+
+    event       one of EVENT_TYPES
+    run_id      the run folder's run id
+    segment     segment index (0, 1, ...)
+    protocol    "bsp" or "asp"
+    role        "chief", "worker" or "ps"
+    task        task index within the role
+    wall_time   seconds since the epoch when the event was emitted
+
+Per event type, the extra keys are:
+
+    segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
+                   momentum_rule
+    step           (chief) global_step (BSP-equivalent steps, float), samples, updates, loss,
+                   examples_per_sec, step_time, learning_rate, momentum
+    worker_step    per-worker timing, the straggler detector's input: worker, global_step,
+                   step_time (s between this worker's consecutive steps), compute_time (forward and
+                   backward pass only, no all-reduce / no PS round trip), wait_time (all-reduce or
+                   PS wait; step_time - compute_time where not measured directly)
+    checkpoint     global_step, samples, uri, seconds
+    eval           global_step, test_accuracy, test_loss
+    straggler      injected slowdown window: worker, slowdown, start, end (epoch seconds)
+    watchdog       worker, reason (a stalled worker was killed)
+    segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from syncswitch import storage
+
+EVENT_TYPES = (
+    "segment_start",
+    "step",
+    "worker_step",
+    "checkpoint",
+    "eval",
+    "straggler",
+    "watchdog",
+    "segment_end",
+)
+
+
+class EventWriter:
+    """Appends events for one process.
+
+    Local run folders are appended to in place. For ``gs://`` folders (objects cannot be appended
+    to) events go to a local file that is uploaded whole every ``flush_seconds`` and on close.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        run_id: str,
+        segment: int,
+        protocol: str,
+        role: str,
+        task: int,
+        flush_seconds: float = 2.0,
+    ) -> None:
+        self.uri = uri
+        self._common = {
+            "run_id": run_id,
+            "segment": segment,
+            "protocol": protocol,
+            "role": role,
+            "task": task,
+        }
+        self._lock = threading.Lock()
+        self._remote = storage.is_remote(uri)
+        if self._remote:
+            fd, self._local_path = tempfile.mkstemp(prefix="events-", suffix=".jsonl")
+            os.close(fd)
+        else:
+            self._local_path = uri
+            os.makedirs(os.path.dirname(uri) or ".", exist_ok=True)
+        self._file = open(self._local_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._flush_seconds = flush_seconds
+        self._last_upload = 0.0
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        if event not in EVENT_TYPES:
+            raise ValueError(f"unknown event type {event!r}; expected one of {EVENT_TYPES}")
+        record = {"event": event, **self._common, "wall_time": time.time(), **fields}
+        line = json.dumps(record, default=float)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+            if self._remote and time.monotonic() - self._last_upload >= self._flush_seconds:
+                self._upload()
+        return record
+
+    def _upload(self) -> None:
+        storage.upload_file(self._local_path, self.uri)
+        self._last_upload = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.close()
+            if self._remote:
+                self._upload()
+                os.unlink(self._local_path)
+
+    def __enter__(self) -> EventWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_lines(text: str) -> Iterator[dict[str, Any]]:
+    """Parse JSON lines, skipping a torn last line (a writer may be mid-append)."""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
+def read_events(metrics_uri: str, *, event: str | None = None) -> list[dict[str, Any]]:
+    """All events under a metrics folder (a whole run, or one segment), sorted by wall time."""
+    records: list[dict[str, Any]] = []
+    for uri in storage.list_files(metrics_uri, suffix=".jsonl"):
+        text = storage.read_text(uri, default="")
+        records.extend(r for r in parse_lines(text) if event is None or r.get("event") == event)
+    records.sort(key=lambda r: r.get("wall_time", 0.0))
+    return records

@@ -1,0 +1,171 @@
+"""Hyper-parameter sets, named and keyed as in tensor2tensor so the original's flags still work.
+
+``--hparam-set resnet_cifar_32`` picks a base set; ``--hparams "learning_rate=0.4,batch_size=64"``
+(one string per segment) overrides keys of it. Values are parsed to the type of the base value.
+
+``learning_rate`` is the rate for the BSP global batch (num_workers x batch_size). Under ASP each worker
+applies batch_size-sample updates, so the configuration policy divides it by num_workers (linear
+scaling), as the paper did (BSP 1024 @ 0.8 -> ASP 128 @ 0.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+class HParamsError(ValueError):
+    """A bad hparam_set name, override key or override value; the message names the accepted values."""
+
+
+@dataclass(frozen=True)
+class HParams:
+    model: str
+    batch_size: int = 128
+    learning_rate: float = 0.1
+    learning_rate_decay_scheme: str = "cosine"  # cosine | piecewise | constant
+    learning_rate_warmup_steps: int = 0
+    # piecewise: at each boundary (fraction of the job's total steps) multiply by the multiple
+    learning_rate_boundaries: tuple[float, ...] = (0.5, 0.75)
+    learning_rate_multiples: tuple[float, ...] = (0.1, 0.01)
+    optimizer_momentum_momentum: float = 0.9
+    optimizer_momentum_nesterov: bool = True
+    weight_decay: float = 1e-4
+    # model shape
+    resnet_depth: int = 20
+    num_filters: int = 16
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def override(self, overrides: str | dict[str, str] | None) -> HParams:
+        """Return a copy with ``k=v,k=v`` overrides applied (values parsed to the field's type)."""
+        pairs = parse_overrides(overrides) if isinstance(overrides, str | None) else overrides
+        if not pairs:
+            return self
+        changes = {}
+        names = {f.name: f for f in dataclasses.fields(self) if f.name not in ("model", "extra")}
+        for key, raw in pairs.items():
+            if key not in names:
+                raise HParamsError(f"hparams: unknown key {key!r}; accepted keys: {', '.join(sorted(names))}")
+            changes[key] = _parse_value(key, raw, getattr(self, key))
+        updated = dataclasses.replace(self, **changes)
+        updated.validate()
+        return updated
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise HParamsError(f"hparams: batch_size must be >= 1, got {self.batch_size}")
+        if not self.learning_rate > 0:
+            raise HParamsError(f"hparams: learning_rate must be > 0, got {self.learning_rate}")
+        if self.learning_rate_decay_scheme not in LR_SCHEMES:
+            raise HParamsError(
+                f"hparams: learning_rate_decay_scheme {self.learning_rate_decay_scheme!r} is not one of "
+                f"{', '.join(LR_SCHEMES)}"
+            )
+        if len(self.learning_rate_boundaries) != len(self.learning_rate_multiples):
+            raise HParamsError(
+                "hparams: learning_rate_boundaries and learning_rate_multiples need the same length"
+            )
+        if not 0 <= self.optimizer_momentum_momentum < 1:
+            raise HParamsError("hparams: optimizer_momentum_momentum must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise HParamsError("hparams: weight_decay must be >= 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+LR_SCHEMES = ("cosine", "piecewise", "constant")
+
+
+def _resnet(depth: int, **kw: object) -> HParams:
+    # He et al. 2016 CIFAR ResNets, as in t2t's resnet_cifar_* sets: 128/worker, cosine decay,
+    # Nesterov momentum 0.9, weight decay 1e-4.
+    return HParams(model="resnet", resnet_depth=depth, **kw)
+
+
+HPARAM_SETS: dict[str, HParams] = {
+    "resnet_cifar_20": _resnet(20),
+    "resnet_cifar_32": _resnet(32),
+    "resnet_cifar_56": _resnet(56),
+    # The embedded demo: a small CNN on scikit-learn's 8x8 digits.
+    "cnn_digits": HParams(
+        model="cnn",
+        batch_size=32,
+        learning_rate=0.1,
+        optimizer_momentum_momentum=0.9,
+        weight_decay=1e-4,
+        num_filters=16,
+    ),
+}
+
+
+def get_hparams(hparam_set: str, model: str | None = None) -> HParams:
+    """The named base set; checks that it belongs to ``model`` when one is given."""
+    if hparam_set not in HPARAM_SETS:
+        raise HParamsError(f"hparam_set: unknown {hparam_set!r}; accepted: {', '.join(sorted(HPARAM_SETS))}")
+    hp = HPARAM_SETS[hparam_set]
+    if model is not None and hp.model != model:
+        accepted = sorted(name for name, h in HPARAM_SETS.items() if h.model == model)
+        raise HParamsError(
+            f"hparam_set: {hparam_set!r} is for model {hp.model!r}, not {model!r}; "
+            f"accepted for {model!r}: {', '.join(accepted) or 'none'}"
+        )
+    return hp
+
+
+def parse_overrides(text: str | None) -> dict[str, str]:
+    """Parse the original's ``k=v,k=v`` form. Values may be quoted; tuples use ``;`` (``a=0.5;0.75``)."""
+    if not text or not text.strip():
+        return {}
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not key.isidentifier():
+            raise HParamsError(f"hparams: malformed item {item!r} in {text!r}; expected k=v,k=v")
+        pairs[key] = value.strip().strip("'\"")
+    return pairs
+
+
+def _parse_value(key: str, raw: str, current: object) -> object:
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if isinstance(current, tuple):
+            return tuple(float(v) for v in raw.split(";") if v.strip())
+        return raw
+    except ValueError:
+        raise HParamsError(f"hparams: {key}={raw!r} is not a valid {type(current).__name__}") from None
+
+
+def learning_rate_at(hp: HParams, step: float, total_steps: float) -> float:
+    """LR for the BSP global batch at BSP-equivalent ``step`` of a job of ``total_steps``.
+
+    A pure function of progress, so the schedule continues smoothly across a protocol switch.
+    """
+    base = hp.learning_rate
+    if hp.learning_rate_warmup_steps > 0 and step < hp.learning_rate_warmup_steps:
+        return base * (step + 1) / hp.learning_rate_warmup_steps
+    frac = min(max(step / max(total_steps, 1.0), 0.0), 1.0)
+    if hp.learning_rate_decay_scheme == "cosine":
+        return base * 0.5 * (1.0 + math.cos(math.pi * frac))
+    if hp.learning_rate_decay_scheme == "piecewise":
+        multiple = 1.0
+        for boundary, m in zip(hp.learning_rate_boundaries, hp.learning_rate_multiples, strict=True):
+            if frac >= boundary:
+                multiple = m
+        return base * multiple
+    return base

@@ -1,0 +1,100 @@
+"""The run folder contract: where every artefact of one DAG run lives in the bucket.
+
+One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
+
+    state.json                          RunState: plan, completed segments, decisions (syncswitch.state)
+    checkpoints/ckpt-<samples>/         one TF checkpoint; manifest.json is written last, so a folder
+                                        without it is an incomplete write and is never "latest"
+    metrics/seg-<ii>-<protocol>/        JSON-lines events of one segment, one file per process
+        <role>-<task>.jsonl             (schema: syncswitch.events)
+    metrics/seg-<ii>-<protocol>/result.json   SegmentResult written by the chief when the segment ends
+    tensorboard/                        scalars of the whole logical run, keyed by global step
+    control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
+    report/                             summary.json, index.html, *.png
+
+``bucket_dir`` is a local folder or a ``gs://bucket/prefix`` URI; all access goes through
+``syncswitch.storage`` so the same paths work for both.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_CKPT_RE = re.compile(r"ckpt-(\d{12})$")
+
+
+def join(*parts: str) -> str:
+    """Join URI or path parts with single slashes (works for gs:// and local paths)."""
+    head, *rest = parts
+    out = head.rstrip("/")
+    for part in rest:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}"
+    return out
+
+
+def segment_name(index: int, protocol: str) -> str:
+    return f"seg-{index:02d}-{protocol}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one run folder. ``root`` is ``<bucket_dir>/<job_name>/<run_id>``."""
+
+    root: str
+
+    @classmethod
+    def for_run(cls, bucket_dir: str, job_name: str, run_id: str) -> RunLayout:
+        return cls(join(bucket_dir, job_name, safe_run_id(run_id)))
+
+    @property
+    def state(self) -> str:
+        return join(self.root, "state.json")
+
+    @property
+    def checkpoints(self) -> str:
+        return join(self.root, "checkpoints")
+
+    def checkpoint(self, samples: int) -> str:
+        # Keyed by samples (the exact progress counter), zero-padded so names sort by progress.
+        return join(self.checkpoints, f"ckpt-{samples:012d}")
+
+    @staticmethod
+    def checkpoint_samples(name: str) -> int | None:
+        match = _CKPT_RE.search(name.rstrip("/"))
+        return int(match.group(1)) if match else None
+
+    @property
+    def metrics(self) -> str:
+        return join(self.root, "metrics")
+
+    def segment_metrics(self, index: int, protocol: str) -> str:
+        return join(self.metrics, segment_name(index, protocol))
+
+    def segment_events(self, index: int, protocol: str, role: str, task: int) -> str:
+        return join(self.segment_metrics(index, protocol), f"{role}-{task}.jsonl")
+
+    def segment_result(self, index: int, protocol: str) -> str:
+        return join(self.segment_metrics(index, protocol), "result.json")
+
+    @property
+    def tensorboard(self) -> str:
+        return join(self.root, "tensorboard")
+
+    @property
+    def control(self) -> str:
+        return join(self.root, "control")
+
+    def stop_request(self, index: int) -> str:
+        return join(self.control, f"stop-seg-{index:02d}")
+
+    @property
+    def report(self) -> str:
+        return join(self.root, "report")
+
+
+def safe_run_id(run_id: str) -> str:
+    """Airflow run ids contain ':' and '+'; keep them readable but safe as a path segment."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)

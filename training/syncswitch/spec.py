@@ -1,0 +1,467 @@
+"""The job spec and the segment spec: what a user asks for, and what one training segment runs.
+
+    JobSpec.from_params(params)   validates DAG params / CLI flags / REST conf, naming the bad field
+    JobSpec.plan()                -> [SegmentSpec, ...], one per digit of switch_order
+
+Units. Every step number in the interface is a BSP-equivalent step: one global batch of
+``num_workers x batch_size`` samples. Progress is counted exactly in samples; an ASP worker update of
+``batch_size`` samples is 1/num_workers of a step. ``until_step`` is cumulative over the job, so the
+global step and the LR schedule continue across segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncswitch.hparams import HParams, HParamsError, get_hparams
+
+PROTOCOLS = {"1": "bsp", "0": "asp"}
+MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
+ONLINE_POLICIES = ("none", "greedy", "elastic")
+CLUSTER_BACKENDS = ("local", "gce")
+MODELS = ("resnet", "cnn")
+PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
+_JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """Bad user input. ``field`` names the parameter; the message says what is accepted."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class StragglerSpec:
+    """Make ``worker`` ``slowdown`` times slower for ``duration`` s, ``start`` s after the reference time.
+
+    The reference is the start of the first BSP segment in a pipeline run, or the launch of
+    ``syncswitch train``.
+    """
+
+    worker: int
+    start: float
+    duration: float
+    slowdown: float
+
+    @classmethod
+    def parse(cls, text: str | dict) -> StragglerSpec:
+        """Parse ``worker=1,start=20,duration=60,slowdown=4`` (or the same keys as a dict)."""
+        name = "straggler"
+        if isinstance(text, dict):
+            pairs = {str(k): str(v) for k, v in text.items()}
+        else:
+            pairs = {}
+            for item in str(text).split(","):
+                key, sep, value = item.strip().partition("=")
+                if not sep:
+                    raise SpecError(
+                        name, f"malformed item {item!r}; expected worker=1,start=20,duration=60,slowdown=4"
+                    )
+                pairs[key.strip()] = value.strip()
+        expected = {"worker", "start", "duration", "slowdown"}
+        if set(pairs) != expected:
+            raise SpecError(name, f"needs exactly the keys {sorted(expected)}, got {sorted(pairs)}")
+        try:
+            spec = cls(
+                int(pairs["worker"]),
+                float(pairs["start"]),
+                float(pairs["duration"]),
+                float(pairs["slowdown"]),
+            )
+        except ValueError:
+            raise SpecError(name, f"values must be numbers: {text!r}") from None
+        if spec.worker < 0 or spec.start < 0 or spec.duration <= 0 or spec.slowdown <= 1:
+            raise SpecError(name, "needs worker >= 0, start >= 0, duration > 0 and slowdown > 1")
+        return spec
+
+    def to_text(self) -> str:
+        return (
+            f"worker={self.worker},start={self.start:g},duration={self.duration:g},slowdown={self.slowdown:g}"
+        )
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """Everything one segment's processes need. Written to the cluster as JSON; no Airflow types."""
+
+    run_id: str
+    run_dir: str
+    index: int
+    protocol: str  # "bsp" | "asp"
+    until_step: int  # cumulative BSP-equivalent target; the segment ends exactly here
+    total_steps: int  # the whole job's workload, for the LR schedule
+    model: str
+    hparam_set: str
+    problem: str
+    data_dir: str = ""
+    hparams: str = ""  # this segment's k=v,k=v overrides
+    num_workers: int = 2
+    num_ps: int = 1
+    ckpt_frequency: int = 0  # steps between checkpoints; 0 = only at segment end
+    momentum_rule: str = "ramped"
+    momentum_ramp_steps: int = 50
+    seed: int = 0
+    evaluate: bool = False
+    pin_cores: bool = False
+    watchdog_seconds: float = 60.0
+    stragglers: tuple[StragglerSpec, ...] = ()
+    straggler_reference_time: float | None = None  # epoch seconds; None = launch time
+
+    def resolved_hparams(self) -> HParams:
+        return get_hparams(self.hparam_set, self.model).override(self.hparams)
+
+    def global_batch(self, hp: HParams | None = None) -> int:
+        hp = hp or self.resolved_hparams()
+        return self.num_workers * hp.batch_size
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SegmentSpec:
+        data = dict(data)
+        data["stragglers"] = tuple(StragglerSpec(**s) for s in data.get("stragglers", ()))
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> SegmentSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    """The configuration policy: effective LR factor and momentum of one protocol at a given point."""
+
+    learning_rate_scale: float
+    momentum: float
+
+
+def switch_config(
+    protocol: str, hp: HParams, num_workers: int, rule: str, ramp_steps: int, steps_into_segment: float
+) -> SwitchConfig:
+    """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
+    and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
+    over ``ramp_steps`` BSP-equivalent steps)."""
+    m = hp.optimizer_momentum_momentum
+    if protocol == "bsp":
+        return SwitchConfig(1.0, m)
+    scale = 1.0 / num_workers
+    if rule == "keep":
+        momentum = m
+    elif rule == "zero":
+        momentum = 0.0
+    elif rule == "scaled":
+        momentum = m / num_workers
+    elif rule == "ramped":
+        frac = 1.0 if ramp_steps <= 0 else min(max(steps_into_segment / ramp_steps, 0.0), 1.0)
+        momentum = m / num_workers + (m - m / num_workers) * frac
+    else:
+        raise SpecError("momentum_rule", f"{rule!r} is not one of {', '.join(MOMENTUM_RULES)}")
+    return SwitchConfig(scale, momentum)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
+
+    job_name: str = "digits-demo"
+    switch_order: str = "10"
+    train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
+    total_steps: int = 400
+    bsp_fraction: float = 0.25
+    ckpt_frequency: tuple[int, ...] = (50,)  # per segment; one value applies to all
+    hparams: tuple[str, ...] = ("",)  # per segment; one value applies to all
+    num_workers: int = 2
+    num_ps: int = 1
+    model: str = "cnn"
+    hparam_set: str = "cnn_digits"
+    problem: str = "digits"
+    data_dir: str = ""
+    bucket_dir: str = "runs"
+    cluster_backend: str = "local"
+    momentum_rule: str = "ramped"
+    momentum_ramp_steps: int = 50
+    online_policy: str = "none"
+    max_online_switches: int = 2
+    stragglers: tuple[StragglerSpec, ...] = ()
+    seed: int = 0
+    pin_cores: bool = False
+    evaluate_segments: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---- parsing ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> JobSpec:
+        """Validate raw params (DAG params, CLI, REST conf). Raises SpecError naming the field."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise SpecError(unknown[0], f"unknown parameter; accepted: {', '.join(sorted(known))}")
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for name in known:
+            raw = params.get(name)
+            # Absent or empty means "use the default"; data_dir's default is itself empty.
+            values[name] = getattr(defaults, name) if raw is None or raw == "" or raw == [] else raw
+        values["train_steps"] = _int_list("train_steps", values["train_steps"])
+        values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
+        values["hparams"] = _str_list("hparams", values["hparams"])
+        values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
+        for name in (
+            "total_steps",
+            "num_workers",
+            "num_ps",
+            "momentum_ramp_steps",
+            "max_online_switches",
+            "seed",
+        ):
+            values[name] = _int(name, values[name])
+        values["bsp_fraction"] = _float("bsp_fraction", values["bsp_fraction"])
+        for name in ("pin_cores", "evaluate_segments"):
+            values[name] = _bool(name, values[name])
+        spec = cls(**values)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        if not _JOB_NAME_RE.match(self.job_name):
+            raise SpecError(
+                "job_name",
+                f"{self.job_name!r} must be 1-63 lowercase letters, digits or "
+                "'-', starting and ending with a letter or digit",
+            )
+        if not self.switch_order or set(self.switch_order) - set(PROTOCOLS):
+            raise SpecError(
+                "switch_order",
+                f"{self.switch_order!r} must be a non-empty string of 1 (BSP) "
+                "and 0 (ASP), e.g. '10' or '101'",
+            )
+        n = len(self.switch_order)
+        if self.train_steps:
+            if len(self.train_steps) != n:
+                raise SpecError(
+                    "train_steps",
+                    f"has {len(self.train_steps)} values but switch_order "
+                    f"{self.switch_order!r} has {n} segments",
+                )
+            if any(s < 1 for s in self.train_steps):
+                raise SpecError("train_steps", "every value must be >= 1")
+        else:
+            if self.total_steps < n:
+                raise SpecError("total_steps", f"must be >= the number of segments ({n})")
+            if not 0.0 <= self.bsp_fraction <= 1.0:
+                raise SpecError("bsp_fraction", f"must be in [0, 1], got {self.bsp_fraction}")
+        for name, values in (("ckpt_frequency", self.ckpt_frequency), ("hparams", self.hparams)):
+            if len(values) not in (1, n):
+                raise SpecError(name, f"needs 1 value or one per segment ({n}), got {len(values)}")
+        if any(f < 0 for f in self.ckpt_frequency):
+            raise SpecError("ckpt_frequency", "values must be >= 0 (0 = only at segment end)")
+        if not 1 <= self.num_workers <= 64:
+            raise SpecError("num_workers", f"must be in 1..64, got {self.num_workers}")
+        if not 1 <= self.num_ps <= 16:
+            raise SpecError("num_ps", f"must be in 1..16, got {self.num_ps}")
+        _choice("model", self.model, MODELS)
+        _choice("problem", self.problem, PROBLEMS)
+        _choice("cluster_backend", self.cluster_backend, CLUSTER_BACKENDS)
+        _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
+        _choice("online_policy", self.online_policy, ONLINE_POLICIES)
+        if self.problem in ("image_cifar10", "image_cifar100") and not self.data_dir:
+            raise SpecError("data_dir", f"problem {self.problem!r} needs a data_dir (local path or gs://)")
+        if self.model == "cnn" and self.problem != "digits":
+            raise SpecError(
+                "model",
+                f"model 'cnn' is the small digits CNN; use model 'resnet' for problem {self.problem!r}",
+            )
+        if self.model == "resnet" and self.problem == "digits":
+            raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
+        if self.max_online_switches < 0:
+            raise SpecError("max_online_switches", "must be >= 0")
+        if self.momentum_ramp_steps < 0:
+            raise SpecError("momentum_ramp_steps", "must be >= 0")
+        for s in self.stragglers:
+            if s.worker >= self.num_workers:
+                raise SpecError(
+                    "stragglers", f"worker {s.worker} does not exist; workers are 0..{self.num_workers - 1}"
+                )
+        if not self.bucket_dir:
+            raise SpecError("bucket_dir", "must be a local folder or a gs://bucket/prefix URI")
+        if self.bucket_dir.startswith("gs://") and len(self.bucket_dir) <= len("gs://"):
+            raise SpecError("bucket_dir", "gs:// URI needs a bucket name")
+        try:
+            hp = get_hparams(self.hparam_set, self.model)
+            for overrides in self.hparams:
+                hp.override(overrides)
+        except HParamsError as exc:
+            raise SpecError(
+                "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
+            ) from None
+
+    # ---- planning --------------------------------------------------------------------------
+
+    def segment_steps(self) -> list[int]:
+        """Steps per segment. With total_steps + bsp_fraction, the BSP share is split evenly over the
+        BSP segments and the rest over the ASP segments; rounding goes to the last segment."""
+        if self.train_steps:
+            return list(self.train_steps)
+        order = self.switch_order
+        n_bsp, n_asp = order.count("1"), order.count("0")
+        bsp_total = round(self.total_steps * self.bsp_fraction) if n_asp else self.total_steps
+        if n_bsp == 0:
+            bsp_total = 0
+        asp_total = self.total_steps - bsp_total
+        if n_asp and asp_total < n_asp or n_bsp and bsp_total < n_bsp:
+            raise SpecError(
+                "bsp_fraction",
+                f"{self.bsp_fraction} leaves a segment of switch_order "
+                f"{order!r} with no steps out of {self.total_steps}",
+            )
+        steps = []
+        for proto_total, digit in ((bsp_total, "1"), (asp_total, "0")):
+            count = order.count(digit)
+            if count:
+                share = [proto_total // count] * count
+                share[-1] += proto_total - sum(share)
+                steps.append((digit, share))
+        shares = {digit: list(share) for digit, share in steps}
+        return [shares[d].pop(0) for d in order]
+
+    @property
+    def workload(self) -> int:
+        return sum(self.segment_steps())
+
+    def per_segment(self, values: tuple, index: int) -> Any:
+        return values[index] if len(values) > 1 else values[0]
+
+    def plan(self, run_id: str, run_dir: str) -> list[SegmentSpec]:
+        """The offline plan: one SegmentSpec per switch_order digit, with cumulative targets."""
+        until = 0
+        segments = []
+        for index, (digit, steps) in enumerate(zip(self.switch_order, self.segment_steps(), strict=True)):
+            until += steps
+            segments.append(
+                self.segment(
+                    index,
+                    PROTOCOLS[digit],
+                    until,
+                    run_id,
+                    run_dir,
+                    hparams=self.per_segment(self.hparams, index),
+                    ckpt_frequency=self.per_segment(self.ckpt_frequency, index),
+                )
+            )
+        return segments
+
+    def segment(
+        self,
+        index: int,
+        protocol: str,
+        until_step: int,
+        run_id: str,
+        run_dir: str,
+        *,
+        hparams: str = "",
+        ckpt_frequency: int = 0,
+    ) -> SegmentSpec:
+        return SegmentSpec(
+            run_id=run_id,
+            run_dir=run_dir,
+            index=index,
+            protocol=protocol,
+            until_step=until_step,
+            total_steps=self.workload,
+            model=self.model,
+            hparam_set=self.hparam_set,
+            problem=self.problem,
+            data_dir=self.data_dir,
+            hparams=hparams,
+            num_workers=self.num_workers,
+            num_ps=self.num_ps,
+            ckpt_frequency=ckpt_frequency,
+            momentum_rule=self.momentum_rule,
+            momentum_ramp_steps=self.momentum_ramp_steps,
+            seed=self.seed,
+            evaluate=self.evaluate_segments,
+            pin_cores=self.pin_cores,
+            stragglers=self.stragglers,
+        )
+
+    def to_params(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("extra")
+        data["stragglers"] = [s.to_text() for s in self.stragglers]
+        for key in ("train_steps", "ckpt_frequency", "hparams"):
+            data[key] = list(data[key])
+        return data
+
+
+# ---- field parsers: each names its field in the error -------------------------------------------
+
+
+def _seq(value: Any) -> list:
+    if value is None or value == "":
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            return list(json.loads(stripped))
+        return [stripped]
+    return [value]
+
+
+def _int_list(name: str, value: Any) -> tuple[int, ...]:
+    items = _seq(value)
+    if len(items) == 1 and isinstance(items[0], str) and " " in items[0].strip():
+        items = items[0].split()
+    try:
+        return tuple(int(v) for v in items)
+    except (TypeError, ValueError):
+        raise SpecError(name, f"must be integers, got {value!r}") from None
+
+
+def _str_list(name: str, value: Any) -> tuple[str, ...]:
+    items = _seq(value)
+    if not all(isinstance(v, str) for v in items):
+        raise SpecError(name, f"must be strings, got {value!r}")
+    return tuple(items) or ("",)
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise SpecError(name, f"must be an integer, got {value!r}")
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        raise SpecError(name, f"must be an integer, got {value!r}") from None
+    if not as_float.is_integer():
+        raise SpecError(name, f"must be an integer, got {value!r}")
+    return int(as_float)
+
+
+def _float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SpecError(name, f"must be a number, got {value!r}") from None
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise SpecError(name, f"must be true or false, got {value!r}")
+
+
+def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise SpecError(name, f"{value!r} is not one of: {', '.join(accepted)}")
