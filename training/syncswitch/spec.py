@@ -22,7 +22,7 @@ from syncswitch.hparams import HParams, HParamsError, get_hparams
 PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
-CLUSTER_BACKENDS = ("local", "gce")
+CLUSTER_BACKENDS = ("local",)  # gce: planned, see README "Not exercised"
 MODELS = ("resnet", "cnn")
 PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
 _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
