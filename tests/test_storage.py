@@ -1,0 +1,199 @@
+"""syncswitch.storage against a local folder and a real GCS emulator bucket, with the same tests."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from google.api_core.exceptions import NotFound
+from syncswitch import storage
+from syncswitch.layout import join
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A storage prefix that does not exist yet: a local folder or a key prefix in a fresh bucket."""
+    if request.param == "local":
+        return str(tmp_path / "root")
+    return join(request.getfixturevalue("gcs_bucket"), "root")
+
+
+def _make_tree(base: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        path = base / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def test_bytes_text_json_round_trip(root: str) -> None:
+    storage.write_bytes(join(root, "a/blob.bin"), b"\x00\x01\xff")
+    storage.write_text(join(root, "a/note.txt"), "héllo\nworld")
+    storage.write_json(join(root, "state.json"), {"step": 3, "plan": [{"protocol": "bsp"}]})
+
+    assert storage.read_bytes(join(root, "a/blob.bin")) == b"\x00\x01\xff"
+    assert storage.read_text(join(root, "a/note.txt")) == "héllo\nworld"
+    assert storage.read_json(join(root, "state.json")) == {"step": 3, "plan": [{"protocol": "bsp"}]}
+
+
+def test_overwrite_replaces_content(root: str) -> None:
+    uri = join(root, "x.txt")
+    storage.write_text(uri, "first, longer content")
+    storage.write_text(uri, "second")
+    assert storage.read_text(uri) == "second"
+
+
+def test_missing_objects_give_defaults_or_raise(root: str) -> None:
+    missing = join(root, "nope.txt")
+    assert storage.read_text(missing, default="") == ""
+    assert storage.read_text(missing, default="fallback") == "fallback"
+    assert storage.read_json(missing, default={"empty": True}) == {"empty": True}
+    with pytest.raises((FileNotFoundError, NotFound)):
+        storage.read_text(missing)
+    with pytest.raises((FileNotFoundError, NotFound)):
+        storage.read_bytes(missing)
+
+
+def test_exists_and_delete(root: str) -> None:
+    uri = join(root, "d/file.txt")
+    assert not storage.exists(uri)
+    storage.write_text(uri, "x")
+    assert storage.exists(uri)
+    storage.delete(uri)
+    assert not storage.exists(uri)
+    storage.delete(uri)  # deleting something absent is not an error
+
+
+def test_list_files_is_recursive_sorted_and_filters_suffix(root: str) -> None:
+    for rel in ["b.jsonl", "a/x.jsonl", "a/deep/y.jsonl", "a/deep/result.json", "ab/sibling.jsonl"]:
+        storage.write_text(join(root, rel), "{}")
+
+    assert storage.list_files(join(root, "a")) == [
+        join(root, "a/deep/result.json"),
+        join(root, "a/deep/y.jsonl"),
+        join(root, "a/x.jsonl"),
+    ]
+    assert storage.list_files(root, suffix=".jsonl") == [
+        join(root, "a/deep/y.jsonl"),
+        join(root, "a/x.jsonl"),
+        join(root, "ab/sibling.jsonl"),
+        join(root, "b.jsonl"),
+    ]
+    # a trailing slash means the same prefix
+    assert storage.list_files(join(root, "a") + "/", suffix=".json") == [join(root, "a/deep/result.json")]
+    assert storage.list_files(join(root, "missing")) == []
+
+
+def test_list_dirs_gives_immediate_children_only(root: str) -> None:
+    for rel in ["checkpoints/ckpt-1/manifest.json", "checkpoints/ckpt-2/a/b.data", "checkpoints/top.txt"]:
+        storage.write_text(join(root, rel), "x")
+
+    assert storage.list_dirs(join(root, "checkpoints")) == ["ckpt-1", "ckpt-2"]
+    assert storage.list_dirs(root) == ["checkpoints"]
+    assert storage.list_dirs(join(root, "missing")) == []
+
+
+def test_upload_and_download_dir_round_trip(root: str, tmp_path: Path) -> None:
+    files = {
+        "ckpt.index": b"index",
+        "ckpt.data-00000-of-00001": os.urandom(200_000),
+        "sub/manifest.json": b"{}",
+    }
+    source, target = tmp_path / "src", tmp_path / "dst"
+    _make_tree(source, files)
+
+    uploaded = storage.upload_dir(str(source), join(root, "ckpt-7"))
+    downloaded = storage.download_dir(join(root, "ckpt-7"), str(target))
+
+    assert uploaded == downloaded == sorted(files)
+    for rel, data in files.items():
+        assert (target / rel).read_bytes() == data
+
+
+def test_upload_and_download_single_file(root: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"payload")
+    storage.upload_file(str(source), join(root, "one.bin"))
+    storage.download_file(join(root, "one.bin"), str(tmp_path / "out/nested/one.bin"))
+    assert (tmp_path / "out/nested/one.bin").read_bytes() == b"payload"
+
+
+def test_delete_prefix_removes_only_that_prefix(root: str) -> None:
+    for rel in ["run/a.txt", "run/x/b.txt", "run2/keep.txt"]:
+        storage.write_text(join(root, rel), "x")
+
+    storage.delete_prefix(join(root, "run"))
+
+    assert storage.list_files(join(root, "run")) == []
+    assert storage.list_files(root) == [join(root, "run2/keep.txt")]
+    storage.delete_prefix(join(root, "never-existed"))
+
+
+def test_split_gs_and_is_remote() -> None:
+    assert storage.split_gs("gs://bucket/a/b.txt") == ("bucket", "a/b.txt")
+    assert storage.split_gs("gs://bucket") == ("bucket", "")
+    assert storage.is_remote("gs://bucket/x")
+    assert not storage.is_remote("/tmp/gs://x")
+    with pytest.raises(ValueError):
+        storage.split_gs("gs:///key")
+
+
+def test_gcs_objects_land_in_the_emulator_bucket(gcs_bucket: str) -> None:
+    # Checks the client really talks to the emulator: the object is visible through the raw client.
+    storage.write_text(join(gcs_bucket, "k/v.txt"), "value")
+    bucket_name, _ = storage.split_gs(gcs_bucket)
+    names = [b.name for b in storage.gcs_client().list_blobs(bucket_name)]
+    assert names == ["k/v.txt"]
+    assert storage.list_dirs(gcs_bucket) == ["k"]
+
+
+# --- local atomicity ---------------------------------------------------------------------------
+
+
+def test_local_write_is_atomic_for_concurrent_readers(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.json")
+    versions = [b"a" * 2_000_000, b"b" * 3_000_000]
+    storage.write_bytes(path, versions[0])
+    torn: list[int] = []
+    stop = threading.Event()
+
+    def read_repeatedly() -> None:
+        while not stop.is_set():
+            data = storage.read_bytes(path)
+            if data not in versions:
+                torn.append(len(data))
+
+    reader = threading.Thread(target=read_repeatedly)
+    reader.start()
+    try:
+        for i in range(30):
+            storage.write_bytes(path, versions[i % 2])
+    finally:
+        stop.set()
+        reader.join()
+
+    assert torn == [], f"a reader saw partial files of sizes {torn[:5]}"
+    assert os.listdir(tmp_path) == ["state.json"], "temp files were left behind"
+
+
+def test_local_temp_files_are_not_listed(tmp_path: Path) -> None:
+    storage.write_text(str(tmp_path / "d/real.txt"), "x")
+    # what a writer leaves visible mid-write: a temp file beside the target
+    (tmp_path / "d/.tmp-abc123").write_text("partial")
+    assert storage.list_files(str(tmp_path / "d")) == [str(tmp_path / "d/real.txt")]
+
+
+def test_failed_local_write_keeps_old_content_and_no_temp(tmp_path: Path) -> None:
+    path = str(tmp_path / "f.txt")
+    storage.write_text(path, "old")
+    with pytest.raises(TypeError):
+        storage.write_bytes(path, "not bytes")  # type: ignore[arg-type]
+    assert storage.read_text(path) == "old"
+    assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_local_delete_removes_a_folder(tmp_path: Path) -> None:
+    storage.write_text(str(tmp_path / "dir/a/b.txt"), "x")
+    storage.delete(str(tmp_path / "dir"))
+    assert not storage.exists(str(tmp_path / "dir"))
