@@ -1,0 +1,442 @@
+"""The problems (data sets) of the training runtime, named as in tensor2tensor.
+
+    get_problem("image_cifar10")                  -> Problem
+    problem.prepare(data_dir, cache_dir)          -> local folder ready to read ("" if none is needed)
+    problem.train_dataset(folder, batch_size=..., shard_index=..., num_shards=..., seed=...)
+    problem.test_dataset(folder, batch_size=...), problem.num_test_examples(folder)
+
+Datasets yield ``(image float32 [B, H, W, C], label int32 [B])``. Training datasets repeat forever, are
+shuffled and read a disjoint share of the records per shard (shard = worker index, which may be a tensor
+inside a ParameterServerStrategy ``dataset_fn``). Those ``dataset_fn``s may not create variables, so
+augmentation uses stateless random ops seeded from ``(seed, shard, element index)``: the same seed gives
+the same stream.
+
+TensorFlow is imported inside functions so that this module (and the names) can be used cheaply, e.g.
+to validate a job spec on the Airflow side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from syncswitch import storage
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+CIFAR_IMAGE_BYTES = 3 * 32 * 32
+# Pad-4 + random-crop-32, the He et al. 2016 CIFAR augmentation.
+CIFAR_PAD = 4
+DIGITS_TEST_FRACTION = 0.2
+DIGITS_SPLIT_SEED = 0
+SYNTHETIC_TEST_EXAMPLES = 512
+# First component of the stateless seeds of the synthetic test set; training seeds are >= 0.
+_SYNTHETIC_TEST_KEY = -1
+_SHUFFLE_BUFFER = 10_000
+
+
+class ProblemError(ValueError):
+    """Bad problem name or data. The message names the field (``problem`` or ``data_dir``) and says
+    what is accepted or expected."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# --- the interface ------------------------------------------------------------------------------
+
+
+class Problem:
+    """One data set: its shape, its classes and how to read it."""
+
+    name: str
+    image_shape: tuple[int, int, int]
+    num_classes: int
+
+    def prepare(self, data_dir: str, cache_dir: str) -> str:
+        """Return a local folder with the data ready to read, downloading ``gs://`` data into
+        ``cache_dir``. Raises ProblemError when files are missing or malformed."""
+        raise NotImplementedError
+
+    def train_dataset(
+        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
+    ) -> tf.data.Dataset:
+        raise NotImplementedError
+
+    def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
+        raise NotImplementedError
+
+    def num_test_examples(self, local_dir: str) -> int:
+        raise NotImplementedError
+
+
+def _check_batching(batch_size: int, num_shards: int, seed: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+
+
+def _stateless_seed(seed: int, shard_index: Any, index: Any) -> tf.Tensor:
+    """A [2] int64 seed unique to (seed, shard, element): shards never share augmentation streams."""
+    import tensorflow as tf
+
+    shard = tf.cast(shard_index, tf.int64)
+    return tf.stack([tf.constant(seed, tf.int64) * 65_536 + shard, tf.cast(index, tf.int64)])
+
+
+# --- digits: scikit-learn's bundled 8x8 digits ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DigitsProblem(Problem):
+    """scikit-learn's 1797 8x8 digits, scaled to [0, 1], with a fixed stratified 80/20 split."""
+
+    name: str = "digits"
+    image_shape: tuple[int, int, int] = (8, 8, 1)
+    num_classes: int = 10
+
+    def prepare(self, data_dir: str, cache_dir: str) -> str:
+        # Bundled with scikit-learn: nothing to stage, whatever data_dir says.
+        return ""
+
+    def arrays(self, split: str) -> tuple[Any, Any]:
+        """``(images float32 [N, 8, 8, 1], labels int32 [N])`` of ``train`` or ``test``."""
+        import numpy as np
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        images = (digits.images / 16.0).astype(np.float32)[..., np.newaxis]
+        labels = digits.target.astype(np.int32)
+        x_train, x_test, y_train, y_test = train_test_split(
+            images,
+            labels,
+            test_size=DIGITS_TEST_FRACTION,
+            random_state=DIGITS_SPLIT_SEED,
+            stratify=labels,
+        )
+        return (x_train, y_train) if split == "train" else (x_test, y_test)
+
+    def train_dataset(
+        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
+    ) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        _check_batching(batch_size, num_shards, seed)
+        images, labels = self.arrays("train")
+        return (
+            tf.data.Dataset.from_tensor_slices((images, labels))
+            .shard(num_shards, shard_index)
+            .shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
+            .repeat()
+            .batch(batch_size, drop_remainder=True)
+            .prefetch(tf.data.AUTOTUNE)
+        )
+
+    def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        images, labels = self.arrays("test")
+        return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch_size)
+
+    def num_test_examples(self, local_dir: str) -> int:
+        return len(self.arrays("test")[1])
+
+
+# --- CIFAR-10 / CIFAR-100 in the original binary format ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class CifarProblem(Problem):
+    """CIFAR in the binary format: records of ``label_bytes`` label bytes + 3072 channel-major pixels.
+
+    ``data_dir`` is the folder holding the files, or its parent holding ``subdir``.
+    """
+
+    name: str
+    num_classes: int
+    subdir: str
+    train_files: tuple[str, ...]
+    test_files: tuple[str, ...]
+    label_bytes: int
+    label_offset: int  # which label byte is the class (CIFAR-100: 0 coarse, 1 fine)
+    mean: tuple[float, float, float]  # per channel, of pixels scaled to [0, 1]
+    std: tuple[float, float, float]
+    image_shape: tuple[int, int, int] = (32, 32, 3)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.label_bytes + CIFAR_IMAGE_BYTES
+
+    @property
+    def expected_files(self) -> tuple[str, ...]:
+        return self.train_files + self.test_files
+
+    # ---- staging and validation ------------------------------------------------------------
+
+    def prepare(self, data_dir: str, cache_dir: str) -> str:
+        if not data_dir:
+            raise ProblemError(
+                "data_dir",
+                f"problem {self.name!r} needs a data_dir (local folder or gs:// URI) holding "
+                f"{self._files_text()}",
+            )
+        if storage.is_remote(data_dir):
+            return self._stage_remote(data_dir, cache_dir)
+        folder = self._locate(data_dir, data_dir)
+        self._validate(folder, data_dir)
+        return folder
+
+    def _files_text(self) -> str:
+        return f"{', '.join(self.expected_files)} (directly or in {self.subdir}/)"
+
+    def _locate(self, data_dir: str, shown_as: str) -> str:
+        """The folder that holds the files: ``data_dir`` itself or its ``subdir``."""
+        candidates = (data_dir, os.path.join(data_dir, self.subdir))
+        for folder in candidates:
+            if all(os.path.isfile(os.path.join(folder, f)) for f in self.expected_files):
+                return folder
+        best = max(
+            candidates, key=lambda d: sum(os.path.isfile(os.path.join(d, f)) for f in self.expected_files)
+        )
+        missing = [f for f in self.expected_files if not os.path.isfile(os.path.join(best, f))]
+        raise ProblemError(
+            "data_dir",
+            f"{shown_as!r} is missing {', '.join(missing)} for problem {self.name!r}; "
+            f"expected {self._files_text()}",
+        )
+
+    def _validate(self, folder: str, shown_as: str) -> None:
+        """Every file must hold a whole, non-zero number of records."""
+        for name in self.expected_files:
+            size = os.path.getsize(os.path.join(folder, name))
+            if size == 0 or size % self.record_bytes:
+                raise ProblemError(
+                    "data_dir",
+                    f"{shown_as!r}: {name} has {size} bytes, not a positive multiple of the "
+                    f"{self.record_bytes}-byte {self.name} record; expected {self._files_text()}",
+                )
+
+    def _stage_remote(self, data_dir: str, cache_dir: str) -> str:
+        """Download ``gs://`` data once per URI into ``cache_dir``; complete copies are reused.
+
+        The copy is made in a temp folder and renamed into place, so a folder under its final name is
+        always complete, also when several processes on one host stage the same data at once.
+        """
+        digest = hashlib.sha256(data_dir.rstrip("/").encode()).hexdigest()[:12]
+        target = os.path.join(cache_dir, f"{self.name}-{digest}")
+        if os.path.isdir(target):
+            log.info("problem %s: reusing staged copy of %s in %s", self.name, data_dir, target)
+            return target
+        remote = self._locate_remote(data_dir)
+        os.makedirs(cache_dir, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=cache_dir, prefix=".staging-")
+        try:
+            names = storage.download_dir(remote, staging)
+            self._validate(self._locate(staging, data_dir), data_dir)
+            os.rename(staging, target)
+            log.info("problem %s: staged %d files of %s into %s", self.name, len(names), remote, target)
+        except OSError:
+            if not os.path.isdir(target):
+                raise
+            # Another process staged the same data first; its copy is as good as ours.
+            log.info("problem %s: %s was staged concurrently into %s", self.name, data_dir, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def _locate_remote(self, data_dir: str) -> str:
+        base = data_dir.rstrip("/")
+        present = set(storage.list_files(base))
+        for folder in (base, f"{base}/{self.subdir}"):
+            if all(f"{folder}/{f}" in present for f in self.expected_files):
+                return folder
+        missing = [f for f in self.expected_files if f"{base}/{f}" not in present]
+        missing_sub = [f for f in self.expected_files if f"{base}/{self.subdir}/{f}" not in present]
+        shortest = min(missing, missing_sub, key=len)
+        raise ProblemError(
+            "data_dir",
+            f"{data_dir!r} is missing {', '.join(shortest)} for problem {self.name!r}; "
+            f"expected {self._files_text()}",
+        )
+
+    def _paths(self, local_dir: str, names: tuple[str, ...]) -> list[str]:
+        folder = self._locate(local_dir, local_dir)
+        return [os.path.join(folder, name) for name in names]
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def _records(self, local_dir: str, names: tuple[str, ...]) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        # Workers read the files themselves: nothing but the file names goes into the graph.
+        return tf.data.FixedLengthRecordDataset(self._paths(local_dir, names), self.record_bytes)
+
+    def decode(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """One record -> (normalised float32 [32, 32, 3] image, int32 label)."""
+        import tensorflow as tf
+
+        raw = tf.io.decode_raw(record, tf.uint8)
+        label = tf.cast(raw[self.label_offset], tf.int32)
+        chw = tf.reshape(raw[self.label_bytes :], (3, 32, 32))
+        image = tf.cast(tf.transpose(chw, (1, 2, 0)), tf.float32) / 255.0
+        image = (image - tf.constant(self.mean)) / tf.constant(self.std)
+        return image, label
+
+    def augment(self, image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+        """Zero-pad by 4 (zero is the mean after normalisation), random-crop 32x32, random flip."""
+        import tensorflow as tf
+
+        crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, num=2))
+        padded = tf.pad(image, ((CIFAR_PAD, CIFAR_PAD), (CIFAR_PAD, CIFAR_PAD), (0, 0)))
+        cropped = tf.image.stateless_random_crop(padded, self.image_shape, seed=crop_seed)
+        return tf.image.stateless_random_flip_left_right(cropped, seed=flip_seed)
+
+    def train_dataset(
+        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
+    ) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        _check_batching(batch_size, num_shards, seed)
+
+        def decode_and_augment(index: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            image, label = self.decode(record)
+            return self.augment(image, _stateless_seed(seed, shard_index, index)), label
+
+        # Shard by record (not by file) so any worker count gets an even, disjoint share.
+        return (
+            self._records(local_dir, self.train_files)
+            .shard(num_shards, shard_index)
+            .shuffle(_SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True)
+            .repeat()
+            .enumerate()
+            .map(decode_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .batch(batch_size, drop_remainder=True)
+            .prefetch(tf.data.AUTOTUNE)
+        )
+
+    def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        return (
+            self._records(local_dir, self.test_files)
+            .map(self.decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .batch(batch_size)
+            .prefetch(tf.data.AUTOTUNE)
+        )
+
+    def num_test_examples(self, local_dir: str) -> int:
+        return sum(os.path.getsize(p) // self.record_bytes for p in self._paths(local_dir, self.test_files))
+
+
+# --- synthetic CIFAR-shaped data for throughput benchmarks ------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticCifarProblem(Problem):
+    """Random 32x32x3 images generated in-graph from stateless random ops (no data, no constants).
+
+    Each class adds its own colour to Gaussian noise, so the data is learnable and the loss falls,
+    which makes a benchmark run also a sanity check.
+    """
+
+    name: str = "synthetic_cifar"
+    image_shape: tuple[int, int, int] = (32, 32, 3)
+    num_classes: int = 10
+
+    def prepare(self, data_dir: str, cache_dir: str) -> str:
+        return ""
+
+    def _examples(self, count: int, seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        import tensorflow as tf
+
+        label_seed, noise_seed = tf.unstack(tf.random.experimental.stateless_split(seed, num=2))
+        labels = tf.random.stateless_uniform(
+            (count,), label_seed, minval=0, maxval=self.num_classes, dtype=tf.int32
+        )
+        colours = tf.random.stateless_normal((self.num_classes, 3), seed=(7, 7))
+        noise = tf.random.stateless_normal((count, *self.image_shape), noise_seed)
+        images = noise + tf.gather(colours, labels)[:, tf.newaxis, tf.newaxis, :]
+        return images, labels
+
+    def train_dataset(
+        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
+    ) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        _check_batching(batch_size, num_shards, seed)
+
+        def make_batch(index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            # Shard s takes batch numbers s, s + num_shards, ...: disjoint seeds per shard.
+            batch_number = index * num_shards + tf.cast(shard_index, tf.int64)
+            return self._examples(batch_size, _stateless_seed(seed, 0, batch_number))
+
+        return tf.data.Dataset.counter().map(make_batch).prefetch(tf.data.AUTOTUNE)
+
+    def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        def make_example(index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            images, labels = self._examples(1, tf.stack([tf.constant(_SYNTHETIC_TEST_KEY, tf.int64), index]))
+            return images[0], labels[0]
+
+        # Generated example by example in-graph, so a dataset_fn carries no 6 MB constant.
+        return tf.data.Dataset.range(SYNTHETIC_TEST_EXAMPLES).map(make_example).batch(batch_size)
+
+    def num_test_examples(self, local_dir: str) -> int:
+        return SYNTHETIC_TEST_EXAMPLES
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+_PROBLEMS: Mapping[str, Problem] = types.MappingProxyType(
+    {
+        "digits": DigitsProblem(),
+        "image_cifar10": CifarProblem(
+            name="image_cifar10",
+            num_classes=10,
+            subdir="cifar-10-batches-bin",
+            train_files=tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+            test_files=("test_batch.bin",),
+            label_bytes=1,
+            label_offset=0,
+            mean=(0.4914, 0.4822, 0.4465),
+            std=(0.2470, 0.2435, 0.2616),
+        ),
+        "image_cifar100": CifarProblem(
+            name="image_cifar100",
+            num_classes=100,
+            subdir="cifar-100-binary",
+            train_files=("train.bin",),
+            test_files=("test.bin",),
+            label_bytes=2,
+            label_offset=1,
+            mean=(0.5071, 0.4865, 0.4409),
+            std=(0.2673, 0.2564, 0.2762),
+        ),
+        "synthetic_cifar": SyntheticCifarProblem(),
+    }
+)
+
+PROBLEM_NAMES: tuple[str, ...] = tuple(_PROBLEMS)
+
+
+def get_problem(name: str) -> Problem:
+    """The problem called ``name``; ProblemError naming the accepted names otherwise."""
+    if name not in _PROBLEMS:
+        raise ProblemError("problem", f"unknown {name!r}; accepted: {', '.join(PROBLEM_NAMES)}")
+    return _PROBLEMS[name]
