@@ -1,0 +1,178 @@
+"""The models of the training runtime, named as in tensor2tensor (``--model resnet|cnn``).
+
+    build_model(hp, problem)            -> keras.Model (Keras 3 functional) that outputs logits
+    regularization_loss(model, wd)      -> wd * sum of tf.nn.l2_loss over kernels (the loop adds it)
+    model_signature(hp, problem)        -> JSON-ready dict written into checkpoint manifests
+    signature_mismatch(saved, current)  -> why a checkpoint does not fit this model, or None
+
+``resnet`` is the CIFAR ResNet of He et al. 2016 (section 4.2): depth 6n+2, a 3x3 stem, three stages of
+n basic blocks with ``num_filters`` x 1, 2, 4 filters, option-A (parameter-free) shortcuts, global
+average pooling and a dense layer. ResNet-20 has 0.27M weights. ``cnn`` is a small CNN for the 8x8
+digits demo.
+
+Weight decay is not attached to layers: the training loop adds ``regularization_loss`` to the loss, so
+the same model serves the BSP and ASP strategies and the decay shows up in the logged loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+from syncswitch.hparams import HParams
+from syncswitch.problems import Problem
+
+MODEL_NAMES = ("resnet", "cnn")
+# As in tensor2tensor's resnet: a faster-moving BN average than Keras' 0.99 default, so the moving
+# statistics used at evaluation are already good after a few hundred steps.
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+
+
+def build_model(hp: HParams, problem: Problem) -> keras.Model:
+    """The model ``hp.model`` for ``problem``'s image shape and classes. Builds variables in the
+    current distribution strategy scope, if any."""
+    if hp.model == "resnet":
+        return _resnet(hp.resnet_depth, hp.num_filters, problem.image_shape, problem.num_classes)
+    if hp.model == "cnn":
+        return _cnn(hp.num_filters, problem.image_shape, problem.num_classes)
+    raise ValueError(f"model: unknown {hp.model!r}; accepted: {', '.join(MODEL_NAMES)}")
+
+
+# --- ResNet (He et al. 2016, CIFAR variant) ---------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="syncswitch")
+class ZeroPadShortcut(layers.Layer):
+    """Option-A shortcut: subsample by 2 and zero-pad the new channels; no weights."""
+
+    def __init__(self, out_channels: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out_channels = out_channels
+
+    def call(self, inputs: Any) -> Any:
+        subsampled = inputs[:, ::2, ::2, :]
+        extra = self.out_channels - subsampled.shape[-1]
+        return keras.ops.pad(subsampled, ((0, 0), (0, 0), (0, 0), (extra // 2, extra - extra // 2)))
+
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        batch, height, width, _ = input_shape
+        halve = lambda n: None if n is None else (n + 1) // 2  # noqa: E731 - tiny local helper
+        return (batch, halve(height), halve(width), self.out_channels)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "out_channels": self.out_channels}
+
+
+def _conv(filters: int, strides: int, name: str) -> layers.Conv2D:
+    # No bias: the following batch norm has its own shift.
+    return layers.Conv2D(
+        filters,
+        3,
+        strides=strides,
+        padding="same",
+        use_bias=False,
+        kernel_initializer="he_normal",
+        name=name,
+    )
+
+
+def _bn(name: str) -> layers.BatchNormalization:
+    return layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name)
+
+
+def _basic_block(x: Any, filters: int, strides: int, name: str) -> Any:
+    shortcut = x
+    x = _conv(filters, strides, f"{name}_conv1")(x)
+    x = layers.ReLU(name=f"{name}_relu1")(_bn(f"{name}_bn1")(x))
+    x = _conv(filters, 1, f"{name}_conv2")(x)
+    x = _bn(f"{name}_bn2")(x)
+    if strides != 1 or shortcut.shape[-1] != filters:
+        shortcut = ZeroPadShortcut(filters, name=f"{name}_shortcut")(shortcut)
+    x = layers.Add(name=f"{name}_add")([x, shortcut])
+    return layers.ReLU(name=f"{name}_relu2")(x)
+
+
+def resnet_blocks_per_stage(depth: int) -> int:
+    """n of a depth-(6n+2) CIFAR ResNet; ValueError naming the hparam for other depths."""
+    if depth < 8 or (depth - 2) % 6:
+        raise ValueError(f"hparams: resnet_depth must be 6n+2 (20, 32, 44, 56, 110, ...), got {depth}")
+    return (depth - 2) // 6
+
+
+def _resnet(depth: int, filters: int, image_shape: tuple[int, int, int], num_classes: int) -> keras.Model:
+    blocks = resnet_blocks_per_stage(depth)
+    inputs = keras.Input(shape=image_shape, name="image")
+    x = _conv(filters, 1, "stem_conv")(inputs)
+    x = layers.ReLU(name="stem_relu")(_bn("stem_bn")(x))
+    for stage, multiple in enumerate((1, 2, 4), start=1):
+        for block in range(1, blocks + 1):
+            strides = 2 if stage > 1 and block == 1 else 1
+            x = _basic_block(x, filters * multiple, strides, f"stage{stage}_block{block}")
+    x = layers.GlobalAveragePooling2D(name="pool")(x)
+    logits = layers.Dense(num_classes, name="logits")(x)
+    return keras.Model(inputs, logits, name=f"resnet{depth}")
+
+
+# --- the digits CNN ----------------------------------------------------------------------------------
+
+
+def _cnn(filters: int, image_shape: tuple[int, int, int], num_classes: int) -> keras.Model:
+    """conv-conv-pool-conv with batch norm, global average pooling, dense: 24k weights at 16 filters."""
+    inputs = keras.Input(shape=image_shape, name="image")
+    x = inputs
+    for index, multiple in enumerate((1, 2, 4), start=1):
+        if index == 3:
+            x = layers.MaxPooling2D(2, name="pool")(x)
+        x = _conv(filters * multiple, 1, f"conv{index}")(x)
+        x = layers.ReLU(name=f"relu{index}")(_bn(f"bn{index}")(x))
+    x = layers.GlobalAveragePooling2D(name="global_pool")(x)
+    logits = layers.Dense(num_classes, name="logits")(x)
+    return keras.Model(inputs, logits, name="cnn")
+
+
+# --- loss and signature ------------------------------------------------------------------------------
+
+
+def kernel_weights(model: keras.Model) -> list[keras.Variable]:
+    """The conv and dense kernels: what weight decay applies to (not BN scales/shifts, not biases)."""
+    return [w for w in model.trainable_weights if w.name == "kernel"]
+
+
+def regularization_loss(model: keras.Model, weight_decay: float) -> tf.Tensor:
+    """``weight_decay * sum(tf.nn.l2_loss(kernel))`` (l2_loss is half the squared norm, as in t2t)."""
+    kernels = kernel_weights(model)
+    if not kernels:
+        return tf.constant(0.0)
+    return tf.cast(weight_decay, tf.float32) * tf.add_n([tf.nn.l2_loss(k) for k in kernels])
+
+
+def model_signature(hp: HParams, problem: Problem, model: keras.Model | None = None) -> dict[str, Any]:
+    """What a checkpoint must match to be restored into this model. JSON-ready (lists, not tuples),
+    so a signature read back from a manifest compares equal. Builds the model unless given."""
+    model = model if model is not None else build_model(hp, problem)
+    return {
+        "model": hp.model,
+        "depth": hp.resnet_depth if hp.model == "resnet" else None,
+        "filters": hp.num_filters,
+        "input_shape": list(problem.image_shape),
+        "num_classes": problem.num_classes,
+        "num_weights": int(model.count_params()),
+    }
+
+
+def signature_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """A sentence naming every field where a checkpoint's signature differs from this job's model;
+    None when they match."""
+    differences = [
+        f"{key} {saved.get(key)!r} in the checkpoint but {current.get(key)!r} in this job"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+    if not differences:
+        return None
+    return "checkpoint was written by a different model: " + "; ".join(differences)
