@@ -75,9 +75,17 @@ def read_text(uri: str, default: str | None = None) -> str:
         return default
 
 
-def read_json(uri: str, default: Any = None) -> Any:
-    text = read_text(uri, default="" if default is not None else None)
-    return json.loads(text) if text else default
+_MISSING = object()
+
+
+def read_json(uri: str, default: Any = _MISSING) -> Any:
+    """Parsed JSON; ``default`` (if given) when the object does not exist or is empty."""
+    text = read_text(uri, default=None if default is _MISSING else "")
+    if not text:
+        if default is _MISSING:
+            raise FileNotFoundError(uri)
+        return default
+    return json.loads(text)
 
 
 def write_bytes(uri: str, data: bytes) -> None:

@@ -1,0 +1,175 @@
+"""The `syncswitch` command.
+
+    syncswitch train ...   run one segment on a local process cluster (this module; no Airflow needed)
+    syncswitch run ...     run a whole sync_switch DAG run on an embedded Airflow (syncswitch_airflow.cli)
+
+`train` prints progress on stderr and, as the last line of stdout, one JSON object with the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from syncswitch import storage
+from syncswitch.hparams import HPARAM_SETS
+from syncswitch.layout import RunLayout
+from syncswitch.spec import MODELS, MOMENTUM_RULES, PROBLEMS, SegmentSpec, SpecError, StragglerSpec
+
+DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="syncswitch train",
+        description="Run one training segment (BSP or ASP) on a local cluster of TF processes. "
+        "Rerunning with the same --run-dir and a higher --until-step continues from the "
+        "latest checkpoint, in either protocol.",
+    )
+    p.add_argument("--spec", help="a SegmentSpec JSON file (the pipeline's interface); other flags ignored")
+    p.add_argument("--protocol", choices=("bsp", "asp"), default="bsp")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--ps", type=int, default=1, help="parameter servers (ASP)")
+    p.add_argument("--problem", choices=PROBLEMS, default="digits")
+    p.add_argument("--model", choices=MODELS, help="default: cnn for digits, resnet otherwise")
+    p.add_argument("--hparam-set", help=f"one of {', '.join(HPARAM_SETS)}")
+    p.add_argument("--hparams", default="", help="overrides, k=v,k=v (tensor2tensor names)")
+    p.add_argument("--data-dir", default="", help="local folder or gs:// URI (CIFAR problems)")
+    p.add_argument("--run-dir", default="runs/train", help="run folder: local folder or gs:// URI")
+    p.add_argument("--run-id", default="", help="default: the run folder's name")
+    p.add_argument("--segment-index", type=int, help="default: the next free index in the run folder")
+    p.add_argument(
+        "--until-step",
+        type=int,
+        required=False,
+        default=200,
+        help="cumulative target in BSP-equivalent steps",
+    )
+    p.add_argument(
+        "--total-steps", type=int, help="the job's workload for the LR schedule (default: until-step)"
+    )
+    p.add_argument("--ckpt-frequency", type=int, default=50, help="steps between checkpoints (0: end only)")
+    p.add_argument("--momentum-rule", choices=MOMENTUM_RULES, default="ramped")
+    p.add_argument("--momentum-ramp-steps", type=int, default=50)
+    p.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        help="worker=1,start=20,duration=60,slowdown=4 (repeatable; start is seconds after launch)",
+    )
+    p.add_argument("--watchdog-seconds", type=float, default=60.0)
+    p.add_argument("--pin-cores", action="store_true", help="pin each process to one core")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval", action="store_true", help="report test accuracy of the final checkpoint")
+    p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> SegmentSpec:
+    if args.spec:
+        with open(args.spec, encoding="utf-8") as f:
+            return SegmentSpec.from_dict(json.load(f))
+    model = args.model or ("cnn" if args.problem == "digits" else "resnet")
+    hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
+    for name, value in (("workers", args.workers), ("ps", args.ps), ("until-step", args.until_step)):
+        if value < 1:
+            raise SpecError(name, f"must be >= 1, got {value}")
+    run_dir = args.run_dir.rstrip("/")
+    index = args.segment_index if args.segment_index is not None else next_segment_index(run_dir)
+    return SegmentSpec(
+        run_id=args.run_id or os.path.basename(run_dir) or "run",
+        run_dir=run_dir,
+        index=index,
+        protocol=args.protocol,
+        until_step=args.until_step,
+        total_steps=args.total_steps or args.until_step,
+        model=model,
+        hparam_set=hparam_set,
+        problem=args.problem,
+        data_dir=args.data_dir,
+        hparams=args.hparams,
+        num_workers=args.workers,
+        num_ps=args.ps,
+        ckpt_frequency=args.ckpt_frequency,
+        momentum_rule=args.momentum_rule,
+        momentum_ramp_steps=args.momentum_ramp_steps,
+        seed=args.seed,
+        evaluate=args.eval,
+        pin_cores=args.pin_cores,
+        watchdog_seconds=args.watchdog_seconds,
+        stragglers=tuple(StragglerSpec.parse(s) for s in args.straggler),
+    )
+
+
+def next_segment_index(run_dir: str) -> int:
+    names = storage.list_dirs(RunLayout(run_dir).metrics)
+    indices = [int(n.split("-")[1]) for n in names if n.startswith("seg-") and n.split("-")[1].isdigit()]
+    return max(indices, default=-1) + 1
+
+
+def train_main(argv: list[str]) -> int:
+    from syncswitch.launcher import SegmentFailed, install_signal_handlers, run_segment
+
+    args = build_train_parser().parse_args(argv)
+    install_signal_handlers()
+    started = time.time()
+    try:
+        spec = spec_from_args(args)
+        result = run_segment(spec, args.work_dir, show_progress=not args.quiet)
+    except KeyboardInterrupt as exc:
+        print(f"syncswitch train: interrupted ({exc or 'Ctrl-C'}); the cluster was stopped", file=sys.stderr)
+        return 130
+    except SegmentFailed as exc:
+        print(f"syncswitch train: segment failed: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
+        print(f"syncswitch train: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary_line(result, time.time() - started)), flush=True)
+    return 0
+
+
+def summary_line(result: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
+    line = {
+        "protocol": result["protocol"],
+        "segment": result["index"],
+        "start_step": result["start_step"],
+        "global_step": result["end_step"],
+        "updates": result["updates"],
+        "examples_per_sec": result["examples_per_sec"],
+        "training_seconds": result["seconds"],
+        "wall_seconds": wall_seconds,
+        "stopped_early": result["stopped_early"],
+        "checkpoint": result["checkpoint"],
+        "startup": result.get("startup", {}),
+    }
+    if "test_accuracy" in result:
+        line["test_accuracy"] = result["test_accuracy"]
+        line["test_loss"] = result["test_loss"]
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": train_main, "run": _run_main}
+    if not argv or argv[0] not in commands:
+        print("usage: syncswitch {train,run} [options]   (syncswitch <command> --help)", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+def _run_main(argv: list[str]) -> int:
+    # The pipeline command lives with the Airflow side; imported lazily so that cluster nodes, which
+    # only run `train`, need no Airflow.
+    from syncswitch_airflow.cli import main as run_main
+
+    return run_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""Runs one segment on a local cluster of processes and supervises it until it ends.
+
+    preflight()      every check that can fail on user input, before any process is spawned
+    LocalCluster     spawns chief/workers/PS on free 127.0.0.1 ports, supervises, tears down
+    run_segment()    preflight + cluster + result; what `syncswitch train` calls
+
+Supervision covers what TF does not: a dead PS or a dead BSP worker fails the segment (training resumes
+from the last checkpoint on rerun); a dead ASP worker is tolerated; a stalled ASP worker reported by
+the coordinator's watchdog is killed; injected stragglers are duty-cycled with SIGSTOP/SIGCONT.
+Children get PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from syncswitch import checkpoints, storage
+from syncswitch.events import EventWriter
+from syncswitch.layout import RunLayout
+from syncswitch.spec import SegmentSpec, StragglerSpec
+
+POLL_SECONDS = 0.2
+PROGRESS_SECONDS = 5.0
+BSP_ABORT_GRACE_SECONDS = 30.0
+DUTY_CYCLE_SECONDS = 0.2
+PR_SET_PDEATHSIG = 1
+
+
+class SegmentFailed(RuntimeError):
+    """The segment did not reach its end; the message says which process failed and where its log is."""
+
+
+@dataclass
+class Node:
+    role: str
+    task: int
+    address: str
+    process: subprocess.Popen | None = None
+    log_path: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.task}"
+
+
+# ---- preflight ------------------------------------------------------------------------------------
+
+
+def preflight(spec: SegmentSpec, cache_dir: str) -> str:
+    """Validate everything user-supplied and stage the data; returns the local data folder.
+
+    Raises ValueError subclasses whose message names the field (HParamsError, ProblemError,
+    SpecError, CheckpointMismatchError).
+    """
+    from syncswitch.problems import get_problem
+
+    hp = spec.resolved_hparams()
+    problem = get_problem(spec.problem)
+    local_data = problem.prepare(spec.data_dir, cache_dir)
+    checkpoints.check_compatible(
+        checkpoints.latest(RunLayout(spec.run_dir)), checkpoints.signature(hp, problem)
+    )
+    return local_data
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS hands out as free on 127.0.0.1 (held together so they are distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def cluster_nodes(spec: SegmentSpec) -> list[Node]:
+    """BSP: N workers (worker 0 is chief). ASP: one chief (coordinator), N workers, P parameter servers."""
+    if spec.protocol == "bsp":
+        roles = [("worker", i) for i in range(spec.num_workers)]
+    else:
+        roles = (
+            [("chief", 0)]
+            + [("worker", i) for i in range(spec.num_workers)]
+            + [("ps", i) for i in range(spec.num_ps)]
+        )
+    ports = free_ports(len(roles))
+    return [Node(role, task, f"127.0.0.1:{port}") for (role, task), port in zip(roles, ports, strict=True)]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# ---- the cluster ----------------------------------------------------------------------------------
+
+
+class LocalCluster:
+    def __init__(
+        self, spec: SegmentSpec, work_dir: str, data_dir: str, *, show_progress: bool = True
+    ) -> None:
+        self.spec = spec
+        self.work_dir = work_dir
+        self.data_dir = data_dir
+        self.show_progress = show_progress
+        self.layout = RunLayout(spec.run_dir)
+        self.nodes = cluster_nodes(spec)
+        self.launched_at = 0.0
+        self._stop_injection = threading.Event()
+        self._injectors: list[threading.Thread] = []
+        self._lost_workers: set[int] = set()
+
+    @property
+    def chief(self) -> Node:
+        return self.nodes[0]
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        spec: dict[str, list[str]] = {}
+        for node in self.nodes:
+            spec.setdefault(node.role, []).append(node.address)
+        return spec
+
+    # -- lifecycle --
+
+    def start(self) -> None:
+        spec_path = os.path.join(self.work_dir, "segment.json")
+        storage.write_text(spec_path, self.spec.to_json())
+        self.launched_at = time.time()
+        cores = os.cpu_count() or 1
+        for i, node in enumerate(self.nodes):
+            env = {
+                **os.environ,
+                "TF_CONFIG": json.dumps(
+                    {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
+                ),
+                "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+                "PYTHONUNBUFFERED": "1",
+                "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at),
+            }
+            node.log_path = os.path.join(self.work_dir, f"{node.name}.log")
+            with open(node.log_path, "ab") as log:
+                node.process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "syncswitch.node",
+                        "--spec",
+                        spec_path,
+                        "--work-dir",
+                        self.work_dir,
+                        "--data-dir",
+                        self.data_dir,
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+                )
+            if self.spec.pin_cores:
+                os.sched_setaffinity(node.process.pid, {i % cores})
+        self._log(
+            f"launched {len(self.nodes)} processes: "
+            + ", ".join(f"{n.name}@{n.address} pid {n.process.pid}" for n in self.nodes)
+        )
+        self._start_injectors()
+
+    def wait(self) -> int:
+        """Supervise until the chief exits; returns the chief's exit code (raises SegmentFailed)."""
+        last_progress = 0.0
+        bsp_abort_since: float | None = None
+        while True:
+            chief_rc = self.chief.process.poll()
+            if chief_rc is not None:
+                return chief_rc
+            self._act_on_kill_requests()
+            for node in self.nodes[1:]:
+                rc = node.process.poll()
+                if rc is None or (rc == 0 and self.spec.protocol == "bsp"):
+                    continue  # BSP workers exit 0 once training is done, before the chief's eval
+                if node.role == "ps":
+                    raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")
+                if self.spec.protocol == "asp" and node.task not in self._lost_workers:
+                    self._lost_workers.add(node.task)
+                    self._log(f"worker {node.task} exited with {rc}; ASP continues with the survivors")
+                if self.spec.protocol == "bsp" and bsp_abort_since is None:
+                    # MWMS aborts every worker when one dies; give the chief time to exit on its own.
+                    bsp_abort_since = time.monotonic()
+                    self._log(f"worker {node.task} exited with {rc}; BSP cannot continue without it")
+            if bsp_abort_since is not None and time.monotonic() - bsp_abort_since > BSP_ABORT_GRACE_SECONDS:
+                raise SegmentFailed("a BSP worker died and the chief did not exit; stopping the segment")
+            if len(self._lost_workers) >= self.spec.num_workers:
+                raise SegmentFailed("every ASP worker is gone")
+            if self.show_progress and time.monotonic() - last_progress >= PROGRESS_SECONDS:
+                self._print_progress()
+                last_progress = time.monotonic()
+            time.sleep(POLL_SECONDS)
+
+    def stop(self) -> None:
+        """Stop every process (CONT first: a SIGSTOPped process would sit on a pending SIGTERM)."""
+        self._stop_injection.set()
+        for thread in self._injectors:
+            thread.join(timeout=2)
+        alive = [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+        for node in alive:
+            with contextlib.suppress(ProcessLookupError):
+                node.process.send_signal(signal.SIGCONT)
+                node.process.terminate()
+        deadline = time.monotonic() + 5
+        for node in alive:
+            try:
+                node.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
+
+    # -- supervision helpers --
+
+    def _act_on_kill_requests(self) -> None:
+        for node in self.nodes:
+            request = os.path.join(self.work_dir, f"kill-worker-{node.task}")
+            if node.role != "worker" or not os.path.exists(request) or node.process.poll() is not None:
+                continue
+            with open(request, encoding="utf-8") as f:
+                reason = f.read().strip()
+            self._log(f"watchdog: killing stalled worker {node.task} (pid {node.process.pid}): {reason}")
+            node.process.send_signal(signal.SIGCONT)
+            node.process.kill()
+            os.unlink(request)
+
+    def _start_injectors(self) -> None:
+        reference = self.spec.straggler_reference_time or self.launched_at
+        for straggler in self.spec.stragglers:
+            node = next((n for n in self.nodes if n.role == "worker" and n.task == straggler.worker), None)
+            if node is None:
+                continue
+            thread = threading.Thread(
+                target=self._inject,
+                args=(node, straggler, reference),
+                name=f"straggler-{straggler.worker}",
+                daemon=True,
+            )
+            thread.start()
+            self._injectors.append(thread)
+
+    def _inject(self, node: Node, straggler: StragglerSpec, reference: float) -> None:
+        """Run the worker 1/slowdown of the time: stopped for (1 - 1/s) of every 0.2 s cycle."""
+        start, end = reference + straggler.start, reference + straggler.start + straggler.duration
+        if time.time() >= end:
+            return
+        if self._stop_injection.wait(max(start - time.time(), 0)):
+            return
+        self._log(
+            f"straggler: worker {straggler.worker} {straggler.slowdown:g}x slower until "
+            f"{end - time.time():.0f}s from now"
+        )
+        with self._events() as events:
+            events.emit(
+                "straggler", worker=straggler.worker, slowdown=straggler.slowdown, start=start, end=end
+            )
+        run_for = DUTY_CYCLE_SECONDS / straggler.slowdown
+        stop_for = DUTY_CYCLE_SECONDS - run_for
+        pid = node.process.pid
+        try:
+            while time.time() < end and node.process.poll() is None:
+                os.kill(pid, signal.SIGSTOP)
+                stopped = self._stop_injection.wait(stop_for)
+                os.kill(pid, signal.SIGCONT)
+                if stopped or self._stop_injection.wait(run_for):
+                    break
+        except ProcessLookupError:
+            return
+        self._log(f"straggler: worker {straggler.worker} back to full speed")
+
+    def _events(self) -> EventWriter:
+        return EventWriter(
+            self.layout.segment_events(self.spec.index, self.spec.protocol, "launcher", 0),
+            run_id=self.spec.run_id,
+            segment=self.spec.index,
+            protocol=self.spec.protocol,
+            role="launcher",
+            task=0,
+        )
+
+    def _print_progress(self) -> None:
+        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
+        if progress is None:
+            self._log(f"starting: {time.time() - self.launched_at:.0f}s since launch")
+            return
+        self._log(
+            f"step {progress['global_step']:.1f}/{progress['until_step']} loss {progress['loss']:.4f} "
+            f"{progress['examples_per_sec']:.0f} examples/s"
+        )
+
+    def _log(self, message: str) -> None:
+        print(
+            f"[{self.spec.run_id}] seg {self.spec.index} {self.spec.protocol}: {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def tail_logs(self, lines: int = 15) -> str:
+        out = []
+        for node in self.nodes:
+            if node.log_path and os.path.exists(node.log_path):
+                with open(node.log_path, encoding="utf-8", errors="replace") as f:
+                    tail = f.read().splitlines()[-lines:]
+                out.append(f"--- {node.name} ({node.log_path}) ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+# ---- entry point ----------------------------------------------------------------------------------
+
+
+def run_segment(
+    spec: SegmentSpec, work_dir: str | None = None, *, show_progress: bool = True, keep_work_dir: bool = False
+) -> dict[str, Any]:
+    """Run one segment to its end and return its SegmentResult (result.json)."""
+    own_work_dir = work_dir is None
+    work_dir = work_dir or tempfile.mkdtemp(prefix=f"syncswitch-seg{spec.index}-")
+    os.makedirs(work_dir, exist_ok=True)
+    result_uri = RunLayout(spec.run_dir).segment_result(spec.index, spec.protocol)
+    cluster: LocalCluster | None = None
+    try:
+        data_dir = preflight(spec, os.path.join(work_dir, "data"))
+        storage.delete(result_uri)  # a stale result from an earlier attempt must not count
+        cluster = LocalCluster(spec, work_dir, data_dir, show_progress=show_progress)
+        cluster.start()
+        rc = cluster.wait()
+        if rc != 0:
+            raise SegmentFailed(f"the chief exited with {rc}\n{cluster.tail_logs()}")
+        result = storage.read_json(result_uri, default=None)
+        if result is None:
+            raise SegmentFailed(f"the chief exited without writing {result_uri}\n{cluster.tail_logs()}")
+        return result
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if own_work_dir and not keep_work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM/SIGHUP unwind like Ctrl-C, so run_segment's finally stops the cluster."""
+
+    def _raise(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise)

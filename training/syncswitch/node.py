@@ -1,0 +1,86 @@
+"""One process of a segment's TF cluster. Reads its role from TF_CONFIG, so the same code runs on
+localhost (started by syncswitch.launcher) and on separate hosts (started by a node agent/image).
+
+Roles:
+    BSP: worker i (worker 0 is the chief)  -> MultiWorkerMirroredStrategy training loop
+    ASP: chief                             -> ParameterServerStrategy coordinator loop
+         worker i, ps i                    -> a tf.distribute.Server that runs what it is sent
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from syncswitch.layout import RunLayout
+from syncswitch.spec import SegmentSpec
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m syncswitch.node")
+    parser.add_argument("--spec", required=True, help="SegmentSpec JSON file")
+    parser.add_argument("--work-dir", required=True, help="local scratch folder of this segment")
+    parser.add_argument("--data-dir", default="", help="local data folder prepared by the launcher")
+    parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--inter-op-threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    timings = {"launch": float(os.environ.get("SYNCSWITCH_LAUNCH_TIME", time.time()))}
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    role, task = tf_config["task"]["type"], int(tf_config["task"]["index"])
+    with open(args.spec, encoding="utf-8") as f:
+        spec = SegmentSpec.from_dict(json.load(f))
+
+    import tensorflow as tf
+
+    # Several TF processes share few cores: one intra-op thread each avoids oversubscription
+    # (measured up to +66% on 2 cores, stack-findings.md).
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    timings["imported"] = time.time()
+
+    if role == "ps" or (role == "worker" and spec.protocol == "asp"):
+        run_server(tf, tf_config, role, task)
+        return 0
+
+    from syncswitch.problems import get_problem
+    from syncswitch.trainer import NodeContext, run_asp_chief, run_bsp_worker
+
+    ctx = NodeContext(
+        spec=spec,
+        role=role,
+        task=task,
+        work_dir=args.work_dir,
+        data_dir=args.data_dir,
+        layout=RunLayout(spec.run_dir),
+        hp=spec.resolved_hparams(),
+        timings=timings,
+    )
+    problem = get_problem(spec.problem)
+    result = run_bsp_worker(ctx, problem) if spec.protocol == "bsp" else run_asp_chief(ctx, problem)
+    if result is not None:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_server(tf, tf_config: dict, role: str, task: int) -> None:  # noqa: ANN001 - the tf module
+    """An ASP worker or parameter server: serves the coordinator until the launcher stops it."""
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(tf_config["cluster"]),
+        job_name=role,
+        task_index=task,
+        protocol="grpc",
+        start=True,
+    )
+    print(f"{role} {task} serving at {server.target}", flush=True)
+    server.join()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
