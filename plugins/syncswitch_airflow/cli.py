@@ -1,0 +1,445 @@
+"""``syncswitch run``: the original main.py flags, run as a ``sync_switch`` DAG run on an embedded Airflow.
+
+    syncswitch run                                     # the demo job, on the defaults (JobSpec())
+    syncswitch run --switch-order 101 --train-steps 50 200 50 --hparams "" "learning_rate=0.05" ""
+    syncswitch run --total-steps 2000 --bsp-fraction 0.25 --online-policy greedy \\
+        --straggler worker=1,start=20,duration=60,slowdown=4 --keep-ui
+
+Flow: flags -> conf -> ``JobSpec.from_params`` (bad input: one line naming the field, exit 2, nothing
+started) -> start or reuse the embedded Airflow -> trigger ``sync_switch`` with the conf over REST ->
+task states and training progress while it runs -> the report's summary lines -> one JSON object as the
+last line of stdout. Exit 0 when the run succeeded, 1 when it failed, 2 on bad input, 130 on Ctrl-C.
+Airflow is stopped at the end unless ``--keep-ui``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+from syncswitch import storage
+from syncswitch.events import parse_lines
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec, SpecError
+
+from syncswitch_airflow.embedded import (
+    ADMIN_PASSWORD,
+    ADMIN_USER,
+    AirflowError,
+    EmbeddedAirflow,
+    TriggerRejected,
+)
+
+DAG_ID = "sync_switch"
+PROG = "syncswitch run"
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_POLL_SECONDS = 2.0
+_PROGRESS_EVERY_SECONDS = 5.0
+_TEARDOWN_WAIT_SECONDS = 120.0
+_FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
+
+# Flags of the original main.py -> JobSpec fields. nargs "+" flags take one value per segment.
+ORIGINAL_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--job-name": ("job_name", {}),
+    "--num-ps": ("num_ps", {}),
+    "--num-worker": ("num_workers", {}),
+    "--bucket-dir": ("bucket_dir", {}),
+    "--model": ("model", {}),
+    "--hparam-set": ("hparam_set", {}),
+    "--problem": ("problem", {}),
+    "--data-dir": ("data_dir", {}),
+    "--train-steps": ("train_steps", {"nargs": "+"}),
+    "--ckpt-frequency": ("ckpt_frequency", {"nargs": "+"}),
+    "--switch-order": ("switch_order", {}),
+    "--hparams": ("hparams", {"nargs": "+"}),
+}
+NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--total-steps": ("total_steps", {}),
+    "--bsp-fraction": ("bsp_fraction", {}),
+    "--momentum-rule": ("momentum_rule", {}),
+    "--online-policy": ("online_policy", {}),
+    "--straggler": (
+        "stragglers",
+        {"action": "append", "metavar": "worker=1,start=20,duration=60,slowdown=4"},
+    ),
+    "--max-online-switches": ("max_online_switches", {}),
+    "--cluster-backend": ("cluster_backend", {}),
+    "--seed": ("seed", {}),
+}
+IGNORED_FLAGS = ("--cluster-name", "--eval-name")
+
+
+class UsageError(Exception):
+    """A flag argparse rejects (unknown flag, missing value): reported in one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the CLI itself does, beyond the job: where Airflow lives and what to print."""
+
+    project_dir: Path
+    airflow_home: Path | None
+    keep_ui: bool
+    json_only: bool
+    stop_ui: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    job = parser.add_argument_group("job (the original main.py flags; dashes or underscores)")
+    for flag, (dest, kwargs) in ORIGINAL_FLAGS.items():
+        extra = ("--num-workers",) if flag == "--num-worker" else ()
+        job.add_argument(*_aliases(flag, *extra), dest=dest, default=None, **kwargs)
+    for flag in IGNORED_FLAGS:
+        job.add_argument(*_aliases(flag), default=None, help="accepted and ignored")
+    new = parser.add_argument_group("new parameters")
+    for flag, (dest, kwargs) in NEW_FLAGS.items():
+        new.add_argument(*_aliases(flag), dest=dest, default=None, **kwargs)
+    cli = parser.add_argument_group("this command")
+    cli.add_argument(
+        "--keep-ui", action="store_true", help="leave Airflow running; print the UI URL and login"
+    )
+    cli.add_argument("--stop-ui", action="store_true", help="stop a kept embedded Airflow and exit")
+    cli.add_argument("--json-only", action="store_true", help="stdout gets only the final JSON line")
+    cli.add_argument("--project-dir", default=None, help="folder holding dags/ and plugins/")
+    cli.add_argument("--airflow-home", default=None, help="AIRFLOW_HOME (default <project>/.airflow)")
+    return parser
+
+
+def _aliases(*flags: str) -> list[str]:
+    """Each flag with dashes and with underscores (the original main.py used both spellings)."""
+    names: list[str] = []
+    for flag in flags:
+        for name in (flag, "--" + flag[2:].replace("-", "_")):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def conf_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The raw params the user gave (absent flags are left to JobSpec's defaults)."""
+    conf: dict[str, Any] = {}
+    for dest, _kwargs in (*ORIGINAL_FLAGS.values(), *NEW_FLAGS.values()):
+        value = getattr(args, dest)
+        if value is not None:
+            conf[dest] = value
+    return conf
+
+
+def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
+    """Flags -> validated JobSpec, CLI options and notes for stderr. Raises UsageError / SpecError."""
+    args = build_parser().parse_args(argv)
+    notes = [
+        f"note: {flag} is accepted for compatibility with the original main.py and ignored: "
+        "the cluster backend provisions the cluster and evaluation runs inside the DAG run"
+        for flag in IGNORED_FLAGS
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None
+    ]
+    spec = JobSpec.from_params(conf_from_args(args))
+    project_dir = Path(args.project_dir).resolve() if args.project_dir else default_project_dir()
+    options = RunOptions(
+        project_dir=project_dir,
+        airflow_home=Path(args.airflow_home).resolve() if args.airflow_home else None,
+        keep_ui=args.keep_ui,
+        json_only=args.json_only,
+        stop_ui=args.stop_ui,
+    )
+    return spec, options, notes
+
+
+def default_project_dir() -> Path:
+    """The checkout this package is installed from (editable install), else the current folder."""
+    checkout = Path(__file__).resolve().parents[2]
+    return checkout if (checkout / "dags").is_dir() else Path.cwd()
+
+
+def dag_conf(spec: JobSpec) -> dict[str, Any]:
+    """The DAG run conf: every JobSpec param, with a local bucket_dir made absolute.
+
+    Airflow's tasks run in the project folder, so a relative bucket_dir would otherwise land somewhere
+    other than where the user ran the command.
+    """
+    conf = spec.to_params()
+    if not storage.is_remote(spec.bucket_dir):
+        conf["bucket_dir"] = os.path.abspath(spec.bucket_dir)
+    return conf
+
+
+def flag_for(field_name: str) -> str:
+    for flag, (dest, _kwargs) in (*ORIGINAL_FLAGS.items(), *NEW_FLAGS.items()):
+        if dest == field_name or (field_name == "straggler" and dest == "stragglers"):
+            return flag
+    return "--" + field_name.replace("_", "-")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``syncswitch run`` (argv excludes the word ``run``); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        spec, options, notes = parse(argv)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except SpecError as exc:
+        message = str(exc).split(": ", 1)[-1]
+        print(f"{PROG}: error: {exc.field} ({flag_for(exc.field)}): {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for note in notes:
+        print(note, file=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    airflow = EmbeddedAirflow(options.project_dir, options.airflow_home)
+    if options.stop_ui:
+        airflow.stop()
+        return EXIT_OK
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    try:
+        return RunSession(airflow, spec, options).run()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    # SIGTERM gets the same clean shutdown as Ctrl-C.
+    raise KeyboardInterrupt
+
+
+class RunSession:
+    """One ``syncswitch run``: start Airflow, trigger, follow, summarise, stop."""
+
+    def __init__(self, airflow: EmbeddedAirflow, spec: JobSpec, options: RunOptions) -> None:
+        self.airflow = airflow
+        self.spec = spec
+        self.options = options
+        self.conf = dag_conf(spec)
+        # Human lines go to stdout, or to stderr when stdout must carry only the JSON line.
+        self.out: TextIO = sys.stderr if options.json_only else sys.stdout
+        self.run_id: str | None = None
+        self.layout: RunLayout | None = None
+        self.started = time.monotonic()
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def run(self) -> int:
+        error = None
+        try:
+            self.airflow.start(wait_for_dags=(DAG_ID,))
+            self.run_id = self.airflow.trigger(DAG_ID, self.conf)
+            self.started = time.monotonic()  # progress and dag_run_seconds count from the trigger
+            self.layout = RunLayout.for_run(self.conf["bucket_dir"], self.spec.job_name, self.run_id)
+            self.say(f"run {self.run_id}: switch order {self.spec.switch_order}, {self.spec.workload} steps")
+            self.say(f"run folder {self.layout.root}")
+            state = self.follow()
+            code = EXIT_OK if state == "success" else EXIT_FAILED
+        except TriggerRejected as exc:
+            error = f"Airflow rejected the conf: {exc}"
+            state, code = "rejected", EXIT_BAD_INPUT
+        except AirflowError as exc:
+            error = str(exc)
+            state, code = "error", EXIT_FAILED
+        except KeyboardInterrupt:
+            error = "interrupted"
+            self._fail_run_for_teardown()
+            state, code = "interrupted", EXIT_INTERRUPTED
+        if error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+        try:
+            result = self._result(state, error)
+        finally:
+            self._stop_or_keep()
+        if self.options.keep_ui and self.airflow.is_running():
+            result["airflow_url"] = self.airflow.url
+        print(json.dumps(result, default=str), flush=True)
+        return code
+
+    def follow(self) -> str:
+        progress = ProgressPrinter(self.layout, self.spec.workload, self.say, self.started)
+        task_states: dict[str, str | None] = {}
+
+        def on_poll(state: str, tasks: dict[str, str | None]) -> None:
+            for task_id, task_state in tasks.items():
+                if task_state and task_states.get(task_id) != task_state:
+                    self.say(f"[{self._elapsed()}] {task_id}: {task_state}")
+            task_states.update(tasks)
+            progress.update()
+
+        # A run that takes days is a user's choice; the wait fails early if Airflow itself dies.
+        state = self.airflow.wait(DAG_ID, self.run_id, timeout=7 * 24 * 3600.0, on_poll=on_poll)
+        self.say(f"[{self._elapsed()}] run {state}")
+        return state
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:6.0f}s"
+
+    def _fail_run_for_teardown(self) -> None:
+        """Mark the run failed so Airflow runs teardown_cluster, and give it time to finish."""
+        if self.run_id is None:
+            return
+        try:
+            print(f"failing run {self.run_id} so its teardown runs (Ctrl-C again to skip)", file=sys.stderr)
+            self.airflow.mark_failed(DAG_ID, self.run_id)
+            deadline = time.monotonic() + _TEARDOWN_WAIT_SECONDS
+            while time.monotonic() < deadline:
+                states = self.airflow.task_states(DAG_ID, self.run_id).values()
+                if all(s in _FINISHED_TASK_STATES for s in states):
+                    return
+                time.sleep(_POLL_SECONDS)
+        except (KeyboardInterrupt, AirflowError) as exc:
+            print(f"teardown wait skipped: {exc or 'interrupted'}", file=sys.stderr)
+
+    def _stop_or_keep(self) -> None:
+        if self.options.keep_ui and self.airflow.is_running():
+            self.say(f"Airflow UI: {self.airflow.url}  (user {ADMIN_USER}, password {ADMIN_PASSWORD})")
+            self.say(f"stop it with: {PROG} --stop-ui" + self._home_flag())
+            return
+        try:
+            self.airflow.stop()
+        except KeyboardInterrupt:
+            # A second Ctrl-C while stopping: finish the stop anyway, nothing may be left behind.
+            self.airflow.stop(timeout=5.0)
+
+    def _home_flag(self) -> str:
+        return f" --airflow-home {self.options.airflow_home}" if self.options.airflow_home else ""
+
+    def _summary(self) -> dict[str, Any]:
+        """The report's summary.json, or the same numbers computed from the run folder when the report
+        task did not get to write it (a failed or interrupted run). Empty if the run wrote nothing."""
+        from syncswitch_airflow.report import load_run, summarize
+
+        if self.layout is None or not storage.exists(self.layout.state):
+            return {}
+        summary = storage.read_json(self.layout.report + "/summary.json", default={})
+        return summary or summarize(load_run(self.layout.root))
+
+    def _result(self, state: str, error: str | None) -> dict[str, Any]:
+        """The final JSON line; prints the report's summary lines on the way."""
+        from syncswitch_airflow.report import format_summary_lines
+
+        summary = self._summary()
+        if summary:
+            for line in format_summary_lines(summary):
+                self.say(line)
+        segments = [
+            {
+                "index": s.get("index"),
+                "protocol": s.get("protocol"),
+                "steps": s.get("steps"),
+                "seconds": s.get("seconds"),
+                "examples_per_sec": s.get("examples_per_sec"),
+                "test_accuracy": s.get("test_accuracy"),
+                "status": s.get("status"),
+            }
+            for s in summary.get("segments", [])
+        ]
+        result = {
+            "state": state,
+            "run_id": self.run_id,
+            "run_dir": self.layout.root if self.layout else None,
+            "final_accuracy": summary.get("final_accuracy"),
+            "segments": segments,
+            "switch_gaps_seconds": [g.get("seconds") for g in summary.get("switch_gaps_seconds", [])],
+            "total_seconds": summary.get("total_seconds"),
+            "dag_run_seconds": round(time.monotonic() - self.started, 3),
+            "online_switches": len(summary.get("online_switches") or []),
+            "report": summary.get("index_html"),
+        }
+        if error:
+            result["error"] = error
+        return result
+
+
+class ProgressPrinter:
+    """Training progress from the run folder: the current segment (state.json's plan) and its chief's
+    latest ``step`` event; one line when the step moved and at most every few seconds."""
+
+    def __init__(self, layout: RunLayout, workload: int, say: Callable[[str], None], started: float) -> None:
+        self.layout = layout
+        self.workload = workload
+        self.say = say
+        self.started = started
+        self._offsets: dict[str, int] = {}
+        self._last_step: dict[str, Any] | None = None
+        self._printed_step: float | None = None
+        self._printed_at = 0.0
+
+    def update(self) -> None:
+        segment = self._current_segment()
+        if segment is None:
+            return
+        for event in self._new_chief_events(segment["index"], segment["protocol"]):
+            if event.get("event") == "step":
+                self._last_step = event
+        step = self._last_step
+        now = time.monotonic()
+        if step is None or step.get("global_step") == self._printed_step:
+            return
+        if now - self._printed_at < _PROGRESS_EVERY_SECONDS:
+            return
+        self._printed_step, self._printed_at = step.get("global_step"), now
+        self.say(
+            f"[{now - self.started:6.0f}s] segment {step.get('segment')} {str(step.get('protocol')).upper()}"
+            f"  step {_num(step.get('global_step'), 1)}/{self.workload}"
+            f"  loss {_num(step.get('loss'), 4)}  {_num(step.get('examples_per_sec'), 0)} examples/s"
+        )
+
+    def _current_segment(self) -> dict[str, Any] | None:
+        try:
+            state = storage.read_json(self.layout.state, default={}) or {}
+        except ValueError:  # state.json mid-write on a filesystem without atomic rename
+            return None
+        done = {str(k) for k in (state.get("segments") or {})}
+        pending = [p for p in state.get("plan") or [] if str(p.get("index")) not in done]
+        return pending[0] if pending else None
+
+    def _new_chief_events(self, index: int, protocol: str) -> Iterator[dict[str, Any]]:
+        folder = self.layout.segment_metrics(index, protocol)
+        try:
+            files = [
+                f
+                for f in storage.list_files(folder, suffix=".jsonl")
+                if f.rsplit("/", 1)[-1].startswith("chief")
+            ]
+        except (FileNotFoundError, OSError):
+            return
+        for uri in files:
+            yield from parse_lines(self._read_new(uri))
+
+    def _read_new(self, uri: str) -> str:
+        """New complete lines since the last read (local files are tailed; gs:// objects reread)."""
+        if storage.is_remote(uri):
+            return storage.read_text(uri, default="")
+        offset = self._offsets.get(uri, 0)
+        with open(uri, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # leave a torn last line for the next read
+        self._offsets[uri] = offset + len(complete)
+        return complete.decode("utf-8", errors="replace")
+
+
+def _num(value: Any, digits: int) -> str:
+    return "?" if value is None else f"{float(value):.{digits}f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

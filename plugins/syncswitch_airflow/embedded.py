@@ -1,0 +1,548 @@
+"""An embedded Airflow in the project folder: ``airflow standalone`` driven over its REST API.
+
+    airflow = EmbeddedAirflow(project_dir)
+    airflow.start()                       # or reuse the one already running in <project>/.airflow
+    run_id = airflow.trigger("sync_switch", conf)
+    airflow.wait("sync_switch", run_id)
+    airflow.stop()
+
+The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
+``dags/`` and ``plugins/``, sized for a 2-core machine. Every setting is passed to Airflow as an
+``AIRFLOW__SECTION__KEY`` variable (``env()``), so ``airflow.cfg`` keeps only Airflow's generated
+secrets. This module talks to Airflow over HTTP and processes only; it never imports Airflow, so the
+CLI starts fast and bad flags fail before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ADMIN_USER = "admin"
+# A fixed password so the CLI, the tests and the README agree on it. The API listens on 127.0.0.1
+# only; this is the embedded development instance, not a deployment (see docker-compose.yaml).
+ADMIN_PASSWORD = "syncswitch"
+PREFERRED_PORT = 8080
+TERMINAL_RUN_STATES = ("success", "failed")
+_HTTP_TIMEOUT_S = 30.0
+
+
+class AirflowError(RuntimeError):
+    """The embedded Airflow could not start, answer or stop as expected."""
+
+
+class DagImportError(AirflowError):
+    """A DAG file in the project's dags folder does not import; the message holds the traceback."""
+
+
+class TriggerRejected(AirflowError):
+    """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """What the pid file records about a running standalone process."""
+
+    pid: int
+    port: int  # the API server (UI and REST)
+    worker_log_port: int  # log servers: fixed by default, so two instances on one machine would clash
+    trigger_log_port: int
+    home: str
+    started_at: float
+
+
+class EmbeddedAirflow:
+    """One ``airflow standalone`` process group serving ``project_dir``'s DAGs on 127.0.0.1."""
+
+    def __init__(
+        self, project_dir: str | os.PathLike[str], home: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.project_dir = Path(project_dir).resolve()
+        self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
+        self.dags_folder = self.project_dir / "dags"
+        self.plugins_folder = self.project_dir / "plugins"
+        self.log_path = self.home / "standalone.log"
+        self.pid_file = self.home / "embedded.json"
+        self.password_file = self.home / "simple_auth_manager_passwords.json.generated"
+        self._lock_file = self.home / "embedded.lock"
+        self._log = logging.getLogger(__name__)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._record: InstanceRecord | None = None
+        self._token: str | None = None
+        self.started_here = False
+
+    # ---- configuration ---------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._require_record().port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, record: InstanceRecord | None = None) -> dict[str, str]:
+        """The environment every Airflow process of this instance runs with."""
+        record = record or self._require_record()
+        base_url = f"http://127.0.0.1:{record.port}"
+        bin_dir = str(Path(sys.executable).parent)
+        settings = {
+            "CORE__DAGS_FOLDER": str(self.dags_folder),
+            "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
+            "CORE__LOAD_EXAMPLES": "False",
+            "CORE__EXECUTOR": "LocalExecutor",
+            # 2 cores: the default 32 pre-forked workers cost 1.65 GB and only contend for CPU.
+            "CORE__PARALLELISM": "4",
+            "CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+            "CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.password_file),
+            "CORE__EXECUTION_API_SERVER_URL": f"{base_url}/execution/",
+            "DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "API__HOST": "127.0.0.1",
+            "API__PORT": str(record.port),
+            "API__BASE_URL": base_url,
+            "API__WORKERS": "1",
+            # Per-task overhead drops from about 1.1 s to 0.4 s with a short idle sleep.
+            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1",
+            "DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+            "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
+            "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
+            "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
+            # Every component signs and checks task and API tokens with the same key; Airflow's own
+            # generated one is short enough to log an InsecureKeyLengthWarning on every request.
+            "API_AUTH__JWT_SECRET": self._jwt_secret(),
+        }
+        env = dict(os.environ)
+        # A caller's own Airflow settings must not leak into the embedded instance.
+        for key in [k for k in env if k.startswith("AIRFLOW__") or k in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")]:
+            del env[key]
+        env.update({f"AIRFLOW__{key}": value for key, value in settings.items()})
+        env["AIRFLOW_HOME"] = str(self.home)
+        # standalone starts its components as plain `airflow ...`: our interpreter's bin comes first.
+        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self, wait_for_dags: tuple[str, ...] = ("sync_switch",), timeout: float = 300.0) -> None:
+        """Start (or reuse) the instance, wait for health, reserialize DAGs, wait for ``wait_for_dags``."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        with self._start_lock():
+            record = self.running_instance()
+            if record is not None:
+                self._record = record
+                self._log.info("reusing embedded Airflow pid %d at %s", record.pid, self.url)
+            else:
+                self._spawn()
+            self._wait_healthy(deadline)
+        self.reserialize(deadline)
+        for dag_id in wait_for_dags:
+            self.wait_for_dag(dag_id, deadline)
+
+    def _spawn(self) -> None:
+        api_port = pick_port()
+        log_ports = free_ports(2, exclude={api_port})
+        record = InstanceRecord(0, api_port, *log_ports, str(self.home), time.time())
+        self._write_password_file()
+        self._log.info("starting airflow standalone on 127.0.0.1:%d, home %s", api_port, self.home)
+        with open(self.log_path, "ab") as log:
+            # Own session: stop() signals the whole process group, and a Ctrl-C in the terminal
+            # reaches only the CLI, which then stops Airflow in order.
+            self._process = subprocess.Popen(
+                [str(Path(sys.executable).parent / "airflow"), "standalone"],
+                cwd=self.project_dir,
+                env=self.env(record),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._record = dataclasses.replace(record, pid=self._process.pid)
+        self.pid_file.write_text(json.dumps(dataclasses.asdict(self._record)) + "\n")
+        self.started_here = True
+
+    def _jwt_secret(self) -> str:
+        path = self.home / "jwt_secret"
+        if not path.exists():
+            path.write_text(secrets.token_urlsafe(64))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
+    def _write_password_file(self) -> None:
+        self.password_file.write_text(json.dumps({ADMIN_USER: ADMIN_PASSWORD}) + "\n")
+        self.password_file.chmod(0o600)
+
+    @contextlib.contextmanager
+    def _start_lock(self) -> Iterator[None]:
+        # Two CLIs started at once must not both spawn a standalone in the same home.
+        with open(self._lock_file, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def running_instance(self) -> InstanceRecord | None:
+        """The record of a live standalone of this home, or None (a stale pid file is ignored)."""
+        try:
+            record = InstanceRecord(**json.loads(self.pid_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        if record.home != str(self.home) or not _process_has_home(record.pid, str(self.home)):
+            return None
+        return record
+
+    def is_running(self) -> bool:
+        return self.running_instance() is not None
+
+    def _require_record(self) -> InstanceRecord:
+        if self._record is None:
+            self._record = self.running_instance()
+        if self._record is None:
+            raise AirflowError(f"no embedded Airflow is running in {self.home}")
+        return self._record
+
+    def health(self) -> dict[str, Any]:
+        return self._get_json("/api/v2/monitor/health", auth=False)
+
+    def _wait_healthy(self, deadline: float) -> None:
+        last_problem = "no answer yet"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                health = self.health()
+                unhealthy = sorted(
+                    name
+                    for name in ("metadatabase", "scheduler", "triggerer", "dag_processor")
+                    if (health.get(name) or {}).get("status") != "healthy"
+                )
+                if not unhealthy:
+                    self._log.info("embedded Airflow healthy at %s", self.url)
+                    return
+                last_problem = f"unhealthy: {', '.join(unhealthy)}"
+            except (OSError, AirflowError) as exc:
+                last_problem = str(exc)
+            time.sleep(1.0)
+        raise AirflowError(f"Airflow not healthy in time ({last_problem}); see {self.log_path}")
+
+    def _check_alive(self) -> None:
+        if self._process is not None and self._process.poll() is not None:
+            raise AirflowError(
+                f"airflow standalone exited with {self._process.returncode}:\n{self.log_tail()}"
+            )
+        if self._process is None and not self.is_running():
+            raise AirflowError(f"the embedded Airflow in {self.home} is no longer running")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no standalone.log)"
+
+    def reserialize(self, deadline: float) -> None:
+        """Parse the dags folder now instead of waiting for the dag-processor's next refresh."""
+        self._log.info("reserializing DAGs from %s", self.dags_folder)
+        try:
+            result = subprocess.run(
+                [str(Path(sys.executable).parent / "airflow"), "dags", "reserialize"],
+                cwd=self.project_dir,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=max(deadline - time.monotonic(), 1.0),
+            )
+        except subprocess.TimeoutExpired:
+            raise AirflowError("`airflow dags reserialize` did not finish in time") from None
+        if result.returncode != 0:
+            raise AirflowError(
+                f"`airflow dags reserialize` failed:\n{(result.stderr or result.stdout)[-3000:]}"
+            )
+
+    def import_errors(self) -> list[dict[str, Any]]:
+        return self._get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
+
+    def wait_for_dag(self, dag_id: str, deadline: float) -> None:
+        """Wait until ``dag_id`` is serialized, active and free of import errors."""
+        while time.monotonic() < deadline:
+            self._check_alive()
+            errors = self.import_errors()
+            if errors:
+                raise DagImportError(
+                    "DAG import errors in the dags folder:\n"
+                    + "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '').rstrip()}" for e in errors)
+                )
+            status, dag = self._request("GET", f"/api/v2/dags/{_quote(dag_id)}")
+            if status == 200 and not dag.get("is_stale", False):
+                self._log.info("DAG %s is ready", dag_id)
+                return
+            time.sleep(1.0)
+        raise AirflowError(f"DAG {dag_id!r} did not appear in {self.dags_folder}; see {self.log_path}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM the process group, wait, SIGKILL stragglers; fail if any process of this home is left."""
+        record = self._record or self.running_instance()
+        if record is None:
+            self._log.info("no embedded Airflow running in %s", self.home)
+        else:
+            self._log.info("stopping embedded Airflow pid %d", record.pid)
+            _signal_group(record.pid, signal.SIGTERM)
+            if not self._wait_group_gone(record.pid, timeout):
+                self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)
+                _signal_group(record.pid, signal.SIGKILL)
+                self._wait_group_gone(record.pid, 10.0)
+        if self._process is not None:
+            self._process.wait(timeout=10)
+            self._process = None
+        # Anything that left the group (a process that called setsid) still carries our AIRFLOW_HOME.
+        for pid in processes_of_home(str(self.home)):
+            self._log.info("killing leftover process %d of %s", pid, self.home)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_until(lambda: not processes_of_home(str(self.home)), 10.0)
+        left = processes_of_home(str(self.home))
+        if left:
+            raise AirflowError(f"processes of {self.home} survived SIGKILL: {left}")
+        with contextlib.suppress(FileNotFoundError):
+            self.pid_file.unlink()
+        self._record = None
+        self._token = None
+        self._log.info("embedded Airflow stopped")
+
+    def _wait_group_gone(self, pgid: int, timeout: float) -> bool:
+        def gone() -> bool:
+            if self._process is not None:
+                self._process.poll()  # reap our own child so it does not linger as a zombie
+            return not processes_in_group(pgid)
+
+        return _wait_until(gone, timeout)
+
+    # ---- REST ------------------------------------------------------------------------------
+
+    def token(self) -> str:
+        """A JWT for the admin user (``POST /auth/token``)."""
+        if self._token is None:
+            status, body = self._request(
+                "POST", "/auth/token", {"username": ADMIN_USER, "password": ADMIN_PASSWORD}, auth=False
+            )
+            if status not in (200, 201):
+                raise AirflowError(f"POST /auth/token answered {status}: {body}")
+            self._token = body["access_token"]
+        return self._token
+
+    def unpause(self, dag_id: str) -> None:
+        status, body = self._request("PATCH", f"/api/v2/dags/{_quote(dag_id)}", {"is_paused": False})
+        if status != 200:
+            raise AirflowError(f"unpausing {dag_id} answered {status}: {body}")
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        """Unpause ``dag_id`` and start a run with ``conf``; returns the run id."""
+        self.unpause(dag_id)
+        status, body = self._request(
+            "POST", f"/api/v2/dags/{_quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf}
+        )
+        if status in (400, 422):
+            raise TriggerRejected(_error_text(body))
+        if status != 200:
+            raise AirflowError(f"triggering {dag_id} answered {status}: {_error_text(body)}")
+        run_id = body["dag_run_id"]
+        self._log.info("triggered %s run %s", dag_id, run_id)
+        return run_id
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        return self._get_json(f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}")["state"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        """task_id -> state (None before the scheduler looks at it) for the run's task instances."""
+        body = self._get_json(
+            f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances?limit=1000"
+        )
+        return {ti["task_id"]: ti.get("state") for ti in body.get("task_instances", [])}
+
+    def mark_failed(self, dag_id: str, run_id: str) -> None:
+        """Fail the run by hand; Airflow still runs its teardown tasks."""
+        status, body = self._request(
+            "PATCH", f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}", {"state": "failed"}
+        )
+        if status != 200:
+            raise AirflowError(f"marking {run_id} failed answered {status}: {body}")
+        self._log.info("marked %s run %s failed", dag_id, run_id)
+
+    def wait(
+        self,
+        dag_id: str,
+        run_id: str,
+        timeout: float = 3600.0,
+        poll_seconds: float = 2.0,
+        on_poll: Callable[[str, dict[str, str | None]], None] | None = None,
+    ) -> str:
+        """Poll until the run is success or failed; returns that state. ``on_poll`` sees every poll."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            state = self.run_state(dag_id, run_id)
+            if on_poll is not None:
+                on_poll(state, self.task_states(dag_id, run_id))
+            if state in TERMINAL_RUN_STATES:
+                return state
+            if time.monotonic() >= deadline:
+                raise AirflowError(f"run {run_id} still {state} after {timeout:.0f} s")
+            time.sleep(poll_seconds)
+
+    def _get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
+        status, body = self._request("GET", path, auth=auth)
+        if status != 200:
+            raise AirflowError(f"GET {path} answered {status}: {_error_text(body)}")
+        return body
+
+    def _request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None, auth: bool = True
+    ) -> tuple[int, Any]:
+        status, body = self._send(method, path, payload, auth)
+        if status == 401 and auth:
+            self._token = None  # expired: log in again once
+            status, body = self._send(method, path, payload, auth)
+        return status, body
+
+    def _send(self, method: str, path: str, payload: dict[str, Any] | None, auth: bool) -> tuple[int, Any]:
+        headers = {"Accept": "application/json"}
+        data = None
+        if payload is not None:
+            data = json.dumps(payload).encode()
+            headers["Content-Type"] = "application/json"
+        if auth:
+            headers["Authorization"] = f"Bearer {self.token()}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
+                return response.status, _decode(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _decode(exc.read())
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def pick_port() -> int:
+    """8080 when it is free on 127.0.0.1, else any free port."""
+    for port in (PREFERRED_PORT, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise AirflowError("no free TCP port on 127.0.0.1")
+
+
+def free_ports(count: int, exclude: set[int]) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1, none of them in ``exclude``."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in exclude and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _error_text(body: Any) -> str:
+    """The human part of a FastAPI error body: ``detail`` as a string or a list of pydantic errors."""
+    if not isinstance(body, dict):
+        return str(body)
+    detail = body.get("detail", body)
+    if isinstance(detail, list):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg')}"
+            if isinstance(item, dict)
+            else str(item)
+            for item in detail
+        )
+    return detail if isinstance(detail, str) else json.dumps(detail)
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _live_pids() -> Iterator[int]:
+    """Pids of live (non-zombie) processes other than this one."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields and fields[0] != b"Z":
+            yield int(entry)
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    found = []
+    for pid in _live_pids():
+        try:
+            if os.getpgid(pid) == pgid:
+                found.append(pid)
+        except ProcessLookupError:
+            continue
+    return found
+
+
+def _process_has_home(pid: int, home: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"AIRFLOW_HOME={home}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def processes_of_home(home: str) -> list[int]:
+    """Live processes started with ``AIRFLOW_HOME=<home>`` (every Airflow process of an instance)."""
+    return [pid for pid in _live_pids() if _process_has_home(pid, home)]

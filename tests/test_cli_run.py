@@ -1,0 +1,135 @@
+"""``syncswitch run``: flag parsing (the original main.py flags and the new ones) and bad input.
+
+Bad input must fail fast: exit 2, one line on stderr naming the field, nothing started (no Airflow
+home created, no run folder). These run the real ``syncswitch`` console script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from syncswitch.spec import JobSpec, StragglerSpec
+from syncswitch_airflow.cli import build_parser, conf_from_args, dag_conf, parse
+
+SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
+
+ORIGINAL_ARGV = [
+    *("--job-name", "cifar-switch", "--num-ps", "2", "--num-worker", "4"),
+    *("--bucket-dir", "gs://bucket/experiments", "--model", "resnet", "--hparam-set", "resnet_cifar_32"),
+    *("--problem", "image_cifar10", "--data-dir", "gs://bucket/cifar10"),
+    *("--train-steps", "1000", "3000", "--ckpt-frequency", "500", "1000"),
+    *("--cluster-name", "sync-cluster", "--eval-name", "sync-eval", "--switch-order", "10"),
+    *("--hparams", "learning_rate=0.4", "learning_rate=0.1,batch_size=64"),
+]
+
+
+def test_original_flags_map_to_conf_fields() -> None:
+    conf = conf_from_args(build_parser().parse_args(ORIGINAL_ARGV))
+    assert conf == {
+        "job_name": "cifar-switch",
+        "num_ps": "2",
+        "num_workers": "4",
+        "bucket_dir": "gs://bucket/experiments",
+        "model": "resnet",
+        "hparam_set": "resnet_cifar_32",
+        "problem": "image_cifar10",
+        "data_dir": "gs://bucket/cifar10",
+        "train_steps": ["1000", "3000"],
+        "ckpt_frequency": ["500", "1000"],
+        "switch_order": "10",
+        "hparams": ["learning_rate=0.4", "learning_rate=0.1,batch_size=64"],
+    }
+
+
+def test_underscore_spellings_of_the_original_flags_are_the_same_flags() -> None:
+    underscored = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in ORIGINAL_ARGV]
+    assert conf_from_args(build_parser().parse_args(underscored)) == conf_from_args(
+        build_parser().parse_args(ORIGINAL_ARGV)
+    )
+
+
+def test_original_flags_validate_into_a_per_segment_plan() -> None:
+    spec, options, notes = parse(ORIGINAL_ARGV)
+    assert (spec.num_workers, spec.num_ps) == (4, 2)
+    assert spec.train_steps == (1000, 3000)
+    assert spec.ckpt_frequency == (500, 1000)
+    plan = spec.plan("run-1", "gs://bucket/experiments/cifar-switch/run-1")
+    assert [(s.protocol, s.until_step, s.ckpt_frequency, s.hparams) for s in plan] == [
+        ("bsp", 1000, 500, "learning_rate=0.4"),
+        ("asp", 4000, 1000, "learning_rate=0.1,batch_size=64"),
+    ]
+    # --cluster-name and --eval-name are accepted, and each gets a note saying it is ignored.
+    assert len(notes) == 2 and "--cluster-name" in notes[0] and "--eval-name" in notes[1]
+    assert not options.keep_ui and not options.json_only
+    # A gs:// bucket goes to the DAG untouched.
+    assert dag_conf(spec)["bucket_dir"] == "gs://bucket/experiments"
+
+
+def test_new_flags_map_to_job_fields() -> None:
+    spec, _options, _notes = parse(
+        [
+            *("--total-steps", "1000", "--bsp-fraction", "0.3", "--momentum-rule", "zero"),
+            *("--online-policy", "greedy", "--max-online-switches", "3", "--cluster-backend", "local"),
+            *("--seed", "7", "--straggler", "worker=1,start=20,duration=60,slowdown=4"),
+            *("--straggler", "worker=0,start=90,duration=10,slowdown=2"),
+        ]
+    )
+    assert (spec.total_steps, spec.bsp_fraction, spec.momentum_rule) == (1000, 0.3, "zero")
+    assert (spec.online_policy, spec.max_online_switches, spec.seed) == ("greedy", 3, 7)
+    assert spec.stragglers == (StragglerSpec(1, 20.0, 60.0, 4.0), StragglerSpec(0, 90.0, 10.0, 2.0))
+    assert spec.segment_steps() == [300, 700]
+
+
+def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec, options, notes = parse([])
+    assert spec == JobSpec()
+    assert notes == []
+    conf = dag_conf(spec)
+    # Airflow's tasks run elsewhere: the default relative bucket must point where the user ran the CLI.
+    assert conf["bucket_dir"] == str(tmp_path / "runs")
+    assert JobSpec.from_params(conf) == JobSpec(bucket_dir=str(tmp_path / "runs"))
+    assert options.airflow_home is None
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--switch-order", "12"], "switch_order"),
+        (["--switch-order", "101", "--train-steps", "100", "200"], "train_steps"),
+        (["--train-steps", "ten", "twenty"], "train_steps"),
+        (["--model", "vgg"], "model"),
+        (["--hparams", "learning_rate"], "hparams"),
+        (["--hparams", "no_such_key=1"], "hparams"),
+        (["--straggler", "worker=1,start=20"], "straggler"),
+        (["--straggler", "worker=5,start=0,duration=10,slowdown=2"], "stragglers"),
+        (["--num-worker", "0"], "num_workers"),
+        (["--bsp-fraction", "1.5"], "bsp_fraction"),
+        (["--job-name", "Bad_Name"], "job_name"),
+        (["--no-such-flag", "1"], "--no-such-flag"),
+    ],
+)
+def test_bad_input_fails_fast_naming_the_field(args: list[str], field: str, tmp_path: Path) -> None:
+    home, runs = tmp_path / "airflow-home", tmp_path / "runs"
+    result = subprocess.run(
+        [str(SYNCSWITCH), "run", "--airflow-home", str(home), "--bucket-dir", str(runs), *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one clear line, no traceback
+    assert field in lines[0] and lines[0].startswith("syncswitch run: error:")
+    assert result.stdout == ""
+    # Nothing started: start() creates the Airflow home first thing, and a run creates its folder.
+    assert not home.exists()
+    assert not runs.exists()
