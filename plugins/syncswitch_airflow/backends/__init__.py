@@ -1,0 +1,5 @@
+"""Cluster backends: where a run's training processes live (``local`` now; others plug in here)."""
+
+from syncswitch_airflow.backends.base import ClusterBackend, ClusterError, SegmentStatus, get_backend
+
+__all__ = ["ClusterBackend", "ClusterError", "SegmentStatus", "get_backend"]

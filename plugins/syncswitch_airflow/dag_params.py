@@ -1,0 +1,195 @@
+"""The ``sync_switch`` DAG's params: one Airflow Param per JobSpec field, JSON-schema typed.
+
+The schema renders the Trigger form (selects for enums, number fields with minimums) and rejects
+malformed conf before a run is created (REST answers 400 naming the param). Cross-field rules (e.g.
+three switch-order digits but two step counts) need the whole job; ``JobSpec.from_params`` checks them
+in the DAG's validate task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import Param
+from syncswitch.hparams import HPARAM_SETS
+from syncswitch.spec import (
+    CLUSTER_BACKENDS,
+    MODELS,
+    MOMENTUM_RULES,
+    ONLINE_POLICIES,
+    PROBLEMS,
+    JobSpec,
+    SpecError,
+)
+
+# Segment slots in the DAG: the offline plan plus every online switch must fit (each switch adds
+# one segment). 6 covers "101" with 2 online switches and keeps the graph readable.
+MAX_SEGMENT_SLOTS = 6
+BUCKET_DIR_ENV = "SYNCSWITCH_BUCKET_DIR"
+# Four k=v pairs; JobSpec.from_params checks the keys and values and names what is wrong.
+STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3}\s*\w+\s*=\s*[^,=\s]+\s*$"
+
+
+def default_bucket_dir(project_dir: str | Path) -> str:
+    """``$SYNCSWITCH_BUCKET_DIR``, else ``<project>/runs``."""
+    return os.environ.get(BUCKET_DIR_ENV) or str(Path(project_dir).resolve() / "runs")
+
+
+def check_slot_budget(job: JobSpec, slots: int = MAX_SEGMENT_SLOTS) -> None:
+    """Raise SpecError unless the planned segments plus the online-switch cap fit the DAG's slots."""
+    planned = len(job.switch_order)
+    if planned + job.max_online_switches > slots:
+        raise SpecError(
+            "switch_order/max_online_switches",
+            f"{planned} planned segment(s) + max_online_switches {job.max_online_switches} exceed the "
+            f"DAG's {slots} segment slots; shorten switch_order or lower max_online_switches",
+        )
+
+
+def _enum(value: str, choices: Any, title: str, description: str) -> Param:
+    return Param(value, type="string", enum=list(choices), title=title, description=description)
+
+
+def _int(value: int, title: str, description: str, minimum: int, maximum: int | None = None) -> Param:
+    bounds = {"minimum": minimum} | ({"maximum": maximum} if maximum is not None else {})
+    return Param(value, type="integer", title=title, description=description, **bounds)
+
+
+def _int_array(value: tuple[int, ...], title: str, description: str, minimum: int) -> Param:
+    return Param(
+        list(value),
+        type="array",
+        items={"type": "integer", "minimum": minimum},
+        title=title,
+        description=description,
+    )
+
+
+def build_params(bucket_dir: str) -> dict[str, Param]:
+    """One Param per JobSpec field, defaulting to JobSpec() (the embedded digits demo)."""
+    d = JobSpec()
+    params = {
+        "job_name": Param(
+            d.job_name,
+            type="string",
+            pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+            title="Job name",
+            description="Names the run folder <bucket_dir>/<job_name>/<run_id>/: lowercase letters, "
+            "digits and '-'.",
+        ),
+        "switch_order": Param(
+            d.switch_order,
+            type="string",
+            pattern=r"^[01]+$",
+            title="Switch order",
+            description="One digit per segment: 1 = BSP (synchronous), 0 = ASP (asynchronous). "
+            "'10' trains BSP, then switches to ASP.",
+        ),
+        "train_steps": _int_array(
+            d.train_steps,
+            "Steps per segment",
+            "BSP-equivalent steps for each segment, as in the original (one per switch_order digit). "
+            "Leave empty to split total_steps by bsp_fraction.",
+            minimum=1,
+        ),
+        "total_steps": _int(
+            d.total_steps,
+            "Total steps",
+            "The whole workload in BSP-equivalent steps (used when train_steps is empty).",
+            minimum=1,
+        ),
+        "bsp_fraction": Param(
+            d.bsp_fraction,
+            type="number",
+            minimum=0,
+            maximum=1,
+            title="BSP fraction",
+            description="Share of total_steps trained with BSP (split evenly over the BSP segments).",
+        ),
+        "ckpt_frequency": _int_array(
+            d.ckpt_frequency,
+            "Checkpoint frequency",
+            "Steps between checkpoints, one value for all segments or one per segment "
+            "(0 = only at segment end).",
+            minimum=0,
+        ),
+        "hparams": Param(
+            list(d.hparams),
+            type="array",
+            items={"type": "string"},
+            title="Hyper-parameter overrides",
+            description="k=v,k=v overrides of hparam_set (tensor2tensor names), one string for all "
+            "segments or one per segment.",
+        ),
+        "num_workers": _int(d.num_workers, "Workers", "Training workers in the cluster.", 1, 64),
+        "num_ps": _int(d.num_ps, "Parameter servers", "Parameter servers (used by ASP segments).", 1, 16),
+        "model": _enum(d.model, MODELS, "Model", "cnn for digits, resnet for the CIFAR problems."),
+        "hparam_set": _enum(
+            d.hparam_set, sorted(HPARAM_SETS), "Hyper-parameter set", "A named set for the model."
+        ),
+        "problem": _enum(d.problem, PROBLEMS, "Problem", "The dataset."),
+        "data_dir": Param(
+            d.data_dir,
+            type="string",
+            title="Data folder",
+            description="Local folder or gs:// URI with the dataset (needed by image_cifar10/100).",
+        ),
+        "bucket_dir": Param(
+            bucket_dir,
+            type="string",
+            minLength=1,
+            title="Bucket folder",
+            description="Where run folders go: a local folder, or gs://bucket/prefix for GCS.",
+        ),
+        "cluster_backend": _enum(
+            d.cluster_backend, CLUSTER_BACKENDS, "Cluster backend", "Where the training processes run."
+        ),
+        "momentum_rule": _enum(
+            d.momentum_rule,
+            MOMENTUM_RULES,
+            "Momentum rule",
+            "Momentum after a switch to ASP: keep, zero, scaled (m/N) or ramped (m/N back up to m).",
+        ),
+        "momentum_ramp_steps": _int(
+            d.momentum_ramp_steps, "Momentum ramp steps", "Steps of the 'ramped' rule.", 0
+        ),
+        "online_policy": _enum(
+            d.online_policy,
+            ONLINE_POLICIES,
+            "Online policy",
+            "Reaction to stragglers: none, greedy (ASP while one persists) or elastic (switch only "
+            "when it pays off).",
+        ),
+        "max_online_switches": _int(
+            d.max_online_switches,
+            "Max online switches",
+            f"Cap on switches added at run time; planned segments + this must be <= {MAX_SEGMENT_SLOTS}.",
+            0,
+            MAX_SEGMENT_SLOTS - 1,
+        ),
+        "stragglers": Param(
+            [s.to_text() for s in d.stragglers],
+            type="array",
+            items={"type": "string", "pattern": STRAGGLER_PATTERN},
+            title="Injected stragglers",
+            description="One item per slow worker: worker=1,start=20,duration=60,slowdown=4 (seconds "
+            "after the first BSP segment starts; slowdown = times slower).",
+        ),
+        "seed": _int(d.seed, "Seed", "Random seed.", 0),
+        "pin_cores": Param(
+            d.pin_cores, type="boolean", title="Pin cores", description="Pin each process to one core."
+        ),
+        "evaluate_segments": Param(
+            d.evaluate_segments,
+            type="boolean",
+            title="Evaluate each segment",
+            description="Test accuracy at the end of every segment, not only the final one.",
+        ),
+    }
+    fields = {f.name for f in dataclasses.fields(JobSpec)} - {"extra"}
+    if set(params) != fields:  # a JobSpec field added without its Param would be unreachable
+        raise RuntimeError(f"DAG params and JobSpec fields differ: {sorted(set(params) ^ fields)}")
+    return params

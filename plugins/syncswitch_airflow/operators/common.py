@@ -1,0 +1,38 @@
+"""Helpers shared by the pipeline's operators: the job of a DAG run, its run folder, its state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from syncswitch import storage
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec, SpecError
+from syncswitch.state import State, read_state
+
+
+def job_from_params(params: Mapping[str, Any]) -> JobSpec:
+    """The validated JobSpec of a DAG run; bad params fail the task (no retry) naming the field."""
+    try:
+        return JobSpec.from_params(dict(params))
+    except SpecError as err:
+        raise AirflowFailException(f"invalid job params: {err}") from None
+
+
+def absolute_bucket_dir(bucket_dir: str) -> str:
+    # Every task, the trigger and the cluster processes must agree on one folder.
+    return bucket_dir if storage.is_remote(bucket_dir) else os.path.abspath(bucket_dir)
+
+
+def run_layout(job: JobSpec, run_id: str) -> RunLayout:
+    """The run folder of one DAG run: ``<bucket_dir>/<job_name>/<run_id>/``."""
+    return RunLayout.for_run(absolute_bucket_dir(job.bucket_dir), job.job_name, run_id)
+
+
+def require_state(run_dir: str) -> State:
+    state = read_state(RunLayout(run_dir))
+    if not state:
+        raise AirflowException(f"no state.json in {run_dir}: did the plan task run?")
+    return state

@@ -1,0 +1,200 @@
+"""The job-level tasks of ``sync_switch``: validate, plan, evaluate, report."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from syncswitch.hparams import HParams, get_hparams
+from syncswitch.layout import RunLayout
+from syncswitch.spec import PROTOCOLS, JobSpec, SpecError
+from syncswitch.state import State, new_state, update_state
+
+from syncswitch_airflow import plan as plans
+from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS, check_slot_budget
+from syncswitch_airflow.operators.common import (
+    absolute_bucket_dir,
+    job_from_params,
+    require_state,
+    run_layout,
+)
+
+# An ASP segment may end between whole steps (each update is 1/num_workers of a step).
+_STEP_TOLERANCE = 1e-6
+
+
+class ValidateJobOperator(BaseOperator):
+    """Check the DAG run's params as one JobSpec, before anything is provisioned."""
+
+    ui_color = "#e8f4fd"
+
+    def __init__(self, *, max_segment_slots: int = MAX_SEGMENT_SLOTS, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_segment_slots = max_segment_slots
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        job = job_from_params(context["params"])
+        try:
+            check_slot_budget(job, self.max_segment_slots)
+        except SpecError as err:
+            raise AirflowFailException(f"invalid job params: {err}") from None
+        steps = job.segment_steps()
+        self.log.info(
+            "run %s: job %s valid: switch_order %s, steps %s (workload %d), %d worker(s) + %d PS, "
+            "%s/%s on %s",
+            context["run_id"],
+            job.job_name,
+            job.switch_order,
+            steps,
+            sum(steps),
+            job.num_workers,
+            job.num_ps,
+            job.model,
+            job.hparam_set,
+            job.problem,
+        )
+        return {"switch_order": job.switch_order, "segment_steps": steps, "workload": sum(steps)}
+
+
+def offline_plan(job: JobSpec) -> list[dict[str, Any]]:
+    """``state["plan"]`` before any online switch: one entry per switch_order digit.
+
+    ``plan_index`` is the entry's position in the original switch_order; per-segment settings
+    (hparams, ckpt_frequency) follow it, also after online switches renumber the entries.
+    """
+    until = 0
+    entries = []
+    for index, (digit, steps) in enumerate(zip(job.switch_order, job.segment_steps(), strict=True)):
+        until += steps
+        entries.append(
+            {
+                "index": index,
+                "protocol": PROTOCOLS[digit],
+                "until_step": until,
+                "origin": "plan",
+                "plan_index": index,
+            }
+        )
+    plans.check(entries)
+    return entries
+
+
+class PlanRunOperator(BaseOperator):
+    """Create the run folder's ``state.json`` with the offline plan; returns the run folder.
+
+    Idempotent: on an Airflow retry, an existing state of the same run is kept (its plan may already
+    have been changed online and segments may have completed); only the cluster handle is refreshed.
+    """
+
+    template_fields = ("cluster",)
+    ui_color = "#e8f4fd"
+
+    def __init__(self, *, cluster: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cluster = cluster
+
+    def execute(self, context: Context) -> str:
+        job = job_from_params(context["params"])
+        run_id = context["run_id"]
+        layout = run_layout(job, run_id)
+        params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
+        created: list[bool] = []
+
+        def write_plan(state: State) -> None:
+            if state.get("run_id") == run_id and state.get("plan"):
+                state["cluster"] = self.cluster
+                return
+            fresh = new_state(layout, run_id, params)
+            fresh["plan"] = offline_plan(job)
+            fresh["cluster"] = self.cluster
+            state.clear()
+            state.update(fresh)
+            created.append(True)
+
+        state = update_state(layout, write_plan)
+        self.log.info(
+            "run %s: %s plan in %s: %s",
+            run_id,
+            "wrote" if created else "kept existing",
+            layout.state,
+            ", ".join(f"{e['index']}:{e['protocol']}->{e['until_step']}" for e in state["plan"]),
+        )
+        return layout.root
+
+
+class EvaluateRunOperator(BaseOperator):
+    """Test accuracy of the run's final checkpoint, checked against the exact workload."""
+
+    template_fields = ("run_dir",)
+    ui_color = "#eafaea"
+
+    def __init__(self, *, run_dir: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.run_dir = run_dir
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        # TensorFlow is imported only here, in the worker process that evaluates.
+        from syncswitch.evaluate import evaluate_latest
+
+        state = require_state(self.run_dir)
+        job = JobSpec.from_params(state["job"])
+        for key in sorted(state.get("segments", {}), key=int):
+            seg = state["segments"][key]
+            self.log.info(
+                "run %s: segment %s (%s) ended at step %s with test accuracy %s",
+                state["run_id"],
+                key,
+                seg.get("protocol"),
+                seg.get("end_step"),
+                seg.get("test_accuracy", "n/a"),
+            )
+        last_plan_index = len(job.switch_order) - 1
+        hp = job_hparams(job, last_plan_index)
+        final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir)
+        workload = plans.workload(state["plan"])
+        final = {**final, "workload": workload, "evaluated_at": time.time()}
+        update_state(RunLayout(self.run_dir), lambda s: s.__setitem__("final", final))
+        self.log.info(
+            "run %s: final checkpoint at step %s of %s: test accuracy %.4f, loss %.4f (%s)",
+            state["run_id"],
+            final["global_step"],
+            workload,
+            final["test_accuracy"],
+            final["test_loss"],
+            final["checkpoint"],
+        )
+        if abs(float(final["global_step"]) - float(workload)) > _STEP_TOLERANCE:
+            raise AirflowException(
+                f"the final checkpoint is at step {final['global_step']}, not at the workload {workload}"
+            )
+        return {k: final[k] for k in ("test_accuracy", "test_loss", "global_step")}
+
+
+def job_hparams(job: JobSpec, plan_index: int) -> HParams:
+    """The resolved HParams of original segment ``plan_index`` (its k=v overrides applied)."""
+    return get_hparams(job.hparam_set, job.model).override(job.per_segment(job.hparams, plan_index))
+
+
+class ReportRunOperator(BaseOperator):
+    """Plots, summary.json and index.html in the run's report folder; its log ends with the summary."""
+
+    template_fields = ("run_dir",)
+    ui_color = "#eafaea"
+
+    def __init__(self, *, run_dir: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.run_dir = run_dir
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from syncswitch_airflow.report import build_report, format_summary_lines
+
+        summary = build_report(self.run_dir)
+        for line in format_summary_lines(summary):
+            self.log.info("run %s: %s", context["run_id"], line)
+        return {
+            "report": summary.get("index_html"),
+            "final_accuracy": summary.get("final_accuracy"),
+            "total_seconds": summary.get("total_seconds"),
+        }

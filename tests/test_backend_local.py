@@ -1,0 +1,160 @@
+"""The local cluster backend with real processes: launch detached, status, stop, teardown."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from proc_utils import assert_no_processes, find_processes
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.backends.base import EXITED, RUNNING, UNKNOWN
+from syncswitch_airflow.backends.local import LocalBackend
+
+# A child that stays in the launcher's process group, and one that escapes it with setsid(): teardown
+# must find both. Each writes nothing; the parent writes READY once both exist.
+FAMILY = """
+import subprocess, sys, time
+tag, ready = sys.argv[1], sys.argv[2]
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)", tag]
+subprocess.Popen(sleeper)
+subprocess.Popen(sleeper, start_new_session=True)
+open(ready, "w").close()
+time.sleep(600)
+"""
+
+GRACEFUL = """
+import signal, sys, time
+def stop(signum, frame):
+    open(sys.argv[1], "w").write("stopped by signal %d" % signum)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[2], "w").close()
+time.sleep(600)
+"""
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> LocalBackend:
+    return LocalBackend(work_root=str(tmp_path / "work"))
+
+
+@pytest.fixture
+def handle(backend: LocalBackend, tmp_path: Path) -> dict:
+    layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "manual__2026-01-01T00:00:00+00:00")
+    handle = backend.provision(JobSpec(job_name="demo"), layout)
+    yield handle
+    backend.teardown(handle)
+
+
+def test_get_backend_names_the_known_backends() -> None:
+    assert isinstance(get_backend("local"), LocalBackend)
+    with pytest.raises(ClusterError, match="available: local"):
+        get_backend("gce")
+
+
+def test_provision_creates_the_work_folder_idempotently(backend: LocalBackend, tmp_path: Path) -> None:
+    layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "manual__2026-01-01T00:00:00+00:00")
+    handle = backend.provision(JobSpec(job_name="demo"), layout)
+    assert handle["backend"] == "local" and handle["run_dir"] == layout.root
+    assert Path(handle["work_dir"]).parent == tmp_path / "work"
+    assert (Path(handle["work_dir"]) / "cluster.json").exists()
+    assert handle["processes"] == 1 + 2 + 1  # chief + 2 workers + 1 PS
+    assert backend.provision(JobSpec(job_name="demo"), layout) == handle
+    backend.teardown(handle)
+    assert not Path(handle["work_dir"]).exists()
+    backend.teardown(handle)  # idempotent
+
+
+def test_provision_refuses_a_cluster_that_does_not_fit_in_memory(tmp_path: Path) -> None:
+    greedy = LocalBackend(work_root=str(tmp_path / "work"), gb_per_process=100_000)
+    layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "r1")
+    with pytest.raises(ClusterError, match=r"needs about .* GB \(4 TensorFlow processes"):
+        greedy.provision(JobSpec(job_name="demo"), layout)
+    assert not (tmp_path / "work").exists()
+
+
+def test_status_follows_the_launcher_to_its_exit_code(backend: LocalBackend, handle: dict) -> None:
+    assert backend.segment_status(handle, 0).state == UNKNOWN
+    record = backend.launch_command(
+        handle, 0, [sys.executable, "-c", "import sys, time; print('hello'); time.sleep(1); sys.exit(3)"]
+    )
+    assert backend.segment_status(handle, 0).state == RUNNING
+    with pytest.raises(ClusterError, match="already running"):
+        backend.launch_command(handle, 0, [sys.executable, "-c", "pass"])
+    # Nobody reaps the wrapper here (as under `dags test`): a zombie must count as exited.
+    wait_for(lambda: backend.segment_status(handle, 0).state == EXITED, what="exit")
+    status = backend.segment_status(handle, 0)
+    assert (status.exit_code, status.pid) == (3, record["pid"])
+    assert "hello" in backend.segment_log_tail(handle, 0)
+    # A relaunch of the same segment (an Airflow retry) starts clean.
+    backend.launch_command(handle, 0, [sys.executable, "-c", "pass"])
+    wait_for(lambda: backend.segment_status(handle, 0).state == EXITED, what="second exit")
+    assert backend.segment_status(handle, 0).exit_code == 0
+
+
+def test_a_launcher_killed_hard_has_no_exit_code(backend: LocalBackend, handle: dict, tmp_path: Path) -> None:
+    record = backend.launch_command(
+        handle, 1, [sys.executable, "-c", "import time; time.sleep(600)", str(tmp_path)]
+    )
+    os.killpg(record["pgid"], signal.SIGKILL)
+    wait_for(lambda: backend.segment_status(handle, 1).state == EXITED, what="exit")
+    assert backend.segment_status(handle, 1).exit_code is None
+
+
+def test_stop_segment_lets_the_launcher_stop_gracefully(
+    backend: LocalBackend, handle: dict, tmp_path: Path
+) -> None:
+    stopped, ready = tmp_path / "stopped", tmp_path / "ready"
+    backend.launch_command(handle, 2, [sys.executable, "-c", GRACEFUL, str(stopped), str(ready)])
+    wait_for(ready.exists, what="launcher start")
+    backend.stop_segment(handle, 2, grace_seconds=10)
+    assert stopped.read_text() == f"stopped by signal {signal.SIGTERM.value}"
+    assert backend.segment_status(handle, 2).exit_code == 7
+    assert_no_processes(re.escape(str(stopped)), timeout=0)
+
+
+def test_teardown_kills_every_process_of_the_run_and_nothing_else(
+    backend: LocalBackend, handle: dict, tmp_path: Path
+) -> None:
+    tag = str(tmp_path / "family")
+    other_tag = str(tmp_path / "other-run")
+    other_layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "another-run")
+    other = backend.provision(JobSpec(job_name="demo"), other_layout)
+    try:
+        for index in (0, 1):
+            ready = tmp_path / f"ready-{index}"
+            backend.launch_command(handle, index, [sys.executable, "-c", FAMILY, tag, str(ready)])
+            wait_for(ready.exists, what=f"segment {index} family")
+        other_ready = tmp_path / "ready-other"
+        backend.launch_command(other, 0, [sys.executable, "-c", FAMILY, other_tag, str(other_ready)])
+        wait_for(other_ready.exists, what="the other run's family")
+        # Per segment: wrapper, launcher, grouped child, setsid child; the last in its own session.
+        family = find_processes(re.escape(tag))
+        assert len(family) == 2 * 4
+        assert len({os.getsid(p.pid) for p in family}) == 2 * 2
+
+        released = backend.teardown(handle)
+
+        assert_no_processes(re.escape(tag), timeout=0)
+        assert len(released["stopped_pids"]) == 2 * 4
+        assert not Path(handle["work_dir"]).exists()
+        assert len(find_processes(re.escape(other_tag))) == 4, "teardown touched another run"
+        assert backend.teardown(handle)["stopped_pids"] == []
+    finally:
+        backend.teardown(other)
+    assert_no_processes(re.escape(other_tag), timeout=0)
