@@ -14,7 +14,9 @@ storage a little late (gs:// uploads are batched) still land in their window.
 Per window and worker the statistic is the median of the signal. Each worker is compared with the
 cluster's own baseline: the median of the *other* workers' statistics in the same window, so no
 threshold is tied to a model or a machine, and a cluster that slows down as a whole is not a
-straggler. ``factor = stat / baseline``; a worker is flagged when ``factor >= threshold``.
+straggler. ``factor = stat / baseline``; a worker is flagged when ``factor >= threshold``. In ASP a
+worker with too few samples in a window is measured by the step it is still in (time since its last
+completed step, a lower bound), so a worker that slows to a crawl or freezes is still named.
 
 Hysteresis: ``raise_after`` consecutive flagged windows raise the verdict, ``clear_after``
 consecutive clean windows clear it. Windows without evidence (fewer than two workers measured)

@@ -1,0 +1,1 @@
+"""Sensors: deferrable watchers beside the pipeline's tasks."""

@@ -1,0 +1,263 @@
+"""StragglerSensor (``watch_stragglers_<i>``): watches segment slot ``i`` and applies the online policy.
+
+execute()
+    reads state.json; no plan entry for the slot -> skipped; the segment already ended -> returns at
+    once (the ``airflow dags test`` path, where the sensor runs after its segment task); else defers
+    to :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`.
+execute_complete()
+    segment ended / never started / stalled -> returns without effect.
+    verdict -> asks the policy named by the job's ``online_policy``; records the decision in
+    state.json. A switch rewrites the plan (plan.insert_switch) in the same state update that records
+    the decision, and only then writes the graceful-stop request ``control/stop-seg-ii``, so the
+    segment task always finds the plan entry it must run next. After a "stay" the sensor defers again
+    and keeps watching (a policy that declined may accept a straggler that lasts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from airflow.sdk import BaseSensorOperator
+from airflow.sdk.exceptions import AirflowSkipException
+from syncswitch import storage
+from syncswitch.layout import RunLayout
+from syncswitch.state import State, read_state, record_decision, update_state
+
+from syncswitch_airflow import plan as plans
+from syncswitch_airflow.detector import DetectorConfig, Verdict
+from syncswitch_airflow.policies import Decision, PolicyContext, get_policy, measured_switch_gap
+from syncswitch_airflow.triggers.straggler import StragglerTrigger
+
+log = logging.getLogger(__name__)
+
+TERMINAL_STATUSES = ("segment_ended", "not_started", "stalled")
+SWITCH_ACTIONS = ("switch", "switch_back")
+SEGMENT_ENDED = "segment already ended"
+
+
+class StragglerSensor(BaseSensorOperator):
+    """Deferrable watcher of one segment slot. ``run_dir`` and ``slot`` are templated."""
+
+    template_fields: Sequence[str] = ("run_dir", "slot")
+    ui_color = "#f4d58d"
+
+    def __init__(
+        self,
+        *,
+        run_dir: str,
+        slot: int | str,
+        poll_interval: float = 2.0,
+        start_timeout: float = 300.0,
+        idle_timeout: float = 900.0,
+        recheck_seconds: float = 30.0,
+        detector: dict[str, Any] | None = None,
+        default_switch_gap: float = 15.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.run_dir = run_dir
+        self.slot = slot
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.idle_timeout = idle_timeout
+        self.recheck_seconds = recheck_seconds
+        # Validated now, so a bad setting fails when the DAG is parsed rather than on the triggerer.
+        self.detector = DetectorConfig.from_dict(detector or {}).to_dict()
+        self.default_switch_gap = default_switch_gap
+
+    # ---- execute -------------------------------------------------------------------------------
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        layout, slot = RunLayout(self.run_dir), int(self.slot)
+        state = read_state(layout) or {}
+        item = plans.entry(state.get("plan", []), slot)
+        if item is None:
+            raise AirflowSkipException(f"slot {slot} is past the end of the plan")
+        if self._segment_ended(layout, state, item):
+            return self._finish(state, item, "segment_ended")
+        since, workers = _straggler_behind(state, item)
+        self._defer(state, item, start_after=None, straggling_since=since, straggling_workers=workers)
+
+    def _defer(
+        self,
+        state: State,
+        item: dict[str, Any],
+        *,
+        start_after: float | None,
+        straggling_since: float | None,
+        straggling_workers: list[int],
+    ) -> NoReturn:
+        trigger = StragglerTrigger(
+            run_dir=self.run_dir,
+            index=item["index"],
+            protocol=item["protocol"],
+            poll_interval=self.poll_interval,
+            start_timeout=self.start_timeout,
+            idle_timeout=self.idle_timeout,
+            recheck_seconds=self._recheck_seconds(state),
+            detector=self.detector,
+            start_after=start_after,
+            straggling_since=straggling_since,
+            straggling_workers=straggling_workers,
+        )
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def _recheck_seconds(self, state: State) -> float:
+        """Only a policy that weighs a straggler's duration (elastic) gains from hearing of it again."""
+        job = state.get("job", {})
+        switches = sum(1 for d in state.get("decisions", []) if d.get("action") in SWITCH_ACTIONS)
+        if job.get("online_policy") != "elastic" or switches >= int(job.get("max_online_switches", 0)):
+            return 0.0
+        return self.recheck_seconds
+
+    @staticmethod
+    def _segment_ended(layout: RunLayout, state: State, item: dict[str, Any]) -> bool:
+        return str(item["index"]) in state.get("segments", {}) or storage.exists(
+            layout.segment_result(item["index"], item["protocol"])
+        )
+
+    def _finish(self, state: State, item: dict[str, Any], status: str) -> dict[str, Any]:
+        decisions = [d for d in state.get("decisions", []) if d.get("segment") == item["index"]]
+        log.info(
+            "run %s segment %d (%s): %s; %d decision(s) recorded",
+            state.get("run_id"),
+            item["index"],
+            item["protocol"],
+            status.replace("_", " "),
+            len(decisions),
+        )
+        return {
+            "status": status,
+            "segment": item["index"],
+            "protocol": item["protocol"],
+            "decisions": decisions,
+        }
+
+    # ---- execute_complete ----------------------------------------------------------------------
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        layout, slot = RunLayout(self.run_dir), int(self.slot)
+        state = read_state(layout) or {}
+        item = plans.entry(state.get("plan", []), slot)
+        if item is None:
+            raise AirflowSkipException(f"slot {slot} is no longer in the plan")
+        if event["status"] in TERMINAL_STATUSES:
+            return self._finish(state, item, event["status"])
+        if event.get("protocol", item["protocol"]) != item["protocol"]:
+            # The plan moved under this slot (a switch in an earlier slot): what it watched is gone.
+            return self._finish(state, item, "plan_changed")
+        verdict = Verdict.from_dict(event["verdict"])
+        decision = self._decide(layout, state, item, verdict)
+        record = decision_record(state, item, decision, event.get("change"))
+        log.info(
+            "run %s segment %d (%s): %s straggler -> %s %s: %s",
+            state.get("run_id"),
+            slot,
+            item["protocol"],
+            event.get("change"),
+            record["policy"],
+            decision.action,
+            decision.reason,
+        )
+        if decision.action in SWITCH_ACTIONS:
+            apply_switch(layout, item, record)
+            return record
+        state = record_decision(layout, record)
+        if decision.reason == SEGMENT_ENDED:
+            return self._finish(state, item, "segment_ended")
+        self._defer(
+            state,
+            item,
+            start_after=verdict.window_end,
+            straggling_since=verdict.since if verdict.straggling else None,
+            straggling_workers=verdict.workers,
+        )
+
+    def _decide(self, layout: RunLayout, state: State, item: dict[str, Any], verdict: Verdict) -> Decision:
+        if self._segment_ended(layout, state, item):
+            return Decision("stay", SEGMENT_ENDED, {"global_step": verdict.global_step})
+        context = policy_context(state, item, verdict, self.default_switch_gap)
+        return get_policy(state.get("job", {}).get("online_policy", "none")).decide(context)
+
+
+# ---- state helpers (plain functions: the sensor's logic without Airflow) -------------------------
+
+
+def policy_context(state: State, item: dict[str, Any], verdict: Verdict, default_gap: float) -> PolicyContext:
+    """What a policy needs, from state.json and the verdict."""
+    job = state.get("job", {})
+    num_workers = max(int(job.get("num_workers", 1)), 1)
+    # In ASP each worker's step is one update of 1/N of a BSP-equivalent step.
+    step_time = verdict.step_time if item["protocol"] == "bsp" else verdict.step_time / num_workers
+    gap, gap_source = measured_switch_gap(state.get("segments", {}), default_gap)
+    return PolicyContext(
+        segment_index=item["index"],
+        protocol=item["protocol"],
+        origin=item.get("origin", "plan"),
+        until_step=item["until_step"],
+        global_step=verdict.global_step,
+        verdict=verdict,
+        step_time=step_time,
+        switch_gap=gap,
+        switch_gap_source=gap_source,
+        online_switches=sum(1 for d in state.get("decisions", []) if d.get("action") in SWITCH_ACTIONS),
+        max_online_switches=int(job.get("max_online_switches", 0)),
+    )
+
+
+def decision_record(
+    state: State, item: dict[str, Any], decision: Decision, change: str | None
+) -> dict[str, Any]:
+    """The entry appended to state.json["decisions"]."""
+    return {
+        **decision.numbers,
+        "run_id": state.get("run_id"),
+        "segment": item["index"],
+        "protocol": item["protocol"],
+        "origin": item.get("origin", "plan"),
+        "policy": state.get("job", {}).get("online_policy", "none"),
+        "change": change,
+        "action": decision.action,
+        "reason": decision.reason,
+    }
+
+
+def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
+    """Record the decision and rewrite the plan in one state update, then request the graceful stop."""
+    index = item["index"]
+    new_protocol = plans.other_protocol(item["protocol"])
+
+    def mutate(state: State) -> None:
+        current = state.get("plan", [])
+        following = plans.entry(current, index + 1)
+        already = (
+            following is not None
+            and following.get("origin") == "online"
+            and following.get("protocol") == new_protocol
+            and following.get("until_step") == item["until_step"]
+        )
+        # A retried task must not insert the same switch twice.
+        if not already:
+            state["plan"] = plans.insert_switch(current, index, new_protocol)
+        state.setdefault("decisions", []).append({"time": time.time(), **record, "plan_changed": not already})
+
+    state = update_state(layout, mutate)
+    storage.write_text(layout.stop_request(index), f"{record['action']}: {record['reason']}\n")
+    return state
+
+
+def _straggler_behind(state: State, item: dict[str, Any]) -> tuple[float | None, list[int]]:
+    """For an online ASP segment: when the straggler that caused it began, and on which workers.
+
+    The detector then starts in the straggling state and reports when the straggler clears.
+    """
+    if item.get("origin") != "online" or item["protocol"] != "asp":
+        return None, []
+    for decision in reversed(state.get("decisions", [])):
+        if decision.get("segment") == item["index"] - 1 and decision.get("action") == "switch":
+            since = decision.get("since")
+            return (since if since is not None else decision.get("time")), list(decision.get("workers", []))
+    return None, []

@@ -1,0 +1,1 @@
+"""Triggers: async waits that run on the Airflow triggerer."""

@@ -1,0 +1,365 @@
+"""StragglerTrigger against real run folders, and the StragglerSensor's decisions on a real state.json.
+
+A writer thread plays the segment's processes: it appends worker_step events through the real
+EventWriter into the real run layout, in real time. The trigger's ``run()`` generator runs under
+asyncio.run; no Airflow database is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
+from syncswitch import storage
+from syncswitch.events import EventWriter
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch.state import new_state, read_state, update_state
+from syncswitch_airflow.sensors.straggler import StragglerSensor, apply_switch
+from syncswitch_airflow.triggers.straggler import CLASSPATH, EventTail, StragglerTrigger
+
+DETECTOR = {"window_seconds": 0.5, "threshold": 1.5, "raise_after": 2, "clear_after": 2, "lateness": 0.1}
+TICK = 0.05
+Slowdown = Callable[[int, float], float]
+
+
+def clean(_worker: int, _t: float) -> float:
+    return 1.0
+
+
+def worker_slow_after(worker: int, after: float, factor: float = 3.0) -> Slowdown:
+    return lambda w, t: factor if w == worker and t >= after else 1.0
+
+
+class SegmentWriter:
+    """Appends lockstep BSP (or free-running ASP) worker_step events for one segment, in real time."""
+
+    def __init__(self, uri_of: Callable[[int], str], protocol: str, workers: int, slowdown: Slowdown) -> None:
+        self.writers = [
+            EventWriter(
+                uri_of(w), run_id="r", segment=0, protocol=protocol, role="worker", task=w, flush_seconds=0
+            )
+            for w in range(workers)
+        ]
+        self.protocol, self.slowdown = protocol, slowdown
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        started, step = time.monotonic(), 0
+        while not self.stop.is_set():
+            t = time.monotonic() - started
+            computes = [0.02 * self.slowdown(w, t) for w in range(len(self.writers))]
+            step += 1
+            for w, (writer, compute) in enumerate(zip(self.writers, computes, strict=True)):
+                # BSP: everyone's step takes as long as the slowest compute; ASP: each its own.
+                step_time = (max(computes) if self.protocol == "bsp" else compute) + 0.005
+                writer.emit(
+                    "worker_step",
+                    worker=w,
+                    global_step=float(step),
+                    step_time=step_time,
+                    compute_time=compute,
+                    wait_time=step_time - compute,
+                )
+            self.stop.wait(TICK)
+
+    def __enter__(self) -> SegmentWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        for writer in self.writers:
+            writer.close()
+
+
+def first_event(trigger: StragglerTrigger, timeout: float = 30.0) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def trigger_for(layout: RunLayout, protocol: str = "bsp", **kwargs: Any) -> StragglerTrigger:
+    settings = {
+        "poll_interval": 0.05,
+        "start_timeout": 10.0,
+        "idle_timeout": 10.0,
+        "detector": DETECTOR,
+        **kwargs,
+    }
+    return StragglerTrigger(run_dir=layout.root, index=0, protocol=protocol, **settings)
+
+
+def writer_for(layout: RunLayout, protocol: str, workers: int, slowdown: Slowdown) -> SegmentWriter:
+    return SegmentWriter(
+        lambda w: layout.segment_events(0, protocol, "worker", w), protocol, workers, slowdown
+    )
+
+
+def write_result_after(layout: RunLayout, protocol: str, seconds: float) -> threading.Timer:
+    timer = threading.Timer(
+        seconds, lambda: storage.write_json(layout.segment_result(0, protocol), {"index": 0, "end_step": 10})
+    )
+    timer.start()
+    return timer
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    return RunLayout.for_run(str(tmp_path), "job", "manual__2026-01-01T00:00:00+00:00")
+
+
+# ---- the trigger -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_straggler_appearing_fires_a_verdict(layout: RunLayout, workers: int) -> None:
+    with writer_for(layout, "bsp", workers, worker_slow_after(1, after=0.6)):
+        payload = first_event(trigger_for(layout))
+    assert payload["status"] == "verdict" and payload["change"] == "raised"
+    assert (payload["index"], payload["protocol"]) == (0, "bsp")
+    verdict = payload["verdict"]
+    assert verdict["straggling"] and verdict["workers"] == [1]
+    assert verdict["signal"] == "compute_time" and verdict["slowdown"] >= 2.0
+    assert verdict["global_step"] > 0
+
+
+def test_result_json_ends_the_watch(layout: RunLayout) -> None:
+    with writer_for(layout, "bsp", 2, clean):
+        timer = write_result_after(layout, "bsp", 1.5)
+        payload = first_event(trigger_for(layout))
+        timer.join()
+    assert payload == {"status": "segment_ended", "index": 0, "protocol": "bsp"}
+
+
+def test_a_segment_that_never_starts(layout: RunLayout) -> None:
+    started = time.monotonic()
+    payload = first_event(trigger_for(layout, start_timeout=0.4))
+    assert payload["status"] == "not_started" and payload["waited"] >= 0.4
+    assert time.monotonic() - started < 5
+
+
+def test_a_segment_whose_events_stop_without_a_result_is_stalled(layout: RunLayout) -> None:
+    with writer_for(layout, "bsp", 2, clean):
+        time.sleep(0.5)
+    payload = first_event(trigger_for(layout, idle_timeout=0.5))
+    assert payload["status"] == "stalled"
+
+
+def test_started_straggling_it_fires_when_the_straggler_clears(layout: RunLayout) -> None:
+    since = time.time() - 20
+    trigger = trigger_for(layout, "asp", straggling_since=since, straggling_workers=[1])
+    with writer_for(layout, "asp", 2, clean):
+        payload = first_event(trigger)
+    assert payload["change"] == "cleared"
+    assert payload["verdict"]["since"] == since and not payload["verdict"]["straggling"]
+    assert payload["verdict"]["signal"] == "step_time"
+
+
+def test_start_after_ignores_windows_already_acted_on(layout: RunLayout) -> None:
+    slow_then_clean = lambda w, t: 3.0 if w == 1 and t < 1.5 else 1.0  # noqa: E731
+    with writer_for(layout, "bsp", 2, slow_then_clean):
+        time.sleep(1.6)
+        # Control: a trigger that reads the whole history sees the slow windows at once.
+        assert first_event(trigger_for(layout))["change"] == "raised"
+        timer = write_result_after(layout, "bsp", 1.5)
+        payload = first_event(trigger_for(layout, start_after=time.time()))
+        timer.join()
+    assert payload["status"] == "segment_ended"
+
+
+def test_a_lasting_straggler_is_reported_again_every_recheck_seconds(layout: RunLayout) -> None:
+    with writer_for(layout, "bsp", 2, worker_slow_after(0, after=0.0)):
+        payload = first_event(trigger_for(layout, straggling_since=time.time(), recheck_seconds=1.0))
+    assert payload["change"] == "ongoing" and payload["verdict"]["workers"] == [0]
+
+
+def test_serialize_round_trips(layout: RunLayout) -> None:
+    trigger = trigger_for(layout, straggling_since=12.5, straggling_workers=[1], recheck_seconds=30.0)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == CLASSPATH == f"{StragglerTrigger.__module__}.{StragglerTrigger.__name__}"
+    assert StragglerTrigger(**kwargs).serialize() == (classpath, kwargs)
+    assert kwargs["straggling_since"] == 12.5 and kwargs["detector"] == DETECTOR
+
+
+def test_event_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "seg" / "worker-0.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"event": "worker_step", "wall_time": 1}\n{"event": "worker_st')
+    tail = EventTail(str(tmp_path / "seg"))
+    assert [r["wall_time"] for r in tail.read_new()] == [1]
+    with path.open("a") as f:
+        f.write('ep", "wall_time": 2}\n')
+    assert [r["wall_time"] for r in tail.read_new()] == [2]
+    assert tail.read_new() == []
+
+
+def test_a_straggler_in_a_gcs_run_folder(gcs_bucket: str) -> None:
+    layout = RunLayout.for_run(gcs_bucket, "job", "gcs-run")
+    detector = {**DETECTOR, "window_seconds": 1.0}
+    with writer_for(layout, "bsp", 2, worker_slow_after(0, after=1.0)):
+        payload = first_event(trigger_for(layout, poll_interval=0.2, detector=detector), timeout=60)
+    assert payload["change"] == "raised" and payload["verdict"]["workers"] == [0]
+
+
+# ---- the sensor --------------------------------------------------------------------------------
+
+
+def start_run(layout: RunLayout, policy: str, max_online_switches: int = 2) -> None:
+    job = JobSpec(
+        switch_order="10", total_steps=400, online_policy=policy, max_online_switches=max_online_switches
+    )
+    entries = [
+        {"index": s.index, "protocol": s.protocol, "until_step": s.until_step, "origin": "plan"}
+        for s in job.plan("r", layout.root)
+    ]
+
+    def init(state: dict) -> None:
+        state.update(new_state(layout, "r", job.to_params()), plan=entries)
+
+    update_state(layout, init)
+
+
+def sensor(layout: RunLayout, slot: int = 0) -> StragglerSensor:
+    return StragglerSensor(
+        task_id=f"watch_stragglers_{slot}",
+        run_dir=layout.root,
+        slot=slot,
+        poll_interval=0.05,
+        detector=DETECTOR,
+        recheck_seconds=5.0,
+    )
+
+
+def raised_payload(layout: RunLayout) -> dict[str, Any]:
+    with writer_for(layout, "bsp", 2, worker_slow_after(1, after=0.5)):
+        return first_event(trigger_for(layout))
+
+
+def test_sensor_skips_a_slot_past_the_end_of_the_plan(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    with pytest.raises(AirflowSkipException):
+        sensor(layout, slot=2).execute({})
+
+
+def test_sensor_returns_at_once_when_its_segment_already_ended(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    storage.write_json(layout.segment_result(0, "bsp"), {"index": 0})
+    started = time.monotonic()
+    result = sensor(layout).execute({})
+    assert result["status"] == "segment_ended" and result["decisions"] == []
+    assert time.monotonic() - started < 1
+
+
+def test_sensor_defers_to_the_trigger_for_a_running_segment(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor(layout).execute({})
+    classpath, kwargs = deferred.value.trigger.serialize()
+    assert classpath == CLASSPATH
+    assert (kwargs["index"], kwargs["protocol"], kwargs["straggling_since"]) == (0, "bsp", None)
+    assert deferred.value.method_name == "execute_complete"
+
+
+def test_greedy_verdict_rewrites_the_plan_then_requests_the_stop(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    payload = raised_payload(layout)
+    decision = sensor(layout).execute_complete({}, payload)
+    assert decision["action"] == "switch" and decision["policy"] == "greedy"
+    state = read_state(layout)
+    assert state is not None
+    assert [(p["protocol"], p["until_step"], p["origin"]) for p in state["plan"]] == [
+        ("bsp", 100, "plan"),
+        ("asp", 100, "online"),
+        ("asp", 400, "plan"),
+    ]
+    [recorded] = state["decisions"]
+    assert recorded["action"] == "switch" and recorded["workers"] == [1] and recorded["plan_changed"]
+    assert recorded["reason"] in storage.read_text(layout.stop_request(0))
+
+    # The online ASP slot starts its detector straggling, so it reports when the straggler clears.
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor(layout, slot=1).execute({})
+    kwargs = deferred.value.trigger.serialize()[1]
+    assert (kwargs["protocol"], kwargs["straggling_since"]) == ("asp", payload["verdict"]["since"])
+    assert kwargs["straggling_workers"] == [1]
+
+
+def test_a_retried_switch_is_not_inserted_twice(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    item = {"index": 0, "protocol": "bsp", "until_step": 100, "origin": "plan"}
+    record = {"segment": 0, "action": "switch", "reason": "test"}
+    apply_switch(layout, item, record)
+    state = apply_switch(layout, item, record)
+    assert len(state["plan"]) == 3
+    assert [d["plan_changed"] for d in state["decisions"]] == [True, False]
+
+
+def test_policy_none_records_the_detection_and_keeps_watching(layout: RunLayout) -> None:
+    start_run(layout, "none")
+    payload = raised_payload(layout)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor(layout).execute_complete({}, payload)
+    state = read_state(layout)
+    assert state is not None and len(state["plan"]) == 2
+    assert not storage.exists(layout.stop_request(0))
+    [recorded] = state["decisions"]
+    assert (recorded["action"], recorded["reason"], recorded["change"]) == ("stay", "policy none", "raised")
+    kwargs = deferred.value.trigger.serialize()[1]
+    assert kwargs["start_after"] == payload["verdict"]["window_end"]
+    assert kwargs["straggling_since"] == payload["verdict"]["since"]
+    assert kwargs["recheck_seconds"] == 0.0  # nothing to weigh again under policy none
+
+
+def test_elastic_declines_a_fresh_straggler_and_asks_to_hear_of_it_again(layout: RunLayout) -> None:
+    start_run(layout, "elastic")
+    payload = raised_payload(layout)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor(layout).execute_complete({}, payload)
+    state = read_state(layout)
+    assert state is not None
+    [recorded] = state["decisions"]
+    assert recorded["action"] == "stay" and recorded["saving"] <= recorded["cost"] == 30.0
+    assert recorded["switch_gap_source"] == "default estimate"
+    assert deferred.value.trigger.serialize()[1]["recheck_seconds"] == 5.0
+
+
+def test_a_verdict_arriving_after_the_segment_ended_changes_nothing(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    payload = raised_payload(layout)
+    storage.write_json(layout.segment_result(0, "bsp"), {"index": 0})
+    result = sensor(layout).execute_complete({}, payload)
+    assert result["status"] == "segment_ended"
+    assert [d["reason"] for d in result["decisions"]] == ["segment already ended"]
+    assert not storage.exists(layout.stop_request(0))
+
+
+def test_sensor_ends_quietly_on_terminal_events(layout: RunLayout) -> None:
+    start_run(layout, "greedy")
+    for status in ("segment_ended", "not_started", "stalled"):
+        result = sensor(layout).execute_complete({}, {"status": status, "index": 0, "protocol": "bsp"})
+        assert result["status"] == status
+    # A verdict about another protocol's folder: the plan moved under this slot, nothing to act on.
+    moved = sensor(layout).execute_complete({}, {"status": "verdict", "index": 0, "protocol": "asp"})
+    assert moved["status"] == "plan_changed"
+    state = read_state(layout)
+    assert state is not None and state["decisions"] == [] and len(state["plan"]) == 2
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    leftover = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not leftover, f"threads left running: {leftover}"
