@@ -6,14 +6,15 @@ Every event is one JSON object per line with these common keys:
     run_id      the run folder's run id
     segment     segment index (0, 1, ...)
     protocol    "bsp" or "asp"
-    role        "chief", "worker" or "ps"
+    role        "chief", "worker", "ps", or "launcher" (the local supervisor: straggler events)
     task        task index within the role
     wall_time   seconds since the epoch when the event was emitted
 
 Per event type, the extra keys are:
 
     segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
-                   momentum_rule
+                   momentum_rule, restored_from (checkpoint uri or None), checkpoint_digest (from its
+                   manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (chief) global_step (BSP-equivalent steps, float), samples, updates, loss,
                    examples_per_sec, step_time, learning_rate, momentum
     worker_step    per-worker timing, the straggler detector's input: worker, global_step,

@@ -133,6 +133,17 @@ def build_training_state(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer, "checkpoint": checkpoint}
 
 
+def weights_digest(state: dict[str, Any]) -> str:
+    """SHA-256 over the model weights (BN statistics included) and the optimizer's velocity slots: the
+    proof that a handoff between protocols restored bit-identical state."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for variable in [*state["model"].weights, *state["optimizer"].momentums]:
+        digest.update(variable.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str, Any]) -> dict[str, Any]:
     """Restore the newest complete checkpoint; returns {samples, updates, uri} (zeros if none)."""
     manifest = checkpoints.latest(ctx.layout)
@@ -141,7 +152,13 @@ def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str,
     checkpoints.check_compatible(manifest, signature)
     prefix = checkpoints.fetch(manifest, ctx.work_dir)
     state["checkpoint"].read(prefix).assert_consumed()
-    return {"samples": int(manifest["samples"]), "updates": int(manifest["updates"]), "uri": manifest["uri"]}
+    return {
+        "samples": int(manifest["samples"]),
+        "updates": int(manifest["updates"]),
+        "uri": manifest["uri"],
+        "digest": manifest.get("digest"),
+        "restored_digest": weights_digest(state),
+    }
 
 
 def save(
@@ -157,6 +174,9 @@ def save(
 ) -> str:
     state["checkpoint"].samples.assign(samples)
     state["checkpoint"].updates.assign(updates)
+    extra = {"segment": ctx.spec.index, "protocol": ctx.spec.protocol}
+    if is_writer:
+        extra["digest"] = weights_digest(state)
     uri, seconds = checkpoints.write(
         state["checkpoint"],
         ctx.layout,
@@ -165,7 +185,7 @@ def save(
         updates=updates,
         signature=signature,
         is_writer=is_writer,
-        extra={"segment": ctx.spec.index, "protocol": ctx.spec.protocol},
+        extra=extra,
     )
     if is_writer:
         checkpoints.prune(ctx.layout, KEEP_CHECKPOINTS)
@@ -308,11 +328,17 @@ class ChiefReporter:
         return {name: t[b] - t[a] for name, a, b in marks if a in t and b in t}
 
 
-def segment_start_event(ctx: NodeContext, events: EventWriter, start_step: float, schedule: Schedule) -> None:
+def segment_start_event(
+    ctx: NodeContext, events: EventWriter, start_step: float, schedule: Schedule, restored: dict[str, Any]
+) -> None:
+    """The effective configuration of this segment, and what it restored from (with both digests)."""
     lr, momentum = schedule.at(start_step)
     events.emit(
         "segment_start",
         start_step=start_step,
+        restored_from=restored["uri"],
+        checkpoint_digest=restored.get("digest"),
+        restored_digest=restored.get("restored_digest"),
         until_step=ctx.spec.until_step,
         num_workers=ctx.spec.num_workers,
         batch_per_worker=ctx.hp.batch_size,
@@ -400,7 +426,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
     reporter = ChiefReporter(ctx, events, global_batch, samples) if ctx.is_chief else None
     if ctx.is_chief:
-        segment_start_event(ctx, events, start_step, schedule)
+        segment_start_event(ctx, events, start_step, schedule, restored)
     worker_timer = WorkerTimer(events, ctx.task)
     stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
     try:
@@ -549,9 +575,7 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
-    @tf.function
-    def worker_step(iterator: Any, lr: Any, momentum: Any) -> tuple[Any, ...]:
-        x, y = next(iterator)
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any) -> tuple[Any, ...]:
         started = tf.timestamp()
         with tf.control_dependencies([started]), tf.GradientTape() as tape:
             per_example, decay = loss_terms(model, x, y, hp.weight_decay)
@@ -565,11 +589,17 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         return loss, worker, computed - started, finished - started
 
+    @tf.function
+    def worker_step(iterator: Any, lr: Any, momentum: Any) -> tuple[Any, ...]:
+        # The Keras optimizer needs a replica context, which strategy.run provides on the worker.
+        x, y = next(iterator)
+        return strategy.run(replica_step, args=(x, y, lr, momentum))
+
     events = ctx.events()
     stop_signal = StopSignal(ctx.layout.stop_request(spec.index))
     reporter = ChiefReporter(ctx, events, global_batch, start_samples)
     watchdog = Watchdog(ctx, events)
-    segment_start_event(ctx, events, start_step, schedule)
+    segment_start_event(ctx, events, start_step, schedule, restored)
     loop = AspLoop(spec, batch, global_batch, start_samples)
     checkpoint_uri = restored["uri"]
     timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
