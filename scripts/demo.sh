@@ -5,13 +5,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-UV_VERSION=0.13.9
-if ! command -v uv >/dev/null 2>&1; then
-    echo "installing uv ${UV_VERSION} (pip --user)" >&2
-    python3 -m pip install --user --quiet "uv==${UV_VERSION}"
-    user_bin="$(python3 -m site --user-base)/bin"
-    export PATH="${user_bin}:${PATH}"
-fi
-
-uv sync --frozen
+# shellcheck source=scripts/_uv.sh
+source scripts/_uv.sh
 exec uv run --frozen syncswitch run "$@"
