@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,24 +79,28 @@ def _update_gcs(uri: str, mutate: Callable[[State], None], attempts: int) -> Sta
     from google.api_core.exceptions import NotFound, PreconditionFailed
 
     bucket, key = storage.split_gs(uri)
-    blob_ref = storage.gcs_client().bucket(bucket).blob(key)
+    bucket_ref = storage.gcs_client().bucket(bucket)
     for attempt in range(attempts):
+        # A fresh Blob per attempt: reload() stores the generation it saw, and a reused Blob would
+        # pin the next attempt's reads to that stale generation (NotFound -> {} -> 412 forever).
+        blob_ref = bucket_ref.blob(key)
         generation = 0
         state: State = {}
-        with contextlib.suppress(NotFound):
-            blob_ref.reload()
-            generation = blob_ref.generation
-            state = json.loads(blob_ref.download_as_bytes(if_generation_match=generation))
-        mutate(state)
         try:
+            with contextlib.suppress(NotFound):
+                blob_ref.reload()
+                generation = blob_ref.generation
+                state = json.loads(blob_ref.download_as_bytes(if_generation_match=generation))
+            mutate(state)
             blob_ref.upload_from_string(
                 json.dumps(state, indent=2, sort_keys=True, default=str),
                 content_type="application/json",
                 if_generation_match=generation,
             )
             return state
-        except PreconditionFailed:
-            time.sleep(0.05 * (attempt + 1))
+        except PreconditionFailed:  # another writer won (between reload and download, or on upload)
+            # Jitter so that writers that lost together do not retry in lockstep.
+            time.sleep(random.uniform(0.01, 0.05 * (attempt + 1)))
     raise RuntimeError(f"state.json at {uri} changed under {attempts} concurrent updates")
 
 
