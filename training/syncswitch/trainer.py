@@ -604,9 +604,11 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     checkpoint_uri = restored["uri"]
     timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
     try:
-        while not loop.finished:
+        while True:
             if stop_signal.requested:
-                loop.request_stop()
+                loop.request_stop()  # may finish the loop at once, when nothing is in flight
+            if loop.finished:
+                break
             while loop.may_schedule():
                 lr, momentum = schedule.at(loop.scheduled_samples / global_batch)
                 loop.add(
