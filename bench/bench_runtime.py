@@ -1,0 +1,401 @@
+"""Runtime benchmark (issue 2): single-process baseline vs BSP / ASP local clusters, with and without a
+straggler, side by side in one run.
+
+    .venv/bin/python bench/bench_runtime.py                 # ~6-10 minutes on 2 cores
+    .venv/bin/python bench/bench_runtime.py --quick         # smoke test: a few steps per config
+    .venv/bin/python bench/bench_runtime.py --pin-cores     # also every cluster config with pinned cores
+
+Every config trains ResNet-20 (``resnet_cifar_20``) on ``synthetic_cifar`` with 32 examples per worker
+per step, on the same number of examples (``--steps`` BSP-equivalent steps of 2 x 32 examples):
+
+    baseline         one process, a Keras custom training loop (GradientTape + tf.function) with the same
+                     model, loss, optimizer and per-step batch; TF's default threads (all cores)
+    bsp              `syncswitch train --protocol bsp --workers 2` (MultiWorkerMirroredStrategy)
+    asp              `syncswitch train --protocol asp --ps 1 --workers 2` (ParameterServerStrategy)
+    * + straggler    worker 1 runs 1/--slowdown of the time for the whole run (SIGSTOP/SIGCONT duty cycle)
+
+examples/s is the steady-state rate after warm-up: for the clusters from the chief's ``step`` events
+(skipping the first --warmup fraction of the samples), for the baseline over the steps after it.
+"start -> 1st step" is process launch to the end of the first training step (TF import, cluster
+connect, model build/restore, first step with its tracing). The baseline runs first and again last, so
+drift of the shared machine's load shows; ratios are to the mean of the two baseline runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from _common import (
+    BenchError,
+    fmt,
+    load_1m,
+    log,
+    machine_line,
+    markdown_table,
+    run_json_command,
+    syncswitch_command,
+)
+
+HPARAM_SET = "resnet_cifar_20"
+PROBLEM = "synthetic_cifar"
+WORKERS = 2
+BATCH_PER_WORKER = 32
+GOAL_RATIO = 0.8
+STRAGGLER_FOREVER_SECONDS = 86_400
+LAUNCH_TIME_ENV = "BENCH_LAUNCH_TIME"
+CONFIG_TIMEOUT_SECONDS = 1800.0
+STARTUP_PARTS = ("process_start", "cluster_connect", "restore", "first_step")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    protocol: str | None  # None: the single-process baseline
+    straggler: bool = False
+    pin_cores: bool = False
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.protocol is None
+
+
+@dataclass
+class Measurement:
+    config: Config
+    examples_per_sec: float | None = None  # steady state, after warm-up
+    segment_examples_per_sec: float | None = None  # all examples over the training seconds
+    training_seconds: float | None = None
+    wall_seconds: float | None = None
+    startup: dict[str, float] = field(default_factory=dict)
+    load_at_start: float = 0.0
+    error: str | None = None
+
+    @property
+    def startup_seconds(self) -> float | None:
+        return sum(self.startup.values()) if self.startup else None
+
+
+# ---- the configs ---------------------------------------------------------------------------------
+
+
+def configs(pin_cores: bool) -> list[Config]:
+    clusters = [
+        Config("BSP 2 workers", "bsp"),
+        Config("ASP 1 PS + 2 workers", "asp"),
+        Config("BSP 2 workers, straggler", "bsp", straggler=True),
+        Config("ASP 1 PS + 2 workers, straggler", "asp", straggler=True),
+    ]
+    if pin_cores:
+        clusters += [
+            Config(f"{c.name}, pinned", c.protocol, straggler=c.straggler, pin_cores=True) for c in clusters
+        ]
+    return [Config("baseline (1 process)", None), *clusters, Config("baseline (again)", None)]
+
+
+# ---- the single-process baseline (runs in a child process) ---------------------------------------
+
+
+def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str, Any]:
+    """Train in this process and return the measurement; run via --baseline-child by the parent."""
+    launched = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
+    import tensorflow as tf
+
+    if intra_op_threads > 0:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    imported = time.time()
+
+    from syncswitch.hparams import get_hparams, learning_rate_at
+    from syncswitch.models import build_model
+    from syncswitch.optim import SwitchableSGD
+    from syncswitch.problems import get_problem
+    from syncswitch.trainer import loss_terms
+
+    hp = get_hparams(HPARAM_SET).override(f"batch_size={BATCH_PER_WORKER}")
+    problem = get_problem(PROBLEM)
+    model = build_model(hp, problem)
+    optimizer = SwitchableSGD(nesterov=hp.optimizer_momentum_nesterov)
+    optimizer.build(model.trainable_variables)
+    dataset = problem.train_dataset("", batch_size=hp.batch_size, shard_index=0, num_shards=1, seed=0)
+    built = time.time()
+
+    @tf.function
+    def train_step(x: Any, y: Any, lr: Any, momentum: Any) -> Any:
+        with tf.GradientTape() as tape:
+            per_example, decay = loss_terms(model, x, y, hp.weight_decay)
+            loss = tf.reduce_mean(per_example) + decay
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.set_step_hparams(lr, momentum)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    # The same examples as the clusters: `steps` global batches of WORKERS x 32, here 32 at a time.
+    batches = steps * WORKERS
+    warm_batches = min(max(int(batches * warmup), 1), batches - 1)
+    times: list[float] = []
+    losses: list[float] = []
+    for i, (x, y) in enumerate(dataset.take(batches)):
+        # Linear LR scaling for a 32-example step, as the configuration policy does for ASP.
+        lr = learning_rate_at(hp, i / WORKERS, steps) / WORKERS
+        loss = train_step(x, y, tf.constant(lr, tf.float32), tf.constant(hp.optimizer_momentum_momentum))
+        losses.append(float(loss))  # float() waits for the step, as the clusters' loops do
+        times.append(time.time())
+    steady = (batches - warm_batches) * BATCH_PER_WORKER / (times[-1] - times[warm_batches - 1])
+    seconds = times[-1] - times[0]
+    return {
+        "examples_per_sec": steady,
+        "segment_examples_per_sec": batches * BATCH_PER_WORKER / seconds,
+        "training_seconds": seconds,
+        "startup": {
+            "process_start": imported - launched,
+            "restore": built - imported,  # model and optimizer build (nothing to restore)
+            "first_step": times[0] - built,
+        },
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def measure_baseline(config: Config, args: argparse.Namespace, work_dir: str) -> Measurement:
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--baseline-child",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--baseline-intra-op-threads={args.baseline_intra_op_threads}",
+    ]
+    log_path = os.path.join(work_dir, f"{slug(config.name)}.log")
+    env = {LAUNCH_TIME_ENV: repr(time.time()), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = run_json_command(argv, log_path, timeout=CONFIG_TIMEOUT_SECONDS, env=env)
+    s = result.summary
+    log(f"{config.name}: loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
+    return Measurement(
+        config,
+        examples_per_sec=s["examples_per_sec"],
+        segment_examples_per_sec=s["segment_examples_per_sec"],
+        training_seconds=s["training_seconds"],
+        wall_seconds=result.wall_seconds,
+        startup=s["startup"],
+    )
+
+
+# ---- the clusters ----------------------------------------------------------------------------------
+
+
+def cluster_argv(config: Config, args: argparse.Namespace, run_dir: str) -> list[str]:
+    argv = syncswitch_command(
+        "train",
+        f"--protocol={config.protocol}",
+        f"--workers={WORKERS}",
+        "--ps=1",
+        f"--problem={PROBLEM}",
+        "--model=resnet",
+        f"--hparam-set={HPARAM_SET}",
+        f"--hparams=batch_size={BATCH_PER_WORKER}",
+        f"--run-dir={run_dir}",
+        f"--until-step={args.steps}",
+        f"--total-steps={args.steps}",
+        "--ckpt-frequency=0",  # a checkpoint at the end only: the benchmark times training
+        "--quiet",
+    )
+    if config.straggler:
+        argv.append(
+            f"--straggler=worker=1,start=0,duration={STRAGGLER_FOREVER_SECONDS},slowdown={args.slowdown:g}"
+        )
+    if config.pin_cores:
+        argv.append("--pin-cores")
+    return argv
+
+
+def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> Measurement:
+    run_dir = os.path.join(work_dir, slug(config.name))
+    log_path = run_dir + ".log"
+    result = run_json_command(cluster_argv(config, args, run_dir), log_path, timeout=CONFIG_TIMEOUT_SECONDS)
+    s = result.summary
+    steady = steady_rate(chief_steps(run_dir, config.protocol), args.warmup)
+    return Measurement(
+        config,
+        examples_per_sec=steady if steady is not None else s["examples_per_sec"],
+        segment_examples_per_sec=s["examples_per_sec"],
+        training_seconds=s["training_seconds"],
+        wall_seconds=result.wall_seconds,
+        startup=s.get("startup") or {},
+    )
+
+
+def chief_steps(run_dir: str, protocol: str) -> list[dict[str, Any]]:
+    from syncswitch.events import read_events
+    from syncswitch.layout import RunLayout
+
+    steps = read_events(RunLayout(run_dir).segment_metrics(0, protocol), event="step")
+    return [e for e in steps if e.get("samples") is not None]
+
+
+def steady_rate(steps: list[dict[str, Any]], warmup: float) -> float | None:
+    """Examples/s between the first step event past the warm-up share of the samples and the last one."""
+    if len(steps) < 2:
+        return None
+    first_samples, last_samples = steps[0]["samples"], steps[-1]["samples"]
+    threshold = first_samples + warmup * (last_samples - first_samples)
+    window = [e for e in steps if e["samples"] >= threshold]
+    if len(window) < 2 or window[-1]["wall_time"] <= window[0]["wall_time"]:
+        return None
+    return (window[-1]["samples"] - window[0]["samples"]) / (window[-1]["wall_time"] - window[0]["wall_time"])
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def baseline_rate(measurements: list[Measurement]) -> float | None:
+    rates = [m.examples_per_sec for m in measurements if m.config.is_baseline and m.examples_per_sec]
+    return sum(rates) / len(rates) if rates else None
+
+
+def results_table(measurements: list[Measurement]) -> str:
+    base = baseline_rate(measurements)
+    rows = []
+    for m in measurements:
+        ratio = m.examples_per_sec / base if base and m.examples_per_sec else None
+        rows.append(
+            [
+                m.config.name,
+                fmt(m.examples_per_sec, 0) if not m.error else "failed",
+                fmt(ratio, 2),
+                fmt(m.segment_examples_per_sec, 0),
+                fmt(m.startup_seconds, 1),
+                fmt(m.training_seconds, 1),
+                fmt(m.wall_seconds, 1),
+                fmt(m.load_at_start, 1),
+            ]
+        )
+    headers = [
+        "config",
+        "examples/s",
+        "x baseline",
+        "examples/s (whole segment)",
+        "start -> 1st step (s)",
+        "training (s)",
+        "wall (s)",
+        "load 1m",
+    ]
+    return markdown_table(headers, rows)
+
+
+def startup_table(measurements: list[Measurement]) -> str:
+    rows = [
+        [m.config.name, *(fmt(m.startup.get(part), 2) for part in STARTUP_PARTS), fmt(m.startup_seconds, 2)]
+        for m in measurements
+        if m.startup
+    ]
+    headers = ["config", "process start", "cluster connect", "build / restore", "first step", "total"]
+    return markdown_table(headers, rows)
+
+
+def goal_lines(measurements: list[Measurement]) -> list[str]:
+    base = baseline_rate(measurements)
+    lines = []
+    for m in measurements:
+        if m.config.is_baseline or m.config.straggler or not m.examples_per_sec or not base:
+            continue
+        ratio = m.examples_per_sec / base
+        verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
+        lines.append(
+            f"goal >= {GOAL_RATIO} x baseline without stragglers: {m.config.name}: {ratio:.2f} ({verdict})"
+        )
+    return lines
+
+
+def print_report(measurements: list[Measurement], args: argparse.Namespace, machine: str) -> None:
+    print(f"# bench_runtime: {HPARAM_SET} on {PROBLEM}, {BATCH_PER_WORKER} examples per worker per step")
+    print(f"machine: {machine}")
+    print(
+        f"{args.steps} BSP-equivalent steps of {WORKERS} x {BATCH_PER_WORKER} examples per config; "
+        f"warm-up {args.warmup:.0%} of the samples; "
+        f"straggler: worker 1, slowdown {args.slowdown:g}, whole run"
+    )
+    print()
+    print(results_table(measurements))
+    print()
+    print("start-up split (s):")
+    print()
+    print(startup_table(measurements))
+    print()
+    for line in goal_lines(measurements):
+        print(line)
+    for m in measurements:
+        if m.error:
+            print(f"{m.config.name} failed: {m.error.splitlines()[0]}")
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, help="BSP-equivalent steps per config (default 150, --quick 8)")
+    p.add_argument("--quick", action="store_true", help="a few steps per config: a smoke test, not figures")
+    p.add_argument("--pin-cores", action="store_true", help="also run every cluster config with --pin-cores")
+    p.add_argument("--slowdown", type=float, default=3.0, help="straggler slowdown (> 1)")
+    p.add_argument("--warmup", type=float, default=0.2, help="share of the samples not timed (0..0.9)")
+    p.add_argument(
+        "--baseline-intra-op-threads",
+        type=int,
+        default=0,
+        help="baseline TF intra-op threads (0: TF default)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
+    p.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (8 if args.quick else 150)
+    if args.steps < 2 or not 0 <= args.warmup <= 0.9 or args.slowdown <= 1:
+        p.error("needs --steps >= 2, 0 <= --warmup <= 0.9 and --slowdown > 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.baseline_child:
+        print(json.dumps(baseline_child(args.steps, args.warmup, args.baseline_intra_op_threads)), flush=True)
+        return 0
+    machine = machine_line()
+    work_dir = tempfile.mkdtemp(prefix="bench-runtime-")
+    measurements: list[Measurement] = []
+    failed = False
+    try:
+        for config in configs(args.pin_cores):
+            load = load_1m()
+            log(f"{config.name}: starting (load {load:.1f})")
+            try:
+                measure = measure_baseline if config.is_baseline else measure_cluster
+                m = measure(config, args, work_dir)
+            except BenchError as exc:
+                failed = True
+                log(f"{config.name}: FAILED: {exc}")
+                m = Measurement(config, error=str(exc))
+            m.load_at_start = load
+            measurements.append(m)
+            if not m.error:
+                log(f"{config.name}: {m.examples_per_sec:.0f} examples/s, {m.training_seconds:.1f}s training")
+    finally:
+        if args.keep or failed:
+            log(f"run folders and logs kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    print_report(measurements, args, machine)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
