@@ -1,0 +1,350 @@
+"""The training runtime as users run it: `syncswitch train` on real multi-process TF clusters.
+
+Each test starts real chief/worker/PS processes on 127.0.0.1, so they are slow-ish (20-60 s each on
+2 cores); scenarios are combined to keep the suite inside CI's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from proc_utils import assert_no_processes
+
+from syncswitch import checkpoints, storage
+from syncswitch.events import read_events
+from syncswitch.layout import RunLayout
+
+pytestmark = pytest.mark.cluster
+
+TRAIN = [sys.executable, "-m", "syncswitch.cli", "train", "--quiet"]
+LAUNCH_TIMEOUT = 420
+
+
+def train(*args: str, timeout: float = LAUNCH_TIMEOUT) -> tuple[int, dict | None, str]:
+    """Run `syncswitch train`; returns (exit code, final JSON line or None, stderr)."""
+    proc = subprocess.run([*TRAIN, *args], capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    return proc.returncode, result, proc.stderr
+
+
+def start_train(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN[:-1], *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_progress(work_dir: Path, step: float, proc: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    path = work_dir / "progress.json"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"launcher exited early: {proc.communicate()[1][-3000:]}"
+        if path.exists():
+            progress = json.loads(path.read_text() or "{}")
+            if progress.get("global_step", 0) >= step:
+                return progress
+        time.sleep(0.2)
+    raise AssertionError(f"no progress to step {step} within {timeout}s")
+
+
+def node_pid(work_dir: Path, name: str) -> int:
+    """The pid of a cluster process (e.g. 'worker-1'), from the launcher's process table."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(work_dir) not in cmdline or "syncswitch.node" not in cmdline:
+            continue
+        match = re.search(r'"task": \{"type": "(\w+)", "index": (\d+)\}', environ)
+        if match and f"{match.group(1)}-{match.group(2)}" == name:
+            return int(pid)
+    raise AssertionError(f"no live {name} process under {work_dir}")
+
+
+def segment_events(run_dir: str, index: int, protocol: str, event: str) -> list[dict]:
+    return read_events(RunLayout(run_dir).segment_metrics(index, protocol), event=event)
+
+
+# ---- protocols, accuracy and exact handoff ----------------------------------------------------------
+
+
+def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_processes) -> None:
+    """BSP -> ASP -> BSP through a gs:// run folder (GCS emulator): both protocols learn digits to
+    >= 0.95, every restore is bit-identical, the global step continues and the loss does not jump."""
+    run_dir = f"{gcs_bucket}/handoff"
+    no_leftover_processes("syncswitch.node.*handoff|handoff.*syncswitch.node")
+    common = [
+        "--run-dir",
+        run_dir,
+        "--workers",
+        "2",
+        "--total-steps",
+        "300",
+        "--ckpt-frequency",
+        "40",
+        "--eval",
+    ]
+    results = []
+    for index, (protocol, until) in enumerate((("bsp", 120), ("asp", 240), ("bsp", 300))):
+        rc, result, stderr = train(
+            "--protocol", protocol, "--until-step", str(until), "--segment-index", str(index), *common
+        )
+        assert rc == 0, stderr[-4000:]
+        results.append(result)
+        assert result["protocol"] == protocol
+        assert result["global_step"] == until, "a segment must stop exactly at its target"
+        assert result["test_accuracy"] >= 0.95, result
+
+    assert [r["start_step"] for r in results] == [0, 120, 240]
+    # BSP counts one update per global batch, ASP one per worker batch (2 workers).
+    assert results[-1]["updates"] == 120 + 2 * 120 + 60
+
+    for index, (protocol, previous) in enumerate((("asp", results[0]), ("bsp", results[1])), start=1):
+        (start,) = segment_events(run_dir, index, protocol, "segment_start")
+        assert start["restored_from"] == previous["checkpoint"]
+        assert start["checkpoint_digest"] == start["restored_digest"], "restored weights differ"
+        last_loss = [
+            e["loss"] for e in segment_events(run_dir, index - 1, ("bsp", "asp")[index - 1], "step")
+        ][-3:]
+        first_loss = segment_events(run_dir, index, protocol, "step")[0]["loss"]
+        assert first_loss < max(0.5, 3 * max(last_loss)), (last_loss, first_loss)
+
+    layout = RunLayout(run_dir)
+    latest = checkpoints.latest(layout)
+    assert latest["global_step"] == 300 and latest["uri"].startswith("gs://")
+    assert storage.exists(layout.segment_result(2, "bsp"))
+
+
+# ---- faults ----------------------------------------------------------------------------------------
+
+
+def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_leftover_processes) -> None:
+    run_dir, work_dir = tmp_path / "run", tmp_path / "work"
+    no_leftover_processes(re.escape(str(work_dir)))
+    proc = start_train(
+        "--protocol",
+        "asp",
+        "--workers",
+        "2",
+        "--ps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--until-step",
+        "3000",
+        "--ckpt-frequency",
+        "50",
+        "--work-dir",
+        str(work_dir),
+    )
+    try:
+        wait_for_progress(work_dir, 30, proc)
+        os.kill(node_pid(work_dir, "worker-1"), signal.SIGKILL)
+        killed_at = json.loads((work_dir / "progress.json").read_text())["global_step"]
+        # The survivor keeps training: progress moves well past the kill.
+        wait_for_progress(work_dir, killed_at + 40, proc)
+        # Graceful stop through the control file: ends at a whole step, before the target.
+        storage.write_text(RunLayout(str(run_dir)).stop_request(0), "test asked to stop")
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["stopped_early"] is True
+    assert killed_at + 40 <= result["global_step"] < 3000
+    assert float(result["global_step"]).is_integer(), "an early ASP stop lands on a whole BSP step"
+    assert "worker 1 exited" in err
+    manifest = checkpoints.latest(RunLayout(str(run_dir)))
+    assert manifest["global_step"] == result["global_step"]
+
+
+def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_leftover_processes) -> None:
+    """A dead BSP worker aborts the segment; the last checkpoint is intact and a rerun resumes from it.
+    The rerun also injects a straggler, which must show in that worker's compute time."""
+    run_dir, work_dir = tmp_path / "run", tmp_path / "work"
+    no_leftover_processes(re.escape(str(tmp_path)))
+    args = [
+        "--protocol",
+        "bsp",
+        "--workers",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--until-step",
+        "2000",
+        "--ckpt-frequency",
+        "20",
+        "--segment-index",
+        "0",
+    ]
+    proc = start_train(*args, "--work-dir", str(work_dir))
+    try:
+        wait_for_progress(work_dir, 50, proc)
+        os.kill(node_pid(work_dir, "worker-1"), signal.SIGKILL)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "segment failed" in err
+    manifest = checkpoints.latest(RunLayout(str(run_dir)))
+    assert manifest is not None and manifest["global_step"] >= 40
+    resumed_from = manifest["global_step"]
+
+    rc, result, stderr = train(
+        *args[:-4],
+        "--until-step",
+        str(int(resumed_from) + 60),
+        "--segment-index",
+        "1",
+        "--straggler",
+        "worker=1,start=0,duration=600,slowdown=4",
+    )
+    assert rc == 0, stderr[-4000:]
+    assert result["start_step"] == resumed_from
+    assert result["global_step"] == resumed_from + 60
+
+    timings = segment_events(str(run_dir), 1, "bsp", "worker_step")
+    compute = {w: statistics.median(e["compute_time"] for e in timings if e["worker"] == w) for w in (0, 1)}
+    assert compute[1] > 1.5 * compute[0], compute
+    assert segment_events(str(run_dir), 1, "bsp", "straggler")[0]["worker"] == 1
+
+
+def test_sigterm_stops_every_process_and_frees_ports(tmp_path: Path) -> None:
+    work_dir = tmp_path / "work"
+    proc = start_train(
+        "--protocol",
+        "asp",
+        "--workers",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--until-step",
+        "5000",
+        "--work-dir",
+        str(work_dir),
+    )
+    try:
+        wait_for_progress(work_dir, 5, proc)
+        spec = json.loads((work_dir / "segment.json").read_text())
+        assert spec["protocol"] == "asp"
+        ports = [int(p) for p in re.findall(r"@127\.0\.0\.1:(\d+)", _launch_line(proc))]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert_no_processes(re.escape(str(work_dir)), timeout=15)
+    assert len(ports) == 4  # chief, 2 workers, 1 PS
+    for port in ports:
+        with socket.socket() as s:
+            # SO_REUSEADDR tolerates TIME_WAIT leftovers of closed connections, but bind + listen
+            # still fail if any process is listening on the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+
+def _launch_line(proc: subprocess.Popen) -> str:
+    for line in proc.stderr:
+        if "launched" in line:
+            return line
+    raise AssertionError("the launcher never reported its processes")
+
+
+# ---- bad input: one clear message, before any process is spawned -------------------------------------
+
+
+@pytest.fixture
+def short_cifar(tmp_path: Path) -> Path:
+    from cifar_fixtures import write_cifar10
+
+    folder = tmp_path / "cifar"
+    write_cifar10(folder)
+    with open(folder / "data_batch_3.bin", "ab") as f:
+        f.write(b"\0" * 100)  # no longer a whole number of 3073-byte records
+    return folder
+
+
+@pytest.fixture
+def other_model_run(tmp_path: Path) -> Path:
+    """A run folder whose latest checkpoint manifest says it holds the digits CNN."""
+    run = tmp_path / "cnn-run"
+    storage.write_json(
+        str(run / "checkpoints" / f"ckpt-{0:012d}" / "manifest.json"),
+        {
+            "samples": 0,
+            "global_step": 0,
+            "updates": 0,
+            "files": [],
+            "signature": {
+                "model": "cnn",
+                "depth": None,
+                "filters": 16,
+                "input_shape": [8, 8, 1],
+                "num_classes": 10,
+            },
+        },
+    )
+    return run
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "accepted"),
+    [
+        (["--model", "vgg"], "--model", "resnet"),
+        (["--problem", "mnist"], "--problem", "digits"),
+        (
+            ["--hparam-set", "resnet_cifar_99", "--problem", "synthetic_cifar"],
+            "hparam_set",
+            "resnet_cifar_20",
+        ),
+        (["--hparams", "learning_rat=0.1"], "hparams", "learning_rate"),
+        (["--hparams", "learning_rate"], "hparams", "k=v"),
+        (["--hparams", "batch_size=many"], "hparams", "int"),
+        (["--problem", "image_cifar10", "--data-dir", "/nonexistent/cifar"], "data_dir", "data_batch_1.bin"),
+        (["--straggler", "worker=1,start=0"], "straggler", "duration"),
+    ],
+)
+def test_bad_input_is_one_clear_error_before_spawning(
+    tmp_path: Path, extra: list[str], field: str, accepted: str
+) -> None:
+    rc, _result, stderr = train(
+        "--run-dir", str(tmp_path / "run"), "--work-dir", str(tmp_path / "w"), *extra, timeout=120
+    )
+    assert rc == 2
+    assert field in stderr and accepted in stderr, stderr
+    assert "Traceback" not in stderr
+    assert not list((tmp_path / "w").glob("*.log")), "no process may be spawned on bad input"
+
+
+def test_short_cifar_file_and_foreign_checkpoint_are_rejected(
+    tmp_path: Path, short_cifar: Path, other_model_run: Path
+) -> None:
+    rc, _r, stderr = train(
+        "--problem",
+        "image_cifar10",
+        "--data-dir",
+        str(short_cifar),
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
+    assert rc == 2 and "data_dir" in stderr and "data_batch_3.bin" in stderr, stderr
+    rc, _r, stderr = train("--problem", "synthetic_cifar", "--run-dir", str(other_model_run), timeout=120)
+    assert rc == 2 and "run_dir" in stderr and "different model" in stderr, stderr
+    assert "Traceback" not in stderr
