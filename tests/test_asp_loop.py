@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from syncswitch.spec import SegmentSpec
 from syncswitch.trainer import AspLoop
 
@@ -35,9 +34,19 @@ def drive(loop: AspLoop, stop_after: int | None) -> list[int]:
 
 
 def spec(workers: int, until_step: int, ckpt_frequency: int) -> SegmentSpec:
-    return SegmentSpec(run_id="r", run_dir="/tmp/unused", index=0, protocol="asp", until_step=until_step,
-                       total_steps=until_step, model="cnn", hparam_set="cnn_digits", problem="digits",
-                       num_workers=workers, ckpt_frequency=ckpt_frequency)
+    return SegmentSpec(
+        run_id="r",
+        run_dir="/tmp/unused",
+        index=0,
+        protocol="asp",
+        until_step=until_step,
+        total_steps=until_step,
+        model="cnn",
+        hparam_set="cnn_digits",
+        problem="digits",
+        num_workers=workers,
+        ckpt_frequency=ckpt_frequency,
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])

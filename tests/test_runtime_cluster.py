@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes
-
 from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
