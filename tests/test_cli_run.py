@@ -1,7 +1,8 @@
-"""``syncswitch run``: flag parsing (the original main.py flags and the new ones) and bad input.
+"""``syncswitch run``: flag parsing (the original main.py flags and the new ones), bad input, progress.
 
 Bad input must fail fast: exit 2, one line on stderr naming the field, nothing started (no Airflow
-home created, no run folder). These run the real ``syncswitch`` console script in a subprocess.
+home created, no run folder); these run the real ``syncswitch`` console script in a subprocess.
+Progress is read from a real run folder written with the events and state contracts.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from syncswitch.events import EventWriter
+from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, StragglerSpec
-from syncswitch_airflow.cli import build_parser, conf_from_args, dag_conf, parse
+from syncswitch.state import update_state
+from syncswitch_airflow.cli import ProgressPrinter, build_parser, conf_from_args, dag_conf, parse
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 
@@ -112,6 +117,8 @@ def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
         (["--num-worker", "0"], "num_workers"),
         (["--bsp-fraction", "1.5"], "bsp_fraction"),
         (["--job-name", "Bad_Name"], "job_name"),
+        # More segments than the DAG has slots for: the DAG's limit, checked before Airflow starts.
+        (["--switch-order", "101", "--max-online-switches", "4"], "max_online_switches"),
         (["--no-such-flag", "1"], "--no-such-flag"),
     ],
 )
@@ -133,3 +140,44 @@ def test_bad_input_fails_fast_naming_the_field(args: list[str], field: str, tmp_
     # Nothing started: start() creates the Airflow home first thing, and a run creates its folder.
     assert not home.exists()
     assert not runs.exists()
+
+
+def test_progress_follows_the_plan_through_the_run_folder(tmp_path: Path) -> None:
+    layout = RunLayout(str(tmp_path / "run"))
+    plan = [
+        {"index": 0, "protocol": "bsp", "until_step": 30, "origin": "plan"},
+        {"index": 1, "protocol": "asp", "until_step": 120, "origin": "plan"},
+    ]
+    update_state(layout, lambda s: s.update(plan=plan, segments={}))
+    lines: list[str] = []
+    progress = ProgressPrinter(layout, 120, lines.append, time.monotonic())
+    progress.update()
+    assert lines == []  # planned, nothing trained yet
+
+    def writer(index: int, protocol: str, role: str) -> EventWriter:
+        path = layout.segment_events(index, protocol, role, 0)
+        return EventWriter(path, run_id="r", segment=index, protocol=protocol, role=role, task=0)
+
+    # BSP: worker 0 is the chief. It logs every few steps, then ends exactly at its target.
+    with writer(0, "bsp", "worker") as bsp:
+        bsp.emit("step", global_step=20.0, loss=0.9, examples_per_sec=300.0)
+        bsp.emit("segment_end", global_step=30.0, examples_per_sec=310.0, reason="reached until_step")
+    update_state(layout, lambda s: s["segments"].update({"0": {"end_step": 30}}))
+    with writer(1, "asp", "chief") as asp:
+        asp.emit("step", global_step=45.5, loss=0.5, examples_per_sec=250.0)
+        progress.update()
+        asp.emit("step", global_step=50.0, loss=0.4, examples_per_sec=250.0)
+        progress.update()  # within the print interval: no new line for the same segment
+        assert lines == [
+            lines[0].split("]")[0] + "] segment 0 BSP  ended at step 30.0/120  310 examples/s"
+            "  (reached until_step)  last loss 0.9000 at step 20.0",
+            lines[1].split("]")[0] + "] segment 1 ASP  step 45.5/120  loss 0.5000  250 examples/s",
+        ]
+        asp.emit("segment_end", global_step=120.0, examples_per_sec=260.0, reason="reached until_step")
+    progress.update()  # an end is shown at once, whatever the interval
+    assert lines[2].endswith(
+        "segment 1 ASP  ended at step 120.0/120  260 examples/s  (reached until_step)"
+        "  last loss 0.4000 at step 50.0"
+    )
+    progress.update()
+    assert len(lines) == 3

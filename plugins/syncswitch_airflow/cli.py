@@ -15,11 +15,13 @@ Airflow is stopped at the end unless ``--keep-ui``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -151,6 +153,7 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None
     ]
     spec = JobSpec.from_params(conf_from_args(args))
+    check_fits_dag(spec)
     project_dir = Path(args.project_dir).resolve() if args.project_dir else default_project_dir()
     options = RunOptions(
         project_dir=project_dir,
@@ -160,6 +163,23 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
         stop_ui=args.stop_ui,
     )
     return spec, options, notes
+
+
+def check_fits_dag(spec: JobSpec) -> None:
+    """The DAG's own limit (its segment slots), checked before Airflow starts. Raises SpecError."""
+    # dag_params imports airflow.sdk, which creates $AIRFLOW_HOME/logs on import: point it at a
+    # throwaway folder so a rejected command leaves nothing behind (~/airflow included).
+    with tempfile.TemporaryDirectory(prefix="syncswitch-import-") as scratch:
+        previous = os.environ.get("AIRFLOW_HOME")
+        os.environ["AIRFLOW_HOME"] = scratch
+        try:
+            from syncswitch_airflow.dag_params import check_slot_budget
+        finally:
+            if previous is None:
+                del os.environ["AIRFLOW_HOME"]
+            else:
+                os.environ["AIRFLOW_HOME"] = previous
+    check_slot_budget(spec)
 
 
 def default_project_dir() -> Path:
@@ -204,18 +224,36 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for note in notes:
         print(note, file=sys.stderr)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    airflow = EmbeddedAirflow(options.project_dir, options.airflow_home)
-    if options.stop_ui:
-        airflow.stop()
-        return EXIT_OK
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    with _event_log_to_stderr():
+        airflow = EmbeddedAirflow(options.project_dir, options.airflow_home)
+        if options.stop_ui:
+            airflow.stop()
+            return EXIT_OK
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+        try:
+            return RunSession(airflow, spec, options).run()
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+@contextlib.contextmanager
+def _event_log_to_stderr() -> Iterator[None]:
+    """Our one-line event logs go to stderr, whatever logging setup importing Airflow installed
+    (its structlog handlers write to stdout, which must end with the JSON line)."""
+    logger = logging.getLogger("syncswitch_airflow")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
-        return RunSession(airflow, spec, options).run()
+        yield
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -277,9 +315,14 @@ class RunSession:
         task_states: dict[str, str | None] = {}
 
         def on_poll(state: str, tasks: dict[str, str | None]) -> None:
+            # One line per new state, naming every task that reached it since the last poll (the
+            # unused segment slots all skip at once).
+            changed: dict[str, list[str]] = {}
             for task_id, task_state in tasks.items():
                 if task_state and task_states.get(task_id) != task_state:
-                    self.say(f"[{self._elapsed()}] {task_id}: {task_state}")
+                    changed.setdefault(task_state, []).append(task_id)
+            for task_state, task_ids in changed.items():
+                self.say(f"[{self._elapsed()}] {', '.join(task_ids)}: {task_state}")
             task_states.update(tasks)
             progress.update()
 
@@ -369,8 +412,9 @@ class RunSession:
 
 
 class ProgressPrinter:
-    """Training progress from the run folder: the current segment (state.json's plan) and its chief's
-    latest ``step`` event; one line when the step moved and at most every few seconds."""
+    """Training progress from the run folder: for the running segment (state.json's plan), the latest
+    ``step`` event (written by the chief: the ASP coordinator, BSP worker 0), at most every few
+    seconds; for each segment that ends, where it ended (its ``segment_end`` event)."""
 
     def __init__(self, layout: RunLayout, workload: int, say: Callable[[str], None], started: float) -> None:
         self.layout = layout
@@ -378,48 +422,76 @@ class ProgressPrinter:
         self.say = say
         self.started = started
         self._offsets: dict[str, int] = {}
-        self._last_step: dict[str, Any] | None = None
-        self._printed_step: float | None = None
+        # segment metrics folder -> its latest step event / its segment_end event
+        self._last_step: dict[str, dict[str, Any]] = {}
+        self._ended: dict[str, dict[str, Any]] = {}
+        self._finished: set[str] = set()
+        self._printed: tuple[str, float] | None = None
         self._printed_at = 0.0
 
     def update(self) -> None:
-        segment = self._current_segment()
-        if segment is None:
-            return
-        for event in self._new_chief_events(segment["index"], segment["protocol"]):
-            if event.get("event") == "step":
-                self._last_step = event
-        step = self._last_step
-        now = time.monotonic()
-        if step is None or step.get("global_step") == self._printed_step:
-            return
-        if now - self._printed_at < _PROGRESS_EVERY_SECONDS:
-            return
-        self._printed_step, self._printed_at = step.get("global_step"), now
-        self.say(
-            f"[{now - self.started:6.0f}s] segment {step.get('segment')} {str(step.get('protocol')).upper()}"
-            f"  step {_num(step.get('global_step'), 1)}/{self.workload}"
-            f"  loss {_num(step.get('loss'), 4)}  {_num(step.get('examples_per_sec'), 0)} examples/s"
-        )
-
-    def _current_segment(self) -> dict[str, Any] | None:
         try:
             state = storage.read_json(self.layout.state, default={}) or {}
         except ValueError:  # state.json mid-write on a filesystem without atomic rename
-            return None
+            return
         done = {str(k) for k in (state.get("segments") or {})}
-        pending = [p for p in state.get("plan") or [] if str(p.get("index")) not in done]
-        return pending[0] if pending else None
+        for entry in state.get("plan") or []:
+            folder = self.layout.segment_metrics(entry["index"], entry["protocol"])
+            if folder in self._finished:
+                continue
+            self._read_events(folder)
+            if str(entry["index"]) in done or folder in self._ended:
+                # A short segment can start and end between two polls: show where it ended anyway.
+                self._finished.add(folder)
+                self._show_end(folder)
+                continue
+            self._show_step(folder)
+            return  # later entries have not started
 
-    def _new_chief_events(self, index: int, protocol: str) -> Iterator[dict[str, Any]]:
-        folder = self.layout.segment_metrics(index, protocol)
+    def _read_events(self, folder: str) -> None:
+        for event in self._new_events(folder):
+            if event.get("event") == "step":
+                self._last_step[folder] = event
+            elif event.get("event") == "segment_end":
+                self._ended[folder] = event
+
+    def _show_step(self, folder: str) -> None:
+        step = self._last_step.get(folder)
+        now = time.monotonic()
+        if step is None or self._printed == (folder, step.get("global_step")):
+            return
+        if now - self._printed_at < _PROGRESS_EVERY_SECONDS:
+            return
+        self._printed, self._printed_at = (folder, step.get("global_step")), now
+        self.say(
+            f"{self._prefix(step)}  step {_num(step.get('global_step'), 1)}/{self.workload}"
+            f"  loss {_num(step.get('loss'), 4)}  {_num(step.get('examples_per_sec'), 0)} examples/s"
+        )
+
+    def _show_end(self, folder: str) -> None:
+        end = self._ended.get(folder)
+        if end is None:
+            return
+        line = (
+            f"{self._prefix(end)}  ended at step {_num(end.get('global_step'), 1)}/{self.workload}"
+            f"  {_num(end.get('examples_per_sec'), 0)} examples/s  ({end.get('reason')})"
+        )
+        step = self._last_step.get(folder)
+        if step is not None:
+            # Steps are logged every few steps, so the last logged loss may be from before the end.
+            line += f"  last loss {_num(step.get('loss'), 4)} at step {_num(step.get('global_step'), 1)}"
+        self.say(line)
+
+    def _prefix(self, event: dict[str, Any]) -> str:
+        return (
+            f"[{time.monotonic() - self.started:6.0f}s] segment {event.get('segment')} "
+            f"{str(event.get('protocol')).upper()}"
+        )
+
+    def _new_events(self, folder: str) -> Iterator[dict[str, Any]]:
         try:
-            files = [
-                f
-                for f in storage.list_files(folder, suffix=".jsonl")
-                if f.rsplit("/", 1)[-1].startswith("chief")
-            ]
-        except (FileNotFoundError, OSError):
+            files = storage.list_files(folder, suffix=".jsonl")
+        except OSError:
             return
         for uri in files:
             yield from parse_lines(self._read_new(uri))

@@ -1,0 +1,150 @@
+"""The embedded Airflow (``airflow standalone`` in a project home) and a whole ``syncswitch run``.
+
+One real instance serves the whole module, with this project's dags/ and plugins/ and a private
+AIRFLOW_HOME under tmp, so it never touches <project>/.airflow or another test's instance. The tests
+run in file order: the full CLI run reuses the instance (``--airflow-home``) and keeps it up
+(``--keep-ui``); the last test stops it and checks the process table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from syncswitch_airflow.embedded import EmbeddedAirflow, TriggerRejected
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
+
+pytestmark = [
+    pytest.mark.airflow,
+    pytest.mark.skipif(
+        not (PROJECT_DIR / "dags" / "sync_switch.py").exists(), reason="needs the sync_switch DAG"
+    ),
+]
+
+
+def live_processes() -> Iterator[tuple[int, int, list[bytes]]]:
+    """(pid, process group, environment) of every live process; zombies are already dead."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                # After the parenthesised command name: state, ppid, pgrp, ...
+                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if state != b"Z":
+            yield int(entry), int(pgrp), environ
+
+
+def processes_with_airflow_home(home: Path) -> list[int]:
+    """Every live process of the instance in ``home`` (they all run with AIRFLOW_HOME=<home>)."""
+    needle = f"AIRFLOW_HOME={home}".encode()
+    return [pid for pid, _pgrp, environ in live_processes() if needle in environ]
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    return [pid for pid, pgrp, _environ in live_processes() if pgrp == pgid]
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedAirflow]:
+    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"))
+    try:
+        instance.start(wait_for_dags=("sync_switch",), timeout=360)
+        yield instance
+    finally:
+        instance.stop()  # a no-op when the last test already stopped it
+
+
+def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAirflow) -> None:
+    health = airflow.health()
+    for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
+        assert health[component]["status"] == "healthy", health
+    assert airflow.url.startswith("http://127.0.0.1:")
+    assert airflow.import_errors() == []
+    assert airflow.token()  # the fixed admin password from the password file logs in
+    assert airflow.is_running() and airflow.started_here
+
+
+def test_a_second_start_reuses_the_running_instance(airflow: EmbeddedAirflow) -> None:
+    again = EmbeddedAirflow(PROJECT_DIR, home=airflow.home)
+    again.start(wait_for_dags=("sync_switch",), timeout=120)
+    assert not again.started_here
+    assert again.running_instance() == airflow.running_instance()
+    assert again.url == airflow.url
+
+
+@pytest.mark.parametrize(
+    ("conf", "param"),
+    [
+        ({"switch_order": "12"}, "switch_order"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"model": "vgg"}, "model"),
+    ],
+)
+def test_rest_trigger_with_invalid_conf_is_rejected_naming_the_param(
+    airflow: EmbeddedAirflow, conf: dict, param: str, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs"
+    with pytest.raises(TriggerRejected) as rejected:
+        airflow.trigger("sync_switch", {**conf, "bucket_dir": str(runs)})
+    assert param in str(rejected.value)
+    assert not runs.exists()  # no run was created, so nothing wrote a run folder
+
+
+def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    result = subprocess.run(
+        [
+            *(str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"),
+            *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
+            *("--cluster-name", "ignored"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["state"] == "success"
+    assert summary["run_id"] and Path(summary["run_dir"]).is_dir()
+    assert Path(summary["run_dir"]).parent == runs / "cli-e2e"
+    # The default "10" with a 25/75 split of 120 steps.
+    assert [(s["protocol"], s["steps"]) for s in summary["segments"]] == [("bsp", 30), ("asp", 90)]
+    assert all(s["seconds"] > 0 for s in summary["segments"])
+    assert len(summary["switch_gaps_seconds"]) == 1 and summary["switch_gaps_seconds"][0] > 0
+    assert 0.5 < summary["final_accuracy"] <= 1.0
+    assert summary["total_seconds"] > 0 and summary["online_switches"] == 0
+    assert Path(summary["report"]).is_file()
+    # Progress was shown (task states; each segment's training steps, up to its last one), then the
+    # report's summary lines. Airflow's and our own event logs went to stderr.
+    assert any("segment_0_bsp" in line and line.endswith(": success") for line in lines)
+    for segment, target in (("0 BSP", "30.0/120"), ("1 ASP", "120.0/120")):
+        assert any(f"segment {segment}  ended at step {target}" in line for line in lines), segment
+    assert any(line.startswith("final accuracy") for line in lines)
+    assert "triggered sync_switch run" in result.stderr and "triggered" not in result.stdout
+    assert "--cluster-name is accepted" in result.stderr
+    # --keep-ui: Airflow is still up and the URL and login were printed.
+    assert airflow.is_running() and summary["airflow_url"] == airflow.url
+    assert any(airflow.url in line and "password" in line for line in lines)
+
+
+def test_stop_leaves_no_airflow_process(airflow: EmbeddedAirflow) -> None:
+    record = airflow.running_instance()
+    assert record is not None and processes_with_airflow_home(airflow.home)
+    airflow.stop()
+    assert processes_with_airflow_home(airflow.home) == []
+    assert processes_in_group(record.pid) == []  # standalone ran as its own process group
+    assert not airflow.is_running() and not airflow.pid_file.exists()
