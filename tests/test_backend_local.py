@@ -116,6 +116,16 @@ def test_a_launcher_killed_hard_has_no_exit_code(backend: LocalBackend, handle: 
     assert backend.segment_status(handle, 1).exit_code is None
 
 
+def test_an_orphaned_launcher_still_counts_as_running(backend: LocalBackend, handle: dict) -> None:
+    record = backend.launch_command(handle, 3, [sys.executable, "-c", "import time; time.sleep(2)"])
+    wait_for(lambda: len(find_processes(r"import time; time.sleep\(2\)")) >= 2, what="launcher start")
+    os.kill(record["pid"], signal.SIGKILL)  # the wrapper only: the launcher goes on, orphaned
+    wait_for(lambda: backend.segment_status(handle, 3).pid != record["pid"], what="wrapper death")
+    assert backend.segment_status(handle, 3).state == RUNNING
+    wait_for(lambda: backend.segment_status(handle, 3).state == EXITED, what="orphan exit")
+    assert backend.segment_status(handle, 3).exit_code is None
+
+
 def test_stop_segment_lets_the_launcher_stop_gracefully(
     backend: LocalBackend, handle: dict, tmp_path: Path
 ) -> None:

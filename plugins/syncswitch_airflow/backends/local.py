@@ -7,6 +7,7 @@ Work folder (``$SYNCSWITCH_WORK_DIR`` or ``<tmp>/syncswitch``, then ``<job_name>
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
     segments/seg-<ii>/launcher.log  the launcher's stdout and stderr (all attempts, appended)
     segments/seg-<ii>/exitcode      written by the supervise wrapper when the launcher exits
+    segments/seg-<ii>/scratch/      the launcher's --work-dir: node logs, staged data
 
 Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its environment (the
 launcher passes its environment on to the cluster processes and the warm pool it starts). Teardown
@@ -202,7 +203,18 @@ class LocalBackend:
         spec_path = os.path.join(seg_dir, "spec.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             f.write(spec.to_json())
-        command = [sys.executable, "-m", "syncswitch.cli", "train", "--spec", spec_path]
+        # The launcher's scratch (node logs, staged data) lives in the work folder that teardown frees.
+        scratch = os.path.join(seg_dir, "scratch")
+        command = [
+            sys.executable,
+            "-m",
+            "syncswitch.cli",
+            "train",
+            "--spec",
+            spec_path,
+            "--work-dir",
+            scratch,
+        ]
         return self.launch_command(handle, spec.index, command)
 
     def launch_command(self, handle: Handle, index: int, command: list[str]) -> dict[str, Any]:
@@ -257,7 +269,14 @@ class LocalBackend:
         if not os.path.exists(exit_path) and is_alive(record["pid"], record.get("start_ticks")):
             return SegmentStatus(RUNNING, pid=record["pid"])
         # Checked again after the liveness test: the wrapper writes the file just before it exits.
-        return SegmentStatus(EXITED, exit_code=_read_exit_code(exit_path), pid=record["pid"])
+        exit_code = _read_exit_code(exit_path)
+        if exit_code is None:
+            # The wrapper vanished: an orphaned launcher still works and will write its result
+            # (its cluster processes die with it, so any survivor means the segment goes on).
+            survivors = marked_processes(SEGMENT_ENV, seg_dir)
+            if survivors:
+                return SegmentStatus(RUNNING, pid=survivors[0].pid)
+        return SegmentStatus(EXITED, exit_code=exit_code, pid=record["pid"])
 
     def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
         path = os.path.join(self.segment_dir(handle, index), "launcher.log")

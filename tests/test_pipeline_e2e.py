@@ -1,0 +1,323 @@
+"""End to end: real ``dag.test()`` runs of sync_switch with real training processes.
+
+Each run trains the digits CNN on a local cluster (1 PS + 2 workers) through ``syncswitch train``;
+step counts are small so that the whole file runs in a few minutes on 2 cores.
+
+Under ``dag.test()`` tasks run one at a time in this process, in an order Airflow does not define
+(a set of task instances), so a straggler sensor could run before its segment and wait out its
+start timeout. The sensors are therefore marked successful here; the sensor's own tests and the
+online-switching tests (real scheduler) cover it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# Airflow reads its configuration when first imported: point it at a throwaway home first.
+os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+
+import pytest  # noqa: E402
+from proc_utils import assert_no_processes  # noqa: E402
+from syncswitch import storage  # noqa: E402
+from syncswitch.layout import RunLayout, safe_run_id  # noqa: E402
+from syncswitch.state import read_state  # noqa: E402
+
+pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
+
+SENSORS = r"watch_stragglers_\d+"
+SMALL_JOB = {"job_name": "e2e", "total_steps": 120, "ckpt_frequency": [30]}
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> str:
+    """A migrated SQLite metadata database in the session's AIRFLOW_HOME."""
+    home = os.environ["AIRFLOW_HOME"]
+    os.makedirs(home, exist_ok=True)
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return home
+
+
+@pytest.fixture
+def dag(airflow_db: str):  # noqa: ANN201 - airflow DAG
+    """A freshly parsed DAG per test: in-process task runs write a run's conf into the DAG's Param
+    objects (airflow.sdk process_params shares them), so a parsed DAG serves one dag.test() only."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["sync_switch"]
+
+
+@pytest.fixture
+def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's cluster work folders (the local backend reads SYNCSWITCH_WORK_DIR per call)."""
+    root = tmp_path / "work"
+    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
+    return root
+
+
+def run_dag(dag, conf: dict[str, Any]):  # noqa: ANN001, ANN201 - airflow types
+    return dag.test(run_conf=conf, mark_success_pattern=SENSORS)
+
+
+def task_states(dag_run) -> dict[str, str]:  # noqa: ANN001
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(
+            select(TaskInstance.task_id, TaskInstance.state).where(
+                TaskInstance.dag_id == dag_run.dag_id, TaskInstance.run_id == dag_run.run_id
+            )
+        )
+        return {task_id: str(state) for task_id, state in rows}
+
+
+def layout_of(bucket_dir: str, dag_run, job_name: str = "e2e") -> RunLayout:  # noqa: ANN001
+    return RunLayout.for_run(bucket_dir, job_name, dag_run.run_id)
+
+
+def assert_cluster_gone(work_root: Path) -> None:
+    """No process of the run survives and the cluster's work folder is freed."""
+    assert_no_processes(re.escape(str(work_root)))
+    assert not list(work_root.glob("*/segments")), f"work folder left behind: {list(work_root.iterdir())}"
+
+
+def assert_run_folder(layout: RunLayout, protocols: list[str]) -> dict[str, Any]:
+    """The documented layout: state.json, checkpoints with manifests, per-segment metrics, report."""
+    state = read_state(layout)
+    assert state is not None
+    assert [e["protocol"] for e in state["plan"]] == protocols
+    checkpoints = [u for u in storage.list_files(layout.checkpoints) if u.endswith("/manifest.json")]
+    assert checkpoints, "no complete checkpoint"
+    for index, protocol in enumerate(protocols):
+        assert storage.exists(layout.segment_result(index, protocol))
+        assert storage.list_files(layout.segment_metrics(index, protocol), suffix=".jsonl")
+    report = storage.list_files(layout.report)
+    assert layout.report + "/index.html" in report and layout.report + "/summary.json" in report
+    pngs = [u for u in report if u.endswith(".png")]
+    assert len(pngs) >= 2
+    for png in pngs:
+        data = storage.read_bytes(png)
+        assert data.startswith(b"\x89PNG") and len(data) > 5_000, f"{png} is empty or trivial"
+    return state
+
+
+def assert_exact_workload(state: dict[str, Any], workload: int) -> None:
+    last = state["plan"][-1]
+    assert last["until_step"] == workload
+    assert state["segments"][str(last["index"])]["end_step"] == pytest.approx(workload)
+    assert state["final"]["global_step"] == pytest.approx(workload)
+
+
+class LaunchKiller:
+    """Kills launches of one segment as the local backend records them, from a background thread.
+
+    ``ready`` says when the current launch may be killed; ``group`` kills the launch's whole process
+    group (wrapper, launcher and cluster, like a host crash), otherwise only the launcher (a crash:
+    the wrapper reports its exit status, its cluster processes die with it).
+    """
+
+    def __init__(
+        self, work_root: Path, index: int, times: int, ready: Callable[[], bool], *, group: bool
+    ) -> None:
+        self.pattern = str(work_root / "*" / "segments" / f"seg-{index:02d}" / "process.json")
+        self.times, self.ready, self.group = times, ready, group
+        self.killed: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LaunchKiller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        while len(self.killed) < self.times and not self._stop.wait(0.2):
+            for path in glob.glob(self.pattern):
+                try:
+                    record = json.loads(Path(path).read_text())
+                except (OSError, json.JSONDecodeError):
+                    continue
+                if record["pid"] not in self.killed and self.ready():
+                    self._kill(record)
+
+    def _kill(self, record: dict[str, Any]) -> None:
+        try:
+            if self.group:
+                os.killpg(record["pgid"], signal.SIGKILL)
+            else:
+                launcher = children_of(record["pid"])
+                if not launcher:
+                    return  # not started yet: try again at the next poll
+                os.kill(launcher[0], signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.killed.append(record["pid"])
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
+def any_file(pattern: str) -> Callable[[], bool]:
+    return lambda: bool(glob.glob(pattern, recursive=True))
+
+
+# ---- the embedded demo's shape, local bucket ------------------------------------------------------
+
+
+def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) -> None:  # noqa: ANN001
+    bucket = str(tmp_path / "runs")
+    dag_run = run_dag(dag, {**SMALL_JOB, "total_steps": 200, "ckpt_frequency": [50], "bucket_dir": bucket})
+
+    assert dag_run.state == "success", task_states(dag_run)
+    states = task_states(dag_run)
+    assert states["segment_0_bsp"] == "success" and states["segment_0_asp"] == "skipped"
+    assert states["segment_1_asp"] == "success" and states["segment_1_bsp"] == "skipped"
+    assert states["teardown_cluster"] == "success"
+    layout = layout_of(bucket, dag_run)
+    assert layout.root == f"{bucket}/e2e/{safe_run_id(dag_run.run_id)}"
+    state = assert_run_folder(layout, ["bsp", "asp"])
+    assert state["status"] == "success"
+    assert [e["until_step"] for e in state["plan"]] == [50, 200]  # 25/75 split
+    assert_exact_workload(state, 200)
+    assert state["final"]["test_accuracy"] >= 0.95
+    assert state["segments"]["1"]["start_step"] == pytest.approx(50)  # continued from segment 0
+    summary = json.loads(storage.read_text(layout.report + "/summary.json"))
+    assert summary["final_accuracy"] >= 0.95
+    assert_cluster_gone(work_root)
+
+
+# ---- GCS handoff ---------------------------------------------------------------------------------
+
+
+def test_bsp_asp_bsp_through_a_gcs_bucket(dag, gcs_bucket: str, work_root: Path) -> None:  # noqa: ANN001
+    bucket = f"{gcs_bucket}/runs"
+    dag_run = run_dag(
+        dag, {**SMALL_JOB, "switch_order": "101", "train_steps": [30, 60, 30], "bucket_dir": bucket}
+    )
+
+    assert dag_run.state == "success", task_states(dag_run)
+    layout = layout_of(bucket, dag_run)
+    assert layout.root.startswith("gs://")
+    state = assert_run_folder(layout, ["bsp", "asp", "bsp"])
+    assert [e["until_step"] for e in state["plan"]] == [30, 90, 120]
+    assert_exact_workload(state, 120)
+    # Each segment restored the previous one's final checkpoint from the bucket.
+    for index in (1, 2):
+        assert state["segments"][str(index)]["start_step"] == state["segments"][str(index - 1)]["end_step"]
+        assert state["segments"][str(index - 1)]["checkpoint"].startswith(layout.checkpoints)
+    assert_cluster_gone(work_root)
+
+
+# ---- retry and failure ----------------------------------------------------------------------------
+
+
+def test_a_killed_segment_is_retried_from_its_checkpoint(dag, tmp_path: Path, work_root: Path) -> None:  # noqa: ANN001
+    bucket = str(tmp_path / "runs")
+    first_checkpoint = any_file(f"{bucket}/e2e/*/checkpoints/*/manifest.json")
+    with LaunchKiller(work_root, index=0, times=1, ready=first_checkpoint, group=True) as killer:
+        dag_run = run_dag(dag, {**SMALL_JOB, "switch_order": "1", "bucket_dir": bucket})
+
+    assert len(killer.killed) == 1
+    assert dag_run.state == "success", task_states(dag_run)
+    state = read_state(layout_of(bucket, dag_run))
+    # The retry restored a checkpoint instead of starting over, and still stopped exactly at 120.
+    assert state["segments"]["0"]["start_step"] >= 30
+    assert_exact_workload(state, 120)
+    assert_cluster_gone(work_root)
+
+
+def test_a_failing_segment_fails_the_run_and_teardown_cleans_up(
+    dag,  # noqa: ANN001
+    tmp_path: Path,
+    work_root: Path,
+) -> None:
+    bucket = str(tmp_path / "runs")
+    training = any_file(f"{bucket}/e2e/*/checkpoints/*/manifest.json")
+    # The launcher crashes in both attempts (the retry's as soon as it starts).
+    with LaunchKiller(work_root, index=0, times=2, ready=training, group=False) as killer:
+        dag_run = run_dag(dag, {**SMALL_JOB, "train_steps": [300, 30], "bucket_dir": bucket})
+
+    assert len(killer.killed) == 2
+    assert dag_run.state == "failed"
+    states = task_states(dag_run)
+    assert states["segment_0_bsp"] == "failed"
+    assert states["evaluate"] == "upstream_failed" and states["report"] == "upstream_failed"
+    assert states["teardown_cluster"] == "success"
+    state = read_state(layout_of(bucket, dag_run))
+    assert state["status"] == "failed" and "0" not in state["segments"]
+    assert_cluster_gone(work_root)
+
+
+# ---- bad params ----------------------------------------------------------------------------------
+
+
+def test_cross_field_errors_fail_validate_before_provisioning(
+    dag,  # noqa: ANN001
+    tmp_path: Path,
+    work_root: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    bucket = str(tmp_path / "runs")
+    dag_run = run_dag(
+        dag, {**SMALL_JOB, "switch_order": "101", "train_steps": [10, 20], "bucket_dir": bucket}
+    )
+
+    assert dag_run.state == "failed"
+    states = task_states(dag_run)
+    assert states["validate"] == "failed"
+    assert states["provision_cluster"] == "upstream_failed"
+    assert states["teardown_cluster"] in ("upstream_failed", "skipped")
+    assert "train_steps: has 2 values but switch_order '101' has 3 segments" in capfd.readouterr().out
+    assert not work_root.exists() and not Path(bucket).exists()
+
+
+def test_schema_errors_reject_the_conf_before_the_run(dag, tmp_path: Path) -> None:  # noqa: ANN001
+    from airflow.sdk.exceptions import ParamValidationError
+
+    bucket = str(tmp_path / "runs")
+    with pytest.raises(ParamValidationError, match="param switch_order"):
+        run_dag(dag, {**SMALL_JOB, "switch_order": "1x0", "bucket_dir": bucket})
+    assert not Path(bucket).exists()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(work_root: Path) -> Iterator[None]:
+    yield
+    assert_no_processes(re.escape(str(work_root)))
