@@ -5,14 +5,18 @@ Fast: parses the DAG (no database, no training).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Airflow reads its configuration when first imported: point it at a throwaway home first.
+# Airflow reads its configuration when first imported: point it at a throwaway home first (the same
+# one for every module of this test session), removed when the session's process exits.
 os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
+atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
 
@@ -152,3 +156,54 @@ def test_params_accept_the_original_style_job(dag) -> None:  # noqa: ANN001
         params[name] = value
     spec = JobSpec.from_params(params.validate())
     assert spec.segment_steps() == [100, 200, 100]
+
+
+# ---- plan entries -> segment specs (pure helpers of the plan and segment tasks) -------------------
+
+
+def test_offline_plan_has_cumulative_targets_and_original_positions() -> None:
+    from syncswitch_airflow.operators.job import offline_plan
+
+    job = JobSpec(switch_order="101", train_steps=(10, 20, 30))
+    assert offline_plan(job) == [
+        {"index": 0, "protocol": "bsp", "until_step": 10, "origin": "plan", "plan_index": 0},
+        {"index": 1, "protocol": "asp", "until_step": 30, "origin": "plan", "plan_index": 1},
+        {"index": 2, "protocol": "bsp", "until_step": 60, "origin": "plan", "plan_index": 2},
+    ]
+
+
+def test_online_segments_take_the_settings_of_the_segment_they_split() -> None:
+    from syncswitch_airflow import plan as plans
+    from syncswitch_airflow.operators.job import offline_plan
+    from syncswitch_airflow.operators.segment import build_segment_spec
+
+    job = JobSpec(
+        switch_order="101",
+        train_steps=(10, 20, 30),
+        hparams=("batch_size=16", "batch_size=32", "batch_size=64"),
+        ckpt_frequency=(5, 10, 15),
+    )
+    state = {"job": job.to_params(), "run_id": "r1", "run_dir": "/runs/demo/r1"}
+    # A straggler during segment 0: it stops early at 6, an online ASP segment finishes its budget.
+    plan = plans.truncate(plans.insert_switch(offline_plan(job), 0, "asp"), 0, 6)
+    specs = [build_segment_spec(state, entry, reference_time=123.0) for entry in plan]
+    assert [(s.index, s.protocol, s.until_step) for s in specs] == [
+        (0, "bsp", 6),
+        (1, "asp", 10),
+        (2, "asp", 30),
+        (3, "bsp", 60),
+    ]
+    assert [s.hparams for s in specs] == ["batch_size=16", "batch_size=16", "batch_size=32", "batch_size=64"]
+    assert [s.ckpt_frequency for s in specs] == [5, 5, 10, 15]
+    assert {s.total_steps for s in specs} == {60}
+    assert {s.straggler_reference_time for s in specs} == {123.0}
+    assert {(s.run_id, s.run_dir) for s in specs} == {("r1", "/runs/demo/r1")}
+
+
+def test_a_result_ends_its_entry_at_the_target_or_when_stopped_on_purpose() -> None:
+    from syncswitch_airflow.operators.segment import is_finished
+
+    entry = {"index": 1, "protocol": "asp", "until_step": 30}
+    assert is_finished({"end_step": 30.0, "stopped_early": False}, entry)
+    assert is_finished({"end_step": 17.5, "stopped_early": True}, entry)
+    assert not is_finished({"end_step": 17.5, "stopped_early": False}, entry)

@@ -11,10 +11,12 @@ online-switching tests (real scheduler) cover it.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-# Airflow reads its configuration when first imported: point it at a throwaway home first.
+# Airflow reads its configuration when first imported: point it at a throwaway home first (the same
+# one for every module of this test session), removed when the session's process exits.
 os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
+atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
 
@@ -44,19 +48,24 @@ SMALL_JOB = {"job_name": "e2e", "total_steps": 120, "ckpt_frequency": [30]}
 
 @pytest.fixture(scope="session")
 def airflow_db() -> str:
-    """A migrated SQLite metadata database in the session's AIRFLOW_HOME."""
-    home = os.environ["AIRFLOW_HOME"]
-    os.makedirs(home, exist_ok=True)
+    """A migrated SQLite metadata database, the one this process's Airflow is configured with."""
+    from airflow.configuration import AIRFLOW_HOME, conf
+
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": AIRFLOW_HOME,
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": conf.get("database", "sql_alchemy_conn"),
+    }
     done = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
-        env=os.environ.copy(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return home
+    return AIRFLOW_HOME
 
 
 @pytest.fixture

@@ -104,7 +104,9 @@ class PlanRunOperator(BaseOperator):
 
         def write_plan(state: State) -> None:
             if state.get("run_id") == run_id and state.get("plan"):
+                # A retry or a cleared run: completed segments and online changes stay.
                 state["cluster"] = self.cluster
+                state["status"] = "running"
                 return
             fresh = new_state(layout, run_id, params)
             fresh["plan"] = offline_plan(job)
