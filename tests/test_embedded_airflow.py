@@ -58,7 +58,8 @@ def processes_in_group(pgid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedAirflow]:
-    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"))
+    # Any free port: 8080 is left to a demo or another test session on the same machine.
+    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0)
     try:
         instance.start(wait_for_dags=("sync_switch",), timeout=360)
         yield instance

@@ -72,9 +72,14 @@ class EmbeddedAirflow:
     """One ``airflow standalone`` process group serving ``project_dir``'s DAGs on 127.0.0.1."""
 
     def __init__(
-        self, project_dir: str | os.PathLike[str], home: str | os.PathLike[str] | None = None
+        self,
+        project_dir: str | os.PathLike[str],
+        home: str | os.PathLike[str] | None = None,
+        port: int | None = None,
     ) -> None:
+        """``port``: the API port for a new instance; None = 8080 when free, else any; 0 = any free."""
         self.project_dir = Path(project_dir).resolve()
+        self.requested_port = port
         self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
         self.dags_folder = self.project_dir / "dags"
         self.plugins_folder = self.project_dir / "plugins"
@@ -120,8 +125,11 @@ class EmbeddedAirflow:
             "API__WORKERS": "1",
             # Per-task overhead drops from about 1.1 s to 0.4 s with a short idle sleep.
             "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1",
+            # Look for new DAG files often (a cheap listing) but reparse a known file only every
+            # minute: each parse imports the operators, CPU that training needs on 2 cores. start()
+            # reserializes, so a fresh start always sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "10",
-            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
+            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "60",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
             "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
@@ -159,7 +167,7 @@ class EmbeddedAirflow:
             self.wait_for_dag(dag_id, deadline)
 
     def _spawn(self) -> None:
-        api_port = pick_port()
+        api_port = pick_port(self.requested_port)
         log_ports = free_ports(2, exclude={api_port})
         record = InstanceRecord(0, api_port, *log_ports, str(self.home), time.time())
         self._write_password_file()
@@ -230,19 +238,32 @@ class EmbeddedAirflow:
             self._check_alive()
             try:
                 health = self.health()
+            except (OSError, AirflowError) as exc:
+                last_problem = str(exc)
+            else:
                 unhealthy = sorted(
                     name
                     for name in ("metadatabase", "scheduler", "triggerer", "dag_processor")
                     if (health.get(name) or {}).get("status") != "healthy"
                 )
                 if not unhealthy:
+                    self._check_port_is_ours()
                     self._log.info("embedded Airflow healthy at %s", self.url)
                     return
                 last_problem = f"unhealthy: {', '.join(unhealthy)}"
-            except (OSError, AirflowError) as exc:
-                last_problem = str(exc)
             time.sleep(1.0)
         raise AirflowError(f"Airflow not healthy in time ({last_problem}); see {self.log_path}")
+
+    def _check_port_is_ours(self) -> None:
+        """A healthy answer on our port could come from another Airflow that took the port between
+        pick_port() and our api-server's bind; then everything we do would go to the wrong instance."""
+        record = self._require_record()
+        owners = listening_pids(record.port)
+        if owners is not None and not owners & set(processes_in_group(record.pid)):
+            raise AirflowError(
+                f"port {record.port} is served by process(es) {sorted(owners)}, not by this Airflow in "
+                f"{self.home}; our api-server could not bind it (see {self.log_path}). Run again."
+            )
 
     def _check_alive(self) -> None:
         if self._process is not None and self._process.poll() is not None:
@@ -298,7 +319,7 @@ class EmbeddedAirflow:
             time.sleep(1.0)
         raise AirflowError(f"DAG {dag_id!r} did not appear in {self.dags_folder}; see {self.log_path}")
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the process group, wait, SIGKILL stragglers; fail if any process of this home is left."""
         record = self._record or self.running_instance()
         if record is None:
@@ -442,16 +463,16 @@ class EmbeddedAirflow:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def pick_port() -> int:
-    """8080 when it is free on 127.0.0.1, else any free port."""
-    for port in (PREFERRED_PORT, 0):
+def pick_port(requested: int | None = None) -> int:
+    """``requested`` (0: any free port); by default 8080 when it is free on 127.0.0.1, else any."""
+    for port in (PREFERRED_PORT, 0) if requested is None else (requested,):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return sock.getsockname()[1]
-    raise AirflowError("no free TCP port on 127.0.0.1")
+    raise AirflowError(f"port {requested} is in use on 127.0.0.1" if requested else "no free TCP port")
 
 
 def free_ports(count: int, exclude: set[int]) -> list[int]:
@@ -464,6 +485,33 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
         if port not in exclude and port not in ports:
             ports.append(port)
     return ports
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Pids holding a TCP socket that listens on 127.0.0.1/0.0.0.0 ``port``; None where /proc lacks it."""
+    inodes = set()
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    for row in rows:
+        fields = row.split()
+        address, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and int(address.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            inodes.add(f"socket:[{inode}]")
+    owners = set()
+    for pid in _live_pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    owners.add(pid)
+                    break
+    return owners
 
 
 def _quote(part: str) -> str:
