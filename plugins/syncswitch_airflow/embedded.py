@@ -347,7 +347,8 @@ class EmbeddedAirflow:
             self.pid_file.unlink()
         self._record = None
         self._token = None
-        self._log.info("embedded Airflow stopped")
+        if record is not None:
+            self._log.info("embedded Airflow stopped")
 
     def _wait_group_gone(self, pgid: int, timeout: float) -> bool:
         def gone() -> bool:
