@@ -124,6 +124,8 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
     latest = checkpoints.latest(layout)
     assert latest["global_step"] == 300 and latest["uri"].startswith("gs://")
     assert storage.exists(layout.segment_result(2, "bsp"))
+    # One TensorBoard event file per segment, uploaded through the emulator-aware storage layer.
+    assert len(storage.list_files(layout.tensorboard)) == 3
 
 
 # ---- faults ----------------------------------------------------------------------------------------

@@ -222,6 +222,9 @@ class ChiefReporter:
         self._last_emit = 0.0
         self._last_samples = start_samples
         self._last_time = time.time()
+        from syncswitch.tensorboard import TensorBoardWriter
+
+        self.tensorboard = TensorBoardWriter(ctx.layout, ctx.spec.protocol)
 
     def step(
         self,
@@ -252,6 +255,9 @@ class ChiefReporter:
             step_time=step_time,
             learning_rate=lr,
             momentum=momentum,
+        )
+        self.tensorboard.scalars(
+            global_step, loss=loss, examples_per_sec=examples_per_sec, learning_rate=lr, momentum=momentum
         )
         self.progress.write(
             global_step=global_step,
@@ -309,6 +315,8 @@ class ChiefReporter:
         )
         if evaluation:
             self.events.emit("eval", global_step=result["end_step"], **evaluation)
+            self.tensorboard.scalars(result["end_step"], **evaluation)
+        self.tensorboard.close()
         storage.write_json(
             self.ctx.layout.segment_result(self.ctx.spec.index, self.ctx.spec.protocol), result
         )
