@@ -42,7 +42,6 @@ from syncswitch.state import read_state  # noqa: E402
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 
-SENSORS = r"watch_stragglers_\d+"
 SMALL_JOB = {"job_name": "e2e", "total_steps": 120, "ckpt_frequency": [30]}
 
 
@@ -88,7 +87,9 @@ def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def run_dag(dag, conf: dict[str, Any]):  # noqa: ANN001, ANN201 - airflow types
-    return dag.test(run_conf=conf, mark_success_pattern=SENSORS)
+    # The straggler sensors run for real: under dag.test they end at once when their segment has
+    # ended or has not started yet, so the sequential run cannot deadlock.
+    return dag.test(run_conf=conf)
 
 
 def task_states(dag_run) -> dict[str, str]:  # noqa: ANN001

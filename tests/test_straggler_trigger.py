@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -270,6 +271,20 @@ def test_sensor_defers_to_the_trigger_for_a_running_segment(layout: RunLayout) -
     assert classpath == CLASSPATH
     assert (kwargs["index"], kwargs["protocol"], kwargs["straggling_since"]) == (0, "bsp", None)
     assert deferred.value.method_name == "execute_complete"
+
+
+def test_sensor_does_not_wait_for_an_unstarted_segment_under_dags_test(layout: RunLayout) -> None:
+    """dag.test() runs tasks one at a time: a sensor picked before its segment must end at once."""
+    start_run(layout, "greedy")
+    dag_test_run = SimpleNamespace(triggering_user_name="dag_test")
+    started = time.monotonic()
+    result = sensor(layout).execute({"dag_run": dag_test_run})
+    assert result["status"] == "not_started" and result["decisions"] == []
+    assert time.monotonic() - started < 1
+    # Once the segment has written events, even a dags-test run watches it.
+    storage.write_text(layout.segment_events(0, "bsp", "worker", 0), "{}\n")
+    with pytest.raises(TaskDeferred):
+        sensor(layout).execute({"dag_run": dag_test_run})
 
 
 def test_greedy_verdict_rewrites_the_plan_then_requests_the_stop(layout: RunLayout) -> None:
