@@ -403,7 +403,8 @@ class RunSession:
             "switch_gaps_seconds": [g.get("seconds") for g in summary.get("switch_gaps_seconds", [])],
             "total_seconds": summary.get("total_seconds"),
             "dag_run_seconds": round(time.monotonic() - self.started, 3),
-            "online_switches": len(summary.get("online_switches") or []),
+            # Every online-policy decision (switch, switch back, stay) with its reason and numbers.
+            "online_switches": summary.get("online_switches") or [],
             "report": summary.get("index_html"),
         }
         if error:
