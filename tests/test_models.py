@@ -8,14 +8,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from syncswitch import checkpoints
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.models import (
     ZeroPadShortcut,
     build_model,
     kernel_weights,
-    model_signature,
     regularization_loss,
-    signature_mismatch,
 )
 from syncswitch.problems import get_problem
 
@@ -95,24 +94,26 @@ def test_regularization_loss_covers_kernels_only() -> None:
     assert float(regularization_loss(model, 0.0)) == 0.0
 
 
-def test_signature_round_trips_through_json_and_names_differences() -> None:
+def test_checkpoint_signature_round_trips_and_names_differences() -> None:
     hp20 = get_hparams("resnet_cifar_20")
-    signature = model_signature(hp20, CIFAR10)
+    signature = checkpoints.signature(hp20, CIFAR10)
     assert signature == {
         "model": "resnet",
         "depth": 20,
         "filters": 16,
         "input_shape": [32, 32, 3],
         "num_classes": 10,
-        "num_weights": build_model(hp20, CIFAR10).count_params(),
     }
-    assert signature_mismatch(json.loads(json.dumps(signature)), signature) is None
+    manifest = {"uri": "runs/x/checkpoints/ckpt-000000000000", "signature": json.loads(json.dumps(signature))}
+    checkpoints.check_compatible(manifest, signature)  # JSON round trip: still equal
 
-    other = model_signature(get_hparams("resnet_cifar_32"), get_problem("image_cifar100"))
-    message = signature_mismatch(other, signature)
-    assert message is not None
-    assert "depth 32 in the checkpoint but 20 in this job" in message
-    assert "num_classes 100 in the checkpoint but 10 in this job" in message
+    other = checkpoints.signature(get_hparams("resnet_cifar_32"), get_problem("image_cifar100"))
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+        checkpoints.check_compatible({**manifest, "signature": other}, signature)
+    message = str(error.value)
+    assert message.startswith("run_dir:")
+    assert "depth: checkpoint has 32, requested 20" in message
+    assert "num_classes: checkpoint has 100, requested 10" in message
     assert "filters" not in message
 
 

@@ -2,8 +2,9 @@
 
     build_model(hp, problem)            -> keras.Model (Keras 3 functional) that outputs logits
     regularization_loss(model, wd)      -> wd * sum of tf.nn.l2_loss over kernels (the loop adds it)
-    model_signature(hp, problem)        -> JSON-ready dict written into checkpoint manifests
-    signature_mismatch(saved, current)  -> why a checkpoint does not fit this model, or None
+
+Checkpoint signatures (what a checkpoint must match to be restored) live in syncswitch.checkpoints,
+derived from the hparams and the problem so the launcher can check them without TensorFlow.
 
 ``resnet`` is the CIFAR ResNet of He et al. 2016 (section 4.2): depth 6n+2, a 3x3 stem, three stages of
 n basic blocks with ``num_filters`` x 1, 2, 4 filters, option-A (parameter-free) shortcuts, global
@@ -16,7 +17,6 @@ the same model serves the BSP and ASP strategies and the decay shows up in the l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -149,30 +149,3 @@ def regularization_loss(model: keras.Model, weight_decay: float) -> tf.Tensor:
     if not kernels:
         return tf.constant(0.0)
     return tf.cast(weight_decay, tf.float32) * tf.add_n([tf.nn.l2_loss(k) for k in kernels])
-
-
-def model_signature(hp: HParams, problem: Problem, model: keras.Model | None = None) -> dict[str, Any]:
-    """What a checkpoint must match to be restored into this model. JSON-ready (lists, not tuples),
-    so a signature read back from a manifest compares equal. Builds the model unless given."""
-    model = model if model is not None else build_model(hp, problem)
-    return {
-        "model": hp.model,
-        "depth": hp.resnet_depth if hp.model == "resnet" else None,
-        "filters": hp.num_filters,
-        "input_shape": list(problem.image_shape),
-        "num_classes": problem.num_classes,
-        "num_weights": int(model.count_params()),
-    }
-
-
-def signature_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
-    """A sentence naming every field where a checkpoint's signature differs from this job's model;
-    None when they match."""
-    differences = [
-        f"{key} {saved.get(key)!r} in the checkpoint but {current.get(key)!r} in this job"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
-    ]
-    if not differences:
-        return None
-    return "checkpoint was written by a different model: " + "; ".join(differences)

@@ -437,6 +437,19 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         segment_start_event(ctx, events, start_step, schedule, restored)
     worker_timer = WorkerTimer(events, ctx.task)
     stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
+
+    def checkpoint_now() -> str:  # every worker writes (collective); the chief uploads
+        return save(
+            ctx,
+            state,
+            signature,
+            samples=samples,
+            updates=updates,
+            global_batch=global_batch,
+            is_writer=ctx.is_chief,
+            events=events,
+        )
+
     try:
         while samples < until_samples:
             step = samples / global_batch
@@ -469,27 +482,9 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 )
                 break
             if _checkpoint_due(spec, samples // global_batch) and samples < until_samples:
-                checkpoint_uri = save(
-                    ctx,
-                    state,
-                    signature,
-                    samples=samples,
-                    updates=updates,
-                    global_batch=global_batch,
-                    is_writer=ctx.is_chief,
-                    events=events,
-                )
+                checkpoint_uri = checkpoint_now()
         if samples != restored["samples"] or checkpoint_uri is None:
-            checkpoint_uri = save(
-                ctx,
-                state,
-                signature,
-                samples=samples,
-                updates=updates,
-                global_batch=global_batch,
-                is_writer=ctx.is_chief,
-                events=events,
-            )
+            checkpoint_uri = checkpoint_now()
         worker_timer.flush()
         if reporter is None:
             return None
@@ -611,6 +606,19 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     loop = AspLoop(spec, batch, global_batch, start_samples)
     checkpoint_uri = restored["uri"]
     timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
+
+    def checkpoint_now() -> str:  # only the coordinator writes under PSS
+        return save(
+            ctx,
+            state,
+            signature,
+            samples=loop.done_samples,
+            updates=start_updates + loop.done,
+            global_batch=global_batch,
+            is_writer=True,
+            events=events,
+        )
+
     try:
         while True:
             if stop_signal.requested:
@@ -643,28 +651,10 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {loop.done_samples / global_batch:g}")
             if loop.at_checkpoint_boundary():
-                checkpoint_uri = save(
-                    ctx,
-                    state,
-                    signature,
-                    samples=loop.done_samples,
-                    updates=start_updates + loop.done,
-                    global_batch=global_batch,
-                    is_writer=True,
-                    events=events,
-                )
+                checkpoint_uri = checkpoint_now()
         coordinator.join()
         if loop.done or checkpoint_uri is None:
-            checkpoint_uri = save(
-                ctx,
-                state,
-                signature,
-                samples=loop.done_samples,
-                updates=start_updates + loop.done,
-                global_batch=global_batch,
-                is_writer=True,
-                events=events,
-            )
+            checkpoint_uri = checkpoint_now()
         for timer in timers.values():
             timer.flush()
         stopped_early = loop.stopping and loop.done_samples < loop.until_samples
