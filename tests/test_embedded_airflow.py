@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proc_utils import assert_no_processes
 from syncswitch_airflow.embedded import EmbeddedAirflow, TriggerRejected
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
         [
             *(str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"),
             *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
-            *("--cluster-name", "ignored"),
+            *("--cluster-name", "ignored", "--online-policy", "greedy"),
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -140,6 +141,41 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     # --keep-ui: Airflow is still up and the URL and login were printed.
     assert airflow.is_running() and summary["airflow_url"] == airflow.url
     assert any(airflow.url in line and "password" in line for line in lines)
+
+
+def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
+    airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """Issue 4 end to end on the real scheduler: worker 1 is 4x slower for the first 90 s. The sensor
+    beside the BSP segment raises, greedy switches to ASP; when the straggler clears, it switches back
+    to BSP for the rest of the BSP budget; then the planned ASP segment runs. The workload stays exact
+    and teardown leaves nothing running."""
+    runs = tmp_path / "runs"
+    result = subprocess.run(
+        [
+            *(str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"),
+            *("--bucket-dir", str(runs), "--job-name", "greedy-e2e", "--switch-order", "10"),
+            *("--train-steps", "2000", "400", "--ckpt-frequency", "100", "--online-policy", "greedy"),
+            *("--straggler", "worker=1,start=0,duration=90,slowdown=4"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    actions = [d["action"] for d in summary["online_switches"]]
+    assert actions[:2] == ["switch", "switch_back"], summary["online_switches"]
+    assert all(d["reason"] for d in summary["online_switches"])
+    protocols = [s["protocol"] for s in summary["segments"]]
+    assert protocols == ["bsp", "asp", "bsp", "asp"], summary["segments"]
+    assert sum(s["steps"] for s in summary["segments"]) == 2400, "the workload must stay exact"
+    state = json.loads((Path(summary["run_dir"]) / "state.json").read_text())
+    assert [e["origin"] for e in state["plan"]] == ["plan", "online", "online", "plan"]
+    assert state["plan"][-1]["until_step"] == 2400
+    assert state["decisions"][0]["workers"] == [1]
+    assert_no_processes("greedy-e2e.*syncswitch|syncswitch.*greedy-e2e", timeout=30)
 
 
 def test_stop_leaves_no_airflow_process(airflow: EmbeddedAirflow) -> None:
