@@ -75,6 +75,8 @@ class Measurement:
     training_seconds: float | None = None
     wall_seconds: float | None = None
     startup: dict[str, float] = field(default_factory=dict)
+    before_launch: float | None = None  # command start -> processes launched (CLI import, preflight)
+    after_end: float | None = None  # segment end -> command exited (process exit, cluster stop)
     load_at_start: float = 0.0
     error: str | None = None
 
@@ -150,6 +152,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     steady = (batches - warm_batches) * BATCH_PER_WORKER / (times[-1] - times[warm_batches - 1])
     seconds = times[-1] - times[0]
     return {
+        "ended_at": times[-1],
         "examples_per_sec": steady,
         "segment_examples_per_sec": batches * BATCH_PER_WORKER / seconds,
         "training_seconds": seconds,
@@ -175,6 +178,7 @@ def measure_baseline(config: Config, args: argparse.Namespace, work_dir: str) ->
     log_path = os.path.join(work_dir, f"{slug(config.name)}.log")
     env = {LAUNCH_TIME_ENV: repr(time.time()), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = run_json_command(argv, log_path, timeout=CONFIG_TIMEOUT_SECONDS, env=env)
+    exited = time.time()
     s = result.summary
     log(f"{config.name}: loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
     return Measurement(
@@ -184,6 +188,8 @@ def measure_baseline(config: Config, args: argparse.Namespace, work_dir: str) ->
         training_seconds=s["training_seconds"],
         wall_seconds=result.wall_seconds,
         startup=s["startup"],
+        before_launch=0.0,  # the launch time is taken when the child is started
+        after_end=exited - s["ended_at"],
     )
 
 
@@ -218,9 +224,12 @@ def cluster_argv(config: Config, args: argparse.Namespace, run_dir: str) -> list
 def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> Measurement:
     run_dir = os.path.join(work_dir, slug(config.name))
     log_path = run_dir + ".log"
+    started = time.time()
     result = run_json_command(cluster_argv(config, args, run_dir), log_path, timeout=CONFIG_TIMEOUT_SECONDS)
+    exited = time.time()
     s = result.summary
     steady = steady_rate(chief_steps(run_dir, config.protocol), args.warmup)
+    segment = segment_result(run_dir, config.protocol)
     return Measurement(
         config,
         examples_per_sec=steady if steady is not None else s["examples_per_sec"],
@@ -228,7 +237,16 @@ def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> 
         training_seconds=s["training_seconds"],
         wall_seconds=result.wall_seconds,
         startup=s.get("startup") or {},
+        before_launch=segment["started_at"] - started,
+        after_end=exited - segment["ended_at"],
     )
+
+
+def segment_result(run_dir: str, protocol: str) -> dict[str, Any]:
+    from syncswitch import storage
+    from syncswitch.layout import RunLayout
+
+    return storage.read_json(RunLayout(run_dir).segment_result(0, protocol))
 
 
 def chief_steps(run_dir: str, protocol: str) -> list[dict[str, Any]]:
@@ -293,13 +311,31 @@ def results_table(measurements: list[Measurement]) -> str:
     return markdown_table(headers, rows)
 
 
-def startup_table(measurements: list[Measurement]) -> str:
+def wall_table(measurements: list[Measurement]) -> str:
+    """The command's wall time split: before launch, the start-up parts, training, after the end."""
     rows = [
-        [m.config.name, *(fmt(m.startup.get(part), 2) for part in STARTUP_PARTS), fmt(m.startup_seconds, 2)]
+        [
+            m.config.name,
+            fmt(m.before_launch, 1),
+            *(fmt(m.startup.get(part), 1) for part in STARTUP_PARTS),
+            fmt(m.training_seconds, 1),
+            fmt(m.after_end, 1),
+            fmt(m.wall_seconds, 1),
+        ]
         for m in measurements
         if m.startup
     ]
-    headers = ["config", "process start", "cluster connect", "build / restore", "first step", "total"]
+    headers = [
+        "config",
+        "before launch",
+        "process start",
+        "cluster connect",
+        "build / restore",
+        "first step",
+        "training",
+        "after end",
+        "wall",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -328,9 +364,12 @@ def print_report(measurements: list[Measurement], args: argparse.Namespace, mach
     print()
     print(results_table(measurements))
     print()
-    print("start-up split (s):")
+    print("wall time split (s): before launch = CLI start and preflight; the four start-up parts add up to")
+    print(
+        "start -> 1st step; training ends after the final checkpoint; after end = process exit, cluster stop"
+    )
     print()
-    print(startup_table(measurements))
+    print(wall_table(measurements))
     print()
     for line in goal_lines(measurements):
         print(line)
