@@ -273,18 +273,21 @@ def test_sensor_defers_to_the_trigger_for_a_running_segment(layout: RunLayout) -
     assert deferred.value.method_name == "execute_complete"
 
 
-def test_sensor_does_not_wait_for_an_unstarted_segment_under_dags_test(layout: RunLayout) -> None:
-    """dag.test() runs tasks one at a time: a sensor picked before its segment must end at once."""
+def test_sensor_never_defers_under_dags_test(layout: RunLayout) -> None:
+    """dag.test() runs tasks one at a time, triggers inline: a deferred sensor would block the segment
+    (or its retry) it waits for, so it ends at once, started segment or not."""
     start_run(layout, "greedy")
     dag_test_run = SimpleNamespace(triggering_user_name="dag_test")
-    started = time.monotonic()
-    result = sensor(layout).execute({"dag_run": dag_test_run})
-    assert result["status"] == "not_started" and result["decisions"] == []
-    assert time.monotonic() - started < 1
-    # Once the segment has written events, even a dags-test run watches it.
-    storage.write_text(layout.segment_events(0, "bsp", "worker", 0), "{}\n")
+    for segment_has_started in (False, True):
+        if segment_has_started:
+            storage.write_text(layout.segment_events(0, "bsp", "worker", 0), "{}\n")
+        started = time.monotonic()
+        result = sensor(layout).execute({"dag_run": dag_test_run})
+        assert result["status"] == "not_watched" and result["decisions"] == []
+        assert time.monotonic() - started < 1
+    # Under the scheduler the same sensor defers to its trigger.
     with pytest.raises(TaskDeferred):
-        sensor(layout).execute({"dag_run": dag_test_run})
+        sensor(layout).execute({"dag_run": SimpleNamespace(triggering_user_name="admin")})
 
 
 def test_greedy_verdict_rewrites_the_plan_then_requests_the_stop(layout: RunLayout) -> None:

@@ -78,16 +78,16 @@ class StragglerSensor(BaseSensorOperator):
             raise AirflowSkipException(f"slot {slot} is past the end of the plan")
         if self._segment_ended(layout, state, item):
             return self._finish(state, item, "segment_ended")
-        if _runs_tasks_one_at_a_time(context) and not _segment_started(layout, item):
-            # `airflow dags test` / dag.test() run one task at a time in no fixed order: waiting here
-            # for a segment that can only start after this task ends would just burn the start timeout.
+        if _runs_tasks_one_at_a_time(context):
+            # `airflow dags test` / dag.test() run one task at a time, inline: a deferred sensor would
+            # block the segment it waits for (or its retry) from ever running.
             self.log.info(
-                "run %s: segment %d has not started and this is a sequential `dags test` run; "
-                "straggler watching needs the scheduler, so this sensor ends without effect",
+                "run %s: sequential `dags test` run; straggler watching needs the scheduler, so "
+                "segment %d is not watched",
                 state.get("run_id"),
                 item["index"],
             )
-            return self._finish(state, item, "not_started")
+            return self._finish(state, item, "not_watched")
         since, workers = _straggler_behind(state, item)
         self._defer(state, item, start_after=None, straggling_since=since, straggling_workers=workers)
 
@@ -277,7 +277,3 @@ def _runs_tasks_one_at_a_time(context: Any) -> bool:
     """True under `airflow dags test` / DAG.test(), which marks its runs with this triggering user."""
     dag_run = context.get("dag_run")
     return getattr(dag_run, "triggering_user_name", None) == "dag_test"
-
-
-def _segment_started(layout: RunLayout, item: dict[str, Any]) -> bool:
-    return bool(storage.list_files(layout.segment_metrics(item["index"], item["protocol"])))
