@@ -17,10 +17,12 @@ Per event type, the extra keys are:
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (chief) global_step (BSP-equivalent steps, float), samples, updates, loss,
                    examples_per_sec, step_time, learning_rate, momentum
-    worker_step    per-worker timing, the straggler detector's input: worker, global_step,
-                   step_time (s between this worker's consecutive steps), compute_time (forward and
-                   backward pass only, no all-reduce / no PS round trip), wait_time (all-reduce or
-                   PS wait; step_time - compute_time where not measured directly)
+    worker_step    per-worker timing, the straggler detector's input: worker, global_step, steps
+                   (averaged over), step_time (s per step of this worker), compute_time (this worker's
+                   own share of a step: BSP = step_time minus the time blocked waiting for peers in
+                   the collectives, so input, compute and a frozen process all count; ASP = the
+                   closure's forward and backward pass on the worker), wait_time (BSP: waiting for
+                   peers; ASP: the rest of the closure, i.e. the PS round trip)
     checkpoint     global_step, samples, uri, seconds
     eval           global_step, test_accuracy, test_loss
     straggler      injected slowdown window: worker, slowdown, start, end (epoch seconds)

@@ -418,17 +418,22 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch) + decay / replicas
         grads = tape.gradient(loss, model.trainable_variables)
         with tf.control_dependencies(grads):
-            compute_time = tf.timestamp() - started
+            computed = tf.timestamp()
         optimizer.set_step_hparams(lr, momentum)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss, compute_time, stop_flag
+        return loss, computed, stop_flag
 
     @tf.function
     def train_step(iterator: Any, lr: Any, momentum: Any, stop_flag: Any) -> tuple[Any, Any, Any]:
-        loss, compute_time, stop = strategy.run(step_fn, args=(next(iterator), lr, momentum, stop_flag))
+        loss, computed, stop = strategy.run(step_fn, args=(next(iterator), lr, momentum, stop_flag))
         # One all-reduce carries both the loss and the stop vote, so every worker stops at the same step.
         totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.stack([loss, stop]), axis=None)
-        return totals[0], totals[1], strategy.experimental_local_results(compute_time)[0]
+        with tf.control_dependencies([totals]):
+            reduced = tf.timestamp()
+        # From the end of this worker's backward pass to the end of the step's collectives: time spent
+        # waiting for peers. A straggler waits little; its peers wait for it.
+        peer_wait = reduced - strategy.experimental_local_results(computed)[0]
+        return totals[0], totals[1], peer_wait
 
     events = ctx.events()
     stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
@@ -456,7 +461,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             lr, momentum = schedule.at(step)
             vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
             began = time.perf_counter()
-            loss, stop, compute_time = train_step(
+            loss, stop, peer_wait = train_step(
                 iterator,
                 tf.constant(lr, tf.float32),
                 tf.constant(momentum, tf.float32),
@@ -466,8 +471,14 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             step_time = time.perf_counter() - began
             samples += global_batch
             updates += 1
+            # In lockstep every worker's step time is equal; its own share (the step minus waiting for
+            # peers) is what singles out a straggler, whatever slows it (compute, input, a frozen process).
+            wait_time = min(float(peer_wait), step_time)
             worker_timer.record(
-                global_step=samples / global_batch, step_time=step_time, compute_time=float(compute_time)
+                global_step=samples / global_batch,
+                step_time=step_time,
+                compute_time=step_time - wait_time,
+                wait_time=wait_time,
             )
             if reporter is not None:
                 reporter.step(
@@ -512,12 +523,15 @@ class WorkerTimer:
 
     def __init__(self, events: EventWriter, worker: int) -> None:
         self.events, self.worker = events, worker
-        self._steps: list[tuple[float, float]] = []
+        self._steps: list[tuple[float, float, float]] = []
         self._last_emit = time.monotonic()
         self._global_step = 0.0
 
-    def record(self, *, global_step: float, step_time: float, compute_time: float) -> None:
-        self._steps.append((step_time, compute_time))
+    def record(
+        self, *, global_step: float, step_time: float, compute_time: float, wait_time: float | None = None
+    ) -> None:
+        wait = max(step_time - compute_time, 0.0) if wait_time is None else wait_time
+        self._steps.append((step_time, compute_time, wait))
         self._global_step = global_step
         if time.monotonic() - self._last_emit >= WORKER_EVENT_INTERVAL_SECONDS:
             self.flush()
@@ -526,8 +540,9 @@ class WorkerTimer:
         if not self._steps:
             return
         count = len(self._steps)
-        step_time = sum(s for s, _ in self._steps) / count
-        compute_time = sum(c for _, c in self._steps) / count
+        step_time, compute_time, wait_time = (
+            sum(column) / count for column in zip(*self._steps, strict=True)
+        )
         self.events.emit(
             "worker_step",
             worker=self.worker,
@@ -535,7 +550,7 @@ class WorkerTimer:
             steps=count,
             step_time=step_time,
             compute_time=compute_time,
-            wait_time=max(step_time - compute_time, 0.0),
+            wait_time=wait_time,
         )
         self._steps.clear()
         self._last_emit = time.monotonic()
