@@ -60,7 +60,7 @@ def run_command(
             stdout, _ = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop(child)
-            raise BenchError(f"{' '.join(argv)} timed out after {timeout:.0f}s; log: {log_path}") from None
+            raise BenchError(f"timed out after {timeout:.0f}s; log: {log_path}\n{' '.join(argv)}") from None
         except KeyboardInterrupt:
             _stop(child)
             raise
@@ -74,8 +74,9 @@ def run_json_command(
     code, stdout, wall = run_command(argv, log_path, timeout=timeout, env=env)
     summary = last_json_line(stdout)
     if code != 0 or summary is None:
+        # First line short (the report prints it); then the command and the log's tail.
         raise BenchError(
-            f"command exited with {code}: {' '.join(argv)}\n"
+            f"exited with {code}; log: {log_path}\n{' '.join(argv)}\n"
             f"--- last lines of {log_path} ---\n{tail(log_path)}"
         )
     return CommandResult(summary, wall, log_path)

@@ -51,7 +51,6 @@ BATCH_PER_WORKER = 32
 GOAL_RATIO = 0.8
 STRAGGLER_FOREVER_SECONDS = 86_400
 LAUNCH_TIME_ENV = "BENCH_LAUNCH_TIME"
-CONFIG_TIMEOUT_SECONDS = 1800.0
 STARTUP_PARTS = ("process_start", "cluster_connect", "restore", "first_step")
 
 
@@ -177,7 +176,7 @@ def measure_baseline(config: Config, args: argparse.Namespace, work_dir: str) ->
     ]
     log_path = os.path.join(work_dir, f"{slug(config.name)}.log")
     env = {LAUNCH_TIME_ENV: repr(time.time()), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = run_json_command(argv, log_path, timeout=CONFIG_TIMEOUT_SECONDS, env=env)
+    result = run_json_command(argv, log_path, timeout=args.config_timeout, env=env)
     exited = time.time()
     s = result.summary
     log(f"{config.name}: loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
@@ -225,7 +224,7 @@ def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> 
     run_dir = os.path.join(work_dir, slug(config.name))
     log_path = run_dir + ".log"
     started = time.time()
-    result = run_json_command(cluster_argv(config, args, run_dir), log_path, timeout=CONFIG_TIMEOUT_SECONDS)
+    result = run_json_command(cluster_argv(config, args, run_dir), log_path, timeout=args.config_timeout)
     exited = time.time()
     s = result.summary
     steady = steady_rate(chief_steps(run_dir, config.protocol), args.warmup)
@@ -393,6 +392,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="baseline TF intra-op threads (0: TF default)",
+    )
+    p.add_argument(
+        "--config-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a config counts as hung: it is stopped and reported as failed",
     )
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
     p.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
