@@ -133,6 +133,18 @@ def build_training_state(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer, "checkpoint": checkpoint}
 
 
+def build_and_restore(ctx: NodeContext, strategy: Any, problem: Any) -> tuple[dict, dict, dict]:
+    """Model and optimizer under ``strategy``, restored from the latest checkpoint; records the
+    cluster-ready and restored start-up marks. Returns (state, restored, signature)."""
+    ctx.timings["cluster_ready"] = time.time()
+    signature = checkpoints.signature(ctx.hp, problem)
+    with strategy.scope():
+        state = build_training_state(ctx, problem)
+    restored = restore_latest(ctx, state, signature)
+    ctx.timings["restored"] = time.time()
+    return state, restored, signature
+
+
 def weights_digest(state: dict[str, Any]) -> str:
     """SHA-256 over the model weights (BN statistics included) and the optimizer's velocity slots: the
     proof that a handoff between protocols restored bit-identical state."""
@@ -384,14 +396,9 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         implementation=tf.distribute.experimental.CommunicationImplementation.RING
     )
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    ctx.timings["cluster_ready"] = time.time()
+    state, restored, signature = build_and_restore(ctx, strategy, problem)
     spec, hp = ctx.spec, ctx.hp
     global_batch = spec.num_workers * hp.batch_size
-    signature = checkpoints.signature(hp, problem)
-    with strategy.scope():
-        state = build_training_state(ctx, problem)
-    restored = restore_latest(ctx, state, signature)
-    ctx.timings["restored"] = time.time()
     model, optimizer = state["model"], state["optimizer"]
     samples, updates = restored["samples"], restored["updates"]
     until_samples = spec.until_step * global_batch
@@ -568,14 +575,9 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    ctx.timings["cluster_ready"] = time.time()
+    state, restored, signature = build_and_restore(ctx, strategy, problem)
     spec, hp = ctx.spec, ctx.hp
     batch, global_batch = hp.batch_size, spec.num_workers * hp.batch_size
-    signature = checkpoints.signature(hp, problem)
-    with strategy.scope():
-        state = build_training_state(ctx, problem)
-    restored = restore_latest(ctx, state, signature)
-    ctx.timings["restored"] = time.time()
     model, optimizer = state["model"], state["optimizer"]
     start_samples, start_updates = restored["samples"], restored["updates"]
     start_step = start_samples / global_batch

@@ -126,8 +126,8 @@ class PlanRunOperator(BaseOperator):
         return layout.root
 
 
-class EvaluateRunOperator(BaseOperator):
-    """Test accuracy of the run's final checkpoint, checked against the exact workload."""
+class RunFolderOperator(BaseOperator):
+    """An operator that works on the run folder planned for this DAG run (templated ``run_dir``)."""
 
     template_fields = ("run_dir",)
     ui_color = "#eafaea"
@@ -135,6 +135,10 @@ class EvaluateRunOperator(BaseOperator):
     def __init__(self, *, run_dir: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run_dir = run_dir
+
+
+class EvaluateRunOperator(RunFolderOperator):
+    """Test accuracy of the run's final checkpoint, checked against the exact workload."""
 
     def execute(self, context: Context) -> dict[str, Any]:
         # TensorFlow is imported only here, in the worker process that evaluates.
@@ -179,15 +183,8 @@ def job_hparams(job: JobSpec, plan_index: int) -> HParams:
     return get_hparams(job.hparam_set, job.model).override(job.per_segment(job.hparams, plan_index))
 
 
-class ReportRunOperator(BaseOperator):
+class ReportRunOperator(RunFolderOperator):
     """Plots, summary.json and index.html in the run's report folder; its log ends with the summary."""
-
-    template_fields = ("run_dir",)
-    ui_color = "#eafaea"
-
-    def __init__(self, *, run_dir: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.run_dir = run_dir
 
     def execute(self, context: Context) -> dict[str, Any]:
         from syncswitch_airflow.report import build_report, format_summary_lines
