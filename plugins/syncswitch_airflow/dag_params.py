@@ -189,7 +189,7 @@ def build_params(bucket_dir: str) -> dict[str, Param]:
             description="Test accuracy at the end of every segment, not only the final one.",
         ),
     }
-    fields = {f.name for f in dataclasses.fields(JobSpec)} - {"extra"}
+    fields = {f.name for f in dataclasses.fields(JobSpec)}
     if set(params) != fields:  # a JobSpec field added without its Param would be unreachable
         raise RuntimeError(f"DAG params and JobSpec fields differ: {sorted(set(params) ^ fields)}")
     return params

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class HParamsError(ValueError):
@@ -35,7 +35,6 @@ class HParams:
     # model shape
     resnet_depth: int = 20
     num_filters: int = 16
-    extra: dict[str, str] = field(default_factory=dict)
 
     def override(self, overrides: str | dict[str, str] | None) -> HParams:
         """Return a copy with ``k=v,k=v`` overrides applied (values parsed to the field's type)."""
@@ -43,7 +42,7 @@ class HParams:
         if not pairs:
             return self
         changes = {}
-        names = {f.name: f for f in dataclasses.fields(self) if f.name not in ("model", "extra")}
+        names = {f.name: f for f in dataclasses.fields(self) if f.name != "model"}
         for key, raw in pairs.items():
             if key not in names:
                 raise HParamsError(f"hparams: unknown key {key!r}; accepted keys: {', '.join(sorted(names))}")

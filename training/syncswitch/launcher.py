@@ -331,7 +331,7 @@ class LocalCluster:
 
 
 def run_segment(
-    spec: SegmentSpec, work_dir: str | None = None, *, show_progress: bool = True, keep_work_dir: bool = False
+    spec: SegmentSpec, work_dir: str | None = None, *, show_progress: bool = True
 ) -> dict[str, Any]:
     """Run one segment to its end and return its SegmentResult (result.json)."""
     own_work_dir = work_dir is None
@@ -354,7 +354,7 @@ def run_segment(
     finally:
         if cluster is not None:
             cluster.stop()
-        if own_work_dir and not keep_work_dir:
+        if own_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from syncswitch.hparams import HParams, HParamsError, get_hparams
@@ -192,14 +192,13 @@ class JobSpec:
     seed: int = 0
     pin_cores: bool = False
     evaluate_segments: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     # ---- parsing ---------------------------------------------------------------------------
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> JobSpec:
         """Validate raw params (DAG params, CLI, REST conf). Raises SpecError naming the field."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
             raise SpecError(unknown[0], f"unknown parameter; accepted: {', '.join(sorted(known))}")
@@ -393,7 +392,6 @@ class JobSpec:
 
     def to_params(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.pop("extra")
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         for key in ("train_steps", "ckpt_frequency", "hparams"):
             data[key] = list(data[key])
