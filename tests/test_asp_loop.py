@@ -79,3 +79,53 @@ def test_stop_exactly_at_a_drained_checkpoint_ends_there() -> None:
     loop = AspLoop(spec(2, 300, 50), 32, 64, 0)
     drive(loop, stop_after=100)
     assert loop.done == 100
+
+
+class LostValue:
+    """A closure that died with its worker, as ClusterCoordinator reports it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def fetch(self) -> tuple[float, int, float, float]:
+        raise self.error
+
+
+def lost_worker_errors() -> list[Exception]:
+    import tensorflow as tf
+
+    return [
+        tf.errors.UnknownError(
+            None,
+            None,
+            "Failed to get error information from remote target /job:worker/replica:0/task:1 while "
+            "calling /tensorflow.eager.EagerService/Enqueue: Connection reset by peer",
+        ),
+        tf.errors.CancelledError(None, None, "The corresponding function is cancelled."),
+    ]
+
+
+def test_closures_lost_with_a_worker_are_rescheduled_and_the_target_stays_exact() -> None:
+    loop = AspLoop(spec(2, 120, 50), 32, 64, 0)
+    pending_losses = lost_worker_errors() * 3
+    saved_at = []
+    while not loop.finished:
+        while loop.may_schedule():
+            value = LostValue(pending_losses.pop()) if pending_losses else FinishedValue()
+            loop.add(value, 0.1, 0.9)
+        if loop.collect() is not None and loop.at_checkpoint_boundary():
+            saved_at.append(loop.done)
+    assert loop.lost == 6
+    assert loop.done == loop.scheduled == 120 * 2
+    assert saved_at == [100, 200]
+
+
+def test_a_broken_step_is_not_mistaken_for_a_lost_worker() -> None:
+    import tensorflow as tf
+
+    from_ps = tf.errors.UnavailableError(None, None, "GRPC error information from remote target /job:ps")
+    for error in (tf.errors.InvalidArgumentError(None, None, "/job:worker/task:0: bad shape"), from_ps):
+        loop = AspLoop(spec(2, 10, 0), 32, 64, 0)
+        loop.add(LostValue(error), 0.1, 0.9)
+        with pytest.raises(type(error)):
+            loop.collect()

@@ -572,6 +572,9 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     loses increments under ASP)."""
     import tensorflow as tf
 
+    # A worker killed mid-RPC can surface as an UnknownError "Graph execution error"; TF retries it
+    # as a worker failure only when asked to (b/216666282 in cluster_coordinator.py).
+    os.environ.setdefault("TF_PS_HANDLE_UNKNOWN_ERROR", "1")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -644,15 +647,14 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
                 break
             while loop.may_schedule():
                 lr, momentum = schedule.at(loop.scheduled_samples / global_batch)
-                loop.add(
-                    coordinator.schedule(
-                        worker_step,
-                        args=(iterator, tf.constant(lr, tf.float32), tf.constant(momentum, tf.float32)),
-                    ),
-                    lr,
-                    momentum,
-                )
-            loss, worker, compute_time, step_time, lr, momentum = loop.collect()
+                args = (iterator, tf.constant(lr, tf.float32), tf.constant(momentum, tf.float32))
+                loop.add(schedule_closure(coordinator, worker_step, args), lr, momentum)
+            collected = loop.collect()
+            if collected is None:
+                if loop.lost == 1:
+                    print(f"[{spec.run_id}] worker lost mid-step; rescheduling its closures", flush=True)
+                continue
+            loss, worker, compute_time, step_time, lr, momentum = collected
             timers[worker].record(
                 global_step=loop.done_samples / global_batch, step_time=step_time, compute_time=compute_time
             )
@@ -708,6 +710,7 @@ class AspLoop:
         self.window = max(4 * spec.num_workers, 8)
         self.scheduled = 0
         self.done = 0
+        self.lost = 0  # closures handed back after their worker was lost
         self.stopping = False
         self._inflight: collections.deque = collections.deque()
 
@@ -739,13 +742,24 @@ class AspLoop:
         self._inflight.append((remote_value, lr, momentum))
         self.scheduled += 1
 
-    def collect(self) -> tuple[float, int, float, float, float, float]:
+    def collect(self) -> tuple[float, int, float, float, float, float] | None:
         """Fetch a finished closure, preferring any that is ready so a straggler's closure at the
-        head of the queue does not stall bookkeeping of the others."""
+        head of the queue does not stall bookkeeping of the others.
+
+        Returns None when the closure was lost with a worker: it is handed back to be scheduled
+        again, so the segment still ends exactly on target.
+        """
         index = next((i for i, (rv, _, _) in enumerate(self._inflight) if _is_ready(rv)), 0)
         remote_value, lr, momentum = self._inflight[index]
         del self._inflight[index]
-        loss, worker, compute_time, step_time = remote_value.fetch()
+        try:
+            loss, worker, compute_time, step_time = remote_value.fetch()
+        except Exception as exc:
+            if not is_lost_worker_error(exc) or self.lost >= MAX_LOST_CLOSURES:
+                raise
+            self.lost += 1
+            self.scheduled -= 1
+            return None
         self.done += 1
         return float(loss), int(worker), float(compute_time), float(step_time), lr, momentum
 
@@ -762,6 +776,40 @@ class AspLoop:
         if self.ckpt_updates <= 0 or self.finished or self._inflight:
             return False
         return (self.done_samples // self.batch) % self.ckpt_updates == 0
+
+
+# A closure lost with its worker is rescheduled; this many in one segment means something else is
+# wrong (every worker keeps failing), and the error is raised instead.
+MAX_LOST_CLOSURES = 1000
+
+
+def is_lost_worker_error(exc: BaseException) -> bool:
+    """An error that says a closure died with its worker (connection reset, worker gone, closure
+    cancelled because of it), not that the step itself is broken.
+
+    ClusterCoordinator retries most of these itself, but a worker killed mid-RPC can surface as an
+    UnknownError it does not classify, which would otherwise fail the whole segment; the closures it
+    then cancels come back as CancelledError.
+    """
+    import tensorflow as tf
+
+    message = str(exc)
+    if isinstance(exc, tf.errors.CancelledError):
+        return True
+    if not isinstance(exc, tf.errors.UnknownError | tf.errors.UnavailableError | tf.errors.AbortedError):
+        return False
+    return "/job:worker" in message and "/job:ps" not in message
+
+
+def schedule_closure(coordinator: Any, fn: Any, args: tuple) -> Any:
+    """coordinator.schedule, once more if it raises the error a lost worker left behind (schedule
+    re-raises a failed closure's error once, then clears it)."""
+    try:
+        return coordinator.schedule(fn, args=args)
+    except Exception as exc:
+        if not is_lost_worker_error(exc):
+            raise
+        return coordinator.schedule(fn, args=args)
 
 
 def _is_ready(remote_value: Any) -> bool:

@@ -319,15 +319,29 @@ class LocalBackend:
     def _terminate(
         self, records: list[dict[str, Any]], variable: str, value: str, grace_seconds: float
     ) -> list[int]:
-        """SIGTERM every live process of the scope (wrappers forward it to the launcher, which stops
-        its cluster gracefully); wait up to ``grace_seconds`` for them to exit."""
-        live = self._live(records, variable, value)
-        for proc in live:
-            _signal(proc.pid, signal.SIGTERM)
+        """SIGTERM the live launch wrappers first: each forwards it to its launcher, which stops its
+        cluster gracefully. Only then SIGTERM whatever of the scope is left (an orphaned launcher, a
+        process that escaped). Signalling everything at once would hit a launcher twice, and the
+        second SIGTERM can land after its handler ran, killing it mid-cleanup. Waits up to
+        ``grace_seconds`` in all."""
         deadline = time.monotonic() + grace_seconds
-        while live and time.monotonic() < deadline and self._live(records, variable, value):
+        wrapper_pids = {r["pid"] for r in records}
+        live = self._live(records, variable, value)
+        self._term_and_wait([p for p in live if p.pid in wrapper_pids], records, variable, value, deadline)
+        rest = [p for p in self._live(records, variable, value) if p.pid not in wrapper_pids]
+        self._term_and_wait(rest, records, variable, value, deadline)
+        return sorted({p.pid for p in live + rest})
+
+    def _term_and_wait(
+        self, procs: list[ProcStat], records: list[dict[str, Any]], variable: str, value: str, deadline: float
+    ) -> None:
+        for proc in procs:
+            _signal(proc.pid, signal.SIGTERM)
+        pids = {p.pid for p in procs}
+        while pids and time.monotonic() < deadline:
+            if not pids & {p.pid for p in self._live(records, variable, value)}:
+                return
             time.sleep(_POLL_S)
-        return [p.pid for p in live]
 
     def _kill_and_verify(self, records: list[dict[str, Any]], variable: str, value: str) -> list[int]:
         """SIGKILL what is left (whole process groups we started, then single marked processes);
