@@ -83,7 +83,8 @@ def test_provision_creates_the_work_folder_idempotently(backend: LocalBackend, t
 def test_provision_refuses_a_cluster_that_does_not_fit_in_memory(tmp_path: Path) -> None:
     greedy = LocalBackend(work_root=str(tmp_path / "work"), gb_per_process=100_000)
     layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "r1")
-    with pytest.raises(ClusterError, match=r"needs about .* GB \(4 TensorFlow processes"):
+    # chief + 2 workers + 1 PS, and the fork server
+    with pytest.raises(ClusterError, match=r"needs about .* GB \(5 TensorFlow processes"):
         greedy.provision(JobSpec(job_name="demo"), layout)
     assert not (tmp_path / "work").exists()
 
@@ -161,7 +162,7 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
         released = backend.teardown(handle)
 
         assert_no_processes(re.escape(tag), timeout=0)
-        assert len(released["stopped_pids"]) == 2 * 4
+        assert len(released["stopped_pids"]) == 2 * 4 + 1  # and the cluster's fork server
         assert not Path(handle["work_dir"]).exists()
         assert len(find_processes(re.escape(other_tag))) == 4, "teardown touched another run"
         assert backend.teardown(handle)["stopped_pids"] == []

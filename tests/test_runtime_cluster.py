@@ -55,21 +55,11 @@ def wait_for_progress(work_dir: Path, step: float, proc: subprocess.Popen, timeo
 
 
 def node_pid(work_dir: Path, name: str) -> int:
-    """The pid of a cluster process (e.g. 'worker-1'), from the launcher's process table."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(work_dir) not in cmdline or "syncswitch.node" not in cmdline:
-            continue
-        match = re.search(r'"task": \{"type": "(\w+)", "index": (\d+)\}', environ)
-        if match and f"{match.group(1)}-{match.group(2)}" == name:
-            return int(pid)
-    raise AssertionError(f"no live {name} process under {work_dir}")
+    """The pid of a live cluster process (e.g. 'worker-1'), from the launcher's process table."""
+    table = json.loads((work_dir / "nodes.json").read_text())
+    pid = table[name]["pid"]
+    os.kill(pid, 0)  # raises if it is gone
+    return pid
 
 
 def segment_events(run_dir: str, index: int, protocol: str, event: str) -> list[dict]:
@@ -242,7 +232,8 @@ def test_sigterm_stops_every_process_and_frees_ports(tmp_path: Path) -> None:
         wait_for_progress(work_dir, 5, proc)
         spec = json.loads((work_dir / "segment.json").read_text())
         assert spec["protocol"] == "asp"
-        ports = [int(p) for p in re.findall(r"@127\.0\.0\.1:(\d+)", _launch_line(proc))]
+        nodes = json.loads((work_dir / "nodes.json").read_text())
+        ports = [int(node["address"].rsplit(":", 1)[1]) for node in nodes.values()]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
@@ -258,13 +249,6 @@ def test_sigterm_stops_every_process_and_frees_ports(tmp_path: Path) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
-
-
-def _launch_line(proc: subprocess.Popen) -> str:
-    for line in proc.stderr:
-        if "launched" in line:
-            return line
-    raise AssertionError("the launcher never reported its processes")
 
 
 # ---- bad input: one clear message, before any process is spawned -------------------------------------

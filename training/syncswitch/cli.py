@@ -66,6 +66,11 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", action="store_true", help="report test accuracy of the final checkpoint")
     p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
+    p.add_argument(
+        "--forkserver",
+        metavar="DIR",
+        help="fork the cluster's processes from this running fork server (default: start a private one)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -120,7 +125,9 @@ def train_main(argv: list[str]) -> int:
     started = time.time()
     try:
         spec = spec_from_args(args)
-        result = run_segment(spec, args.work_dir, show_progress=not args.quiet)
+        result = run_segment(
+            spec, args.work_dir, forkserver_dir=args.forkserver, show_progress=not args.quiet
+        )
     except KeyboardInterrupt as exc:
         print(f"syncswitch train: interrupted ({exc or 'Ctrl-C'}); the cluster was stopped", file=sys.stderr)
         return 130

@@ -7,13 +7,14 @@
 Supervision covers what TF does not: a dead PS or a dead BSP worker fails the segment (training resumes
 from the last checkpoint on rerun); a dead ASP worker is tolerated; a stalled ASP worker reported by
 the coordinator's watchdog is killed; injected stragglers are duty-cycled with SIGSTOP/SIGCONT.
-Children get PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no orphan behind.
+Nodes are forked from a fork server that has TensorFlow imported already (forkserver.py): the cluster's,
+warm since provisioning, or a private one. The server kills a node as soon as its launcher's connection
+closes, so even a SIGKILLed launcher leaves no orphan behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from syncswitch import checkpoints, storage
+from syncswitch import checkpoints, forkserver, storage
 from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec, StragglerSpec
@@ -36,7 +37,8 @@ POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
 BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
-PR_SET_PDEATHSIG = 1
+# A cluster's fork server may still be importing TensorFlow when its first segment starts.
+FORKSERVER_WAIT_SECONDS = 300.0
 
 
 class SegmentFailed(RuntimeError):
@@ -48,7 +50,7 @@ class Node:
     role: str
     task: int
     address: str
-    process: subprocess.Popen | None = None
+    process: forkserver.ForkedProcess | None = None
     log_path: str = ""
 
     @property
@@ -105,25 +107,28 @@ def cluster_nodes(spec: SegmentSpec) -> list[Node]:
     return [Node(role, task, f"127.0.0.1:{port}") for (role, task), port in zip(roles, ports, strict=True)]
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 # ---- the cluster ----------------------------------------------------------------------------------
 
 
 class LocalCluster:
     def __init__(
-        self, spec: SegmentSpec, work_dir: str, data_dir: str, *, show_progress: bool = True
+        self,
+        spec: SegmentSpec,
+        work_dir: str,
+        data_dir: str,
+        *,
+        forkserver_dir: str,
+        launched_at: float | None = None,
+        show_progress: bool = True,
     ) -> None:
         self.spec = spec
         self.work_dir = work_dir
         self.data_dir = data_dir
+        self.forkserver_dir = forkserver_dir
         self.show_progress = show_progress
         self.layout = RunLayout(spec.run_dir)
         self.nodes = cluster_nodes(spec)
-        self.launched_at = 0.0
+        self.launched_at = launched_at or time.time()
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
         self._lost_workers: set[int] = set()
@@ -141,47 +146,39 @@ class LocalCluster:
     # -- lifecycle --
 
     def start(self) -> None:
+        """Fork every node from the fork server; each reads its role from TF_CONFIG."""
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
-        self.launched_at = time.time()
+        argv = ["--spec", spec_path, "--work-dir", self.work_dir, "--data-dir", self.data_dir]
         cores = os.cpu_count() or 1
         for i, node in enumerate(self.nodes):
+            tf_config = {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
+            # The launcher's whole environment, as a spawned child would have it, plus the node's own.
             env = {
                 **os.environ,
-                "TF_CONFIG": json.dumps(
-                    {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
-                ),
-                "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-                "PYTHONUNBUFFERED": "1",
+                "TF_CONFIG": json.dumps(tf_config),
                 "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at),
             }
             node.log_path = os.path.join(self.work_dir, f"{node.name}.log")
-            with open(node.log_path, "ab") as log:
-                node.process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "syncswitch.node",
-                        "--spec",
-                        spec_path,
-                        "--work-dir",
-                        self.work_dir,
-                        "--data-dir",
-                        self.data_dir,
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
-                )
-            if self.spec.pin_cores:
-                os.sched_setaffinity(node.process.pid, {i % cores})
+            node.process = forkserver.fork_node(
+                self.forkserver_dir,
+                argv,
+                env=env,
+                log=node.log_path,
+                name=f"ss-{node.name}",
+                cpu=i % cores if self.spec.pin_cores else None,
+            )
+        self._write_process_table()
         self._log(
-            f"launched {len(self.nodes)} processes: "
+            f"started {len(self.nodes)} processes in {time.time() - self.launched_at:.1f}s: "
             + ", ".join(f"{n.name}@{n.address} pid {n.process.pid}" for n in self.nodes)
         )
         self._start_injectors()
+
+    def _write_process_table(self) -> None:
+        """nodes.json: which pid is which node (forked nodes all show the fork server's command line)."""
+        table = {n.name: {"pid": n.process.pid, "address": n.address, "log": n.log_path} for n in self.nodes}
+        storage.write_text(os.path.join(self.work_dir, "nodes.json"), json.dumps(table, indent=2))
 
     def wait(self) -> int:
         """Supervise until the chief exits; returns the chief's exit code (raises SegmentFailed)."""
@@ -331,18 +328,36 @@ class LocalCluster:
 
 
 def run_segment(
-    spec: SegmentSpec, work_dir: str | None = None, *, show_progress: bool = True
+    spec: SegmentSpec,
+    work_dir: str | None = None,
+    *,
+    forkserver_dir: str | None = None,
+    show_progress: bool = True,
 ) -> dict[str, Any]:
-    """Run one segment to its end and return its SegmentResult (result.json)."""
+    """Run one segment to its end and return its SegmentResult (result.json).
+
+    Nodes are forked from the fork server in ``forkserver_dir`` (the cluster's, warm since it was
+    provisioned); without one, or if it is gone, the launcher starts a private one for this segment.
+    """
+    launched_at = time.time()
     own_work_dir = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix=f"syncswitch-seg{spec.index}-")
     os.makedirs(work_dir, exist_ok=True)
     result_uri = RunLayout(spec.run_dir).segment_result(spec.index, spec.protocol)
     cluster: LocalCluster | None = None
+    private_server: subprocess.Popen | None = None
     try:
         data_dir = preflight(spec, os.path.join(work_dir, "data"))
         storage.delete(result_uri)  # a stale result from an earlier attempt must not count
-        cluster = LocalCluster(spec, work_dir, data_dir, show_progress=show_progress)
+        server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
+        cluster = LocalCluster(
+            spec,
+            work_dir,
+            data_dir,
+            forkserver_dir=server_dir,
+            launched_at=launched_at,
+            show_progress=show_progress,
+        )
         cluster.start()
         rc = cluster.wait()
         if rc != 0:
@@ -354,8 +369,41 @@ def run_segment(
     finally:
         if cluster is not None:
             cluster.stop()
+        if private_server is not None:
+            _stop_process(private_server)
         if own_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _ready_forkserver(
+    spec: SegmentSpec, forkserver_dir: str | None, work_dir: str
+) -> tuple[str, subprocess.Popen | None]:
+    """The fork server to use, and a private one this launcher started (to stop it afterwards)."""
+    if forkserver_dir:
+        try:
+            forkserver.wait_ready(forkserver_dir, FORKSERVER_WAIT_SECONDS)
+            return forkserver_dir, None
+        except forkserver.ForkServerUnavailable as exc:
+            message = f"[{spec.run_id}] seg {spec.index}: {exc}; starting a private one"
+            print(message, file=sys.stderr, flush=True)
+    private_dir = os.path.join(work_dir, "forkserver")
+    server = forkserver.start(private_dir, die_with_parent=True)
+    try:
+        forkserver.wait_ready(private_dir, FORKSERVER_WAIT_SECONDS)
+    except forkserver.ForkServerUnavailable as exc:
+        _stop_process(server)
+        log = os.path.join(private_dir, forkserver.LOG_FILE)
+        raise SegmentFailed(f"{exc}; see {log}") from exc
+    return private_dir, server
+
+
+def _stop_process(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def install_signal_handlers() -> None:

@@ -137,7 +137,9 @@ class DigitsProblem(Problem):
         import tensorflow as tf
 
         _check_batching(batch_size, num_shards, seed)
-        images, labels = self.arrays("train")
+        # Under ParameterServerStrategy this runs inside a traced dataset_fn: without the wrapper
+        # AutoGraph tries to convert scikit-learn's loader, which costs seconds at every segment start.
+        images, labels = tf.autograph.experimental.do_not_convert(self.arrays)("train")
         return (
             tf.data.Dataset.from_tensor_slices((images, labels))
             .shard(num_shards, shard_index)

@@ -3,16 +3,18 @@
 Work folder (``$SYNCSWITCH_WORK_DIR`` or ``<tmp>/syncswitch``, then ``<job_name>-<run_id>``)::
 
     cluster.json                  the handle
+    forkserver/                   the cluster's fork server (syncswitch.forkserver): TensorFlow imported
+                                  once at provisioning, every segment's processes forked from it warm
     segments/seg-<ii>/spec.json   the SegmentSpec given to ``syncswitch train --spec``
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
     segments/seg-<ii>/launcher.log  the launcher's stdout and stderr (all attempts, appended)
     segments/seg-<ii>/exitcode      written by the supervise wrapper when the launcher exits
     segments/seg-<ii>/scratch/      the launcher's --work-dir: node logs, staged data
 
-Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its environment (the
-launcher passes its environment on to the cluster processes and the warm pool it starts). Teardown
-finds the run's processes by that marker as well as by the process groups it started, so a process
-that left its group, or whose launcher was SIGKILLed, is still found.
+Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its environment: the fork
+server and launchers are started with it, and forked nodes inherit the server's. Teardown finds the
+run's processes by that marker as well as by the process groups it started, so a process that left its
+group, or whose launcher was SIGKILLed, is still found.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from syncswitch import forkserver
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
@@ -149,21 +152,33 @@ class LocalBackend:
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
-        # The launcher (chief) plus every worker and parameter server imports TensorFlow.
+        # The chief plus every worker and parameter server runs TensorFlow (forked from the fork
+        # server, which holds one more copy of the imported libraries).
         processes = 1 + job.num_workers + job.num_ps
-        self._check_memory(processes)
+        self._check_memory(processes + 1)
         os.makedirs(os.path.join(work_dir, "segments"), exist_ok=True)
         handle: Handle = {
             "backend": self.name,
             "run": run,
             "run_dir": layout.root,
             "work_dir": work_dir,
+            "forkserver_dir": os.path.join(work_dir, "forkserver"),
             "host": "127.0.0.1",
             "processes": processes,
         }
         _write_json(os.path.join(work_dir, "cluster.json"), handle)
+        self._start_forkserver(handle)
         log.info("run %s: provisioned local cluster (%d processes) in %s", run, processes, work_dir)
         return handle
+
+    def _start_forkserver(self, handle: Handle) -> None:
+        """Start the cluster's fork server unless one runs already (provision is idempotent). It
+        imports TensorFlow in the background; the first segment's launcher waits for it."""
+        server_dir = handle["forkserver_dir"]
+        if forkserver.status(server_dir) != forkserver.ABSENT:
+            return
+        server = forkserver.start(server_dir, env={CLUSTER_ENV: handle["work_dir"]})
+        log.info("run %s: started the cluster's fork server (pid %d)", handle.get("run"), server.pid)
 
     def _check_memory(self, processes: int) -> None:
         needed = processes * self.gb_per_process
@@ -214,6 +229,8 @@ class LocalBackend:
             spec_path,
             "--work-dir",
             scratch,
+            "--forkserver",
+            handle["forkserver_dir"],
         ]
         return self.launch_command(handle, spec.index, command)
 

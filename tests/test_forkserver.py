@@ -1,0 +1,160 @@
+"""The fork server with real forked TensorFlow nodes: a node lives exactly as long as its lease.
+
+Each server imports TensorFlow once (10-30 s on 2 cores), so the scenarios share servers where
+they can. The forked node is a real ASP parameter server (`syncswitch.node` with a TF_CONFIG), which
+serves until it is stopped: the most long-lived kind of node, and the one most likely to be orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from proc_utils import assert_no_processes
+from syncswitch import forkserver
+from syncswitch.launcher import free_ports
+from syncswitch.spec import SegmentSpec
+
+pytestmark = pytest.mark.cluster
+READY_TIMEOUT = 300
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forkserver.ForkedProcess, Path]:
+    """Fork a one-process ASP cluster's parameter server; returns it and its log."""
+    spec = SegmentSpec(
+        run_id="fs",
+        run_dir=str(tmp_path / "run"),
+        index=0,
+        protocol="asp",
+        until_step=1,
+        total_steps=1,
+        model="cnn",
+        hparam_set="cnn_digits",
+        problem="digits",
+    )
+    spec_path = tmp_path / f"{name}.json"
+    spec_path.write_text(spec.to_json())
+    port = free_ports(1)[0]
+    tf_config = {"cluster": {"ps": [f"127.0.0.1:{port}"]}, "task": {"type": "ps", "index": 0}}
+    log = tmp_path / f"{name}.log"
+    node = forkserver.fork_node(
+        str(server_dir),
+        ["--spec", str(spec_path), "--work-dir", str(tmp_path)],
+        env={"TF_CONFIG": json.dumps(tf_config)},
+        log=str(log),
+        name=f"ss-{name}",
+    )
+    wait_for(lambda: log.exists() and "serving at" in log.read_text(errors="replace"), what=f"{name} serving")
+    return node, log
+
+
+@pytest.fixture
+def server(tmp_path: Path, no_leftover_processes) -> Path:  # noqa: ANN001
+    server_dir = tmp_path / "fs"
+    no_leftover_processes(re.escape(str(server_dir)))
+    process = forkserver.start(str(server_dir), die_with_parent=True)
+    forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
+    yield server_dir
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
+    server_dir = tmp_path / "fs"
+    assert forkserver.status(str(server_dir)) == forkserver.ABSENT
+    with pytest.raises(forkserver.ForkServerUnavailable, match="no fork server is running"):
+        forkserver.wait_ready(str(server_dir), timeout=1)
+    process = forkserver.start(str(server_dir), die_with_parent=True)
+    try:
+        assert forkserver.status(str(server_dir)) == forkserver.STARTING
+        forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
+        assert forkserver.status(str(server_dir)) == forkserver.READY
+        ready = json.loads((server_dir / forkserver.READY_FILE).read_text())
+        assert ready["pid"] == process.pid and ready["preload_seconds"] > 0
+        # Removing its folder (what teardown does) ends the server on its own.
+        for path in server_dir.iterdir():
+            path.unlink()
+        server_dir.rmdir()
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert forkserver.status(str(server_dir)) == forkserver.ABSENT
+
+
+def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None:
+    node, _ = fork_ps(server, tmp_path)
+    assert Path(f"/proc/{node.pid}/comm").read_text().strip() == "ss-ps-0"
+    assert node.poll() is None
+    # The launcher's side of the connection closes, as when a launcher is SIGKILLed.
+    node._conn.close()
+    wait_for(lambda: not pid_alive(node.pid), what="the orphaned node to be killed")
+
+    # A node that ends on its own reports its exit code over its lease.
+    second, _ = fork_ps(server, tmp_path, name="ps-1")
+    second.terminate()
+    assert second.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_node_that_fails_reports_its_exit_code(server: Path, tmp_path: Path) -> None:
+    log = tmp_path / "bad.log"
+    node = forkserver.fork_node(
+        str(server),
+        ["--spec", str(tmp_path / "missing.json"), "--work-dir", str(tmp_path)],
+        env={"TF_CONFIG": json.dumps({"cluster": {}, "task": {"type": "ps", "index": 0}})},
+        log=str(log),
+        name="ss-bad",
+    )
+    assert node.wait(timeout=60) == 1
+    assert "missing.json" in log.read_text()
+    # A malformed request gets an error back, and the server carries on serving.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(forkserver.address_for(str(server)))
+        conn.sendall(b"not json\n")
+        assert "error" in json.loads(conn.recv(4096).split(b"\n")[0])
+    assert forkserver.status(str(server)) == forkserver.READY
+
+
+def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> None:  # noqa: ANN001
+    server_dir = tmp_path / "fs"
+    no_leftover_processes(re.escape(str(server_dir)))
+    process = forkserver.start(str(server_dir), die_with_parent=True)
+    try:
+        forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
+        node, _ = fork_ps(server_dir, tmp_path)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        wait_for(lambda: not pid_alive(node.pid), what="the node to die with its server")
+        assert node.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert_no_processes(re.escape(str(server_dir)), timeout=10)
+
+
+def test_a_missing_server_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(forkserver.ForkServerUnavailable, match="did not answer"):
+        forkserver.fork_node(str(tmp_path), [], env={}, log=str(tmp_path / "x.log"), name="x")
