@@ -231,6 +231,27 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
     summary = json.loads(storage.read_text(layout.report + "/summary.json"))
     assert summary["final_accuracy"] >= 0.95
     assert_cluster_gone(work_root)
+    assert_evaluate_task_agrees_with_the_chief(layout, state)
+
+
+def assert_evaluate_task_agrees_with_the_chief(layout: RunLayout, state: dict[str, Any]) -> None:
+    """The evaluate task reuses the last chief's evaluation of the final checkpoint; without one it
+    evaluates the checkpoint itself, and must find the same accuracy."""
+    from syncswitch.state import update_state
+    from syncswitch_airflow.operators.job import EvaluateRunOperator
+
+    assert state["final"]["evaluated_by"] == "segment 1"
+    chief = state["segments"]["1"]
+
+    def forget_segment_evaluation(s: dict[str, Any]) -> None:
+        del s["segments"]["1"]["test_accuracy"]
+
+    update_state(layout, forget_segment_evaluation)
+    EvaluateRunOperator(task_id="evaluate", run_dir=layout.root).execute(context={})
+    final = read_state(layout)["final"]
+    assert final["evaluated_by"] == "evaluate task"
+    assert final["test_accuracy"] == pytest.approx(chief["test_accuracy"])
+    assert final["test_loss"] == pytest.approx(chief["test_loss"], rel=1e-4)
 
 
 # ---- GCS handoff ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from syncswitch import checkpoints
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
 from syncswitch.spec import PROTOCOLS, JobSpec, SpecError
@@ -141,9 +142,6 @@ class EvaluateRunOperator(RunFolderOperator):
     """Test accuracy of the run's final checkpoint, checked against the exact workload."""
 
     def execute(self, context: Context) -> dict[str, Any]:
-        # TensorFlow is imported only here, in the worker process that evaluates.
-        from syncswitch.evaluate import evaluate_latest
-
         state = require_state(self.run_dir)
         job = JobSpec.from_params(state["job"])
         for key in sorted(state.get("segments", {}), key=int):
@@ -156,9 +154,7 @@ class EvaluateRunOperator(RunFolderOperator):
                 seg.get("end_step"),
                 seg.get("test_accuracy", "n/a"),
             )
-        last_plan_index = len(job.switch_order) - 1
-        hp = job_hparams(job, last_plan_index)
-        final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir)
+        final = self._evaluate_final_checkpoint(state, job)
         workload = plans.workload(state["plan"])
         final = {**final, "workload": workload, "evaluated_at": time.time()}
         update_state(RunLayout(self.run_dir), lambda s: s.__setitem__("final", final))
@@ -176,6 +172,33 @@ class EvaluateRunOperator(RunFolderOperator):
                 f"the final checkpoint is at step {final['global_step']}, not at the workload {workload}"
             )
         return {k: final[k] for k in ("test_accuracy", "test_loss", "global_step")}
+
+    def _evaluate_final_checkpoint(self, state: dict[str, Any], job: JobSpec) -> dict[str, Any]:
+        """The last segment's chief evaluates its final checkpoint with the same code
+        (syncswitch.evaluate) on the warm cluster; reuse that result when it is for the newest
+        checkpoint. Otherwise evaluate here, which imports TensorFlow into this worker (10-20 s)."""
+        latest = checkpoints.latest(RunLayout(self.run_dir))
+        for key in sorted(state.get("segments", {}), key=int, reverse=True):
+            seg = state["segments"][key]
+            if latest is not None and seg.get("checkpoint") == latest["uri"] and "test_accuracy" in seg:
+                self.log.info(
+                    "run %s: segment %s already evaluated the final checkpoint %s at its end",
+                    state["run_id"],
+                    key,
+                    latest["uri"],
+                )
+                return {
+                    "test_accuracy": seg["test_accuracy"],
+                    "test_loss": seg["test_loss"],
+                    "global_step": float(latest["global_step"]),
+                    "checkpoint": latest["uri"],
+                    "evaluated_by": f"segment {key}",
+                }
+        from syncswitch.evaluate import evaluate_latest
+
+        hp = job_hparams(job, len(job.switch_order) - 1)
+        final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir)
+        return {**final, "evaluated_by": "evaluate task"}
 
 
 def job_hparams(job: JobSpec, plan_index: int) -> HParams:
