@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ class Lease:
     conn: socket.socket
     buffer: bytes = b""
     pid: int | None = None
+    name: str = "node"
 
 
 class ForkServer:
@@ -168,9 +170,9 @@ class ForkServer:
         if pid == 0:
             self._close_inherited()
             run_node(request)  # never returns
-        lease.pid = pid
+        lease.pid, lease.name = pid, str(request.get("name", "node"))
         self._send(lease, {"pid": pid})
-        print(f"forkserver: forked {request.get('name', 'node')} as pid {pid}", flush=True)
+        print(f"forkserver: forked {lease.name} as pid {pid}", flush=True)
 
     def _close_inherited(self) -> None:
         self.selector.close()
@@ -189,6 +191,7 @@ class ForkServer:
             code = os.waitstatus_to_exitcode(status)
             lease = next((x for x in self.leases.values() if x.pid == pid), None)
             if lease is not None:
+                print(f"forkserver: {lease.name} (pid {pid}) exited with {code}", flush=True)
                 self._send(lease, {"returncode": code})
                 self._release(lease, kill=False)
 
@@ -200,6 +203,7 @@ class ForkServer:
 
     def _release(self, lease: Lease, *, kill: bool) -> None:
         if kill and lease.pid is not None:
+            print(f"forkserver: killing {lease.name} (pid {lease.pid}): its lease was closed", flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(lease.pid, signal.SIGCONT)  # a SIGSTOPped straggler must not linger
                 os.kill(lease.pid, signal.SIGKILL)
@@ -334,10 +338,15 @@ class ForkedProcess:
     def __init__(self, conn: socket.socket, pid: int) -> None:
         self._conn = conn
         self._buffer = b""
+        self._lock = threading.Lock()  # the launcher polls from its main and straggler threads
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int | None:
         if self.returncode is None:
             self._parse()
         if self.returncode is None:
