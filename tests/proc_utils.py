@@ -59,3 +59,12 @@ def assert_no_processes(pattern: str, timeout: float = 10.0, poll: float = 0.2) 
             listing = "\n".join(f"  {p.pid}: {p.cmdline}" for p in found)
             raise AssertionError(f"{len(found)} process(es) still match {pattern!r}:\n{listing}")
         time.sleep(poll)
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition", poll: float = 0.05) -> None:  # noqa: ANN001
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)

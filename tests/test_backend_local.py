@@ -6,11 +6,10 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from proc_utils import assert_no_processes, find_processes
+from proc_utils import assert_no_processes, find_processes, wait_for
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch_airflow.backends import ClusterError, get_backend
@@ -38,14 +37,6 @@ signal.signal(signal.SIGTERM, stop)
 open(sys.argv[2], "w").close()
 time.sleep(600)
 """
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -5,28 +5,18 @@ Fast: parses the DAG (no database, no training).
 
 from __future__ import annotations
 
-import atexit
 import copy
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# Airflow reads its configuration when first imported: point it at a throwaway home first (the same
-# one for every module of this test session), removed when the session's process exits.
-os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
-atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
-os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+import pytest
+from airflow.dag_processing.dagbag import DagBag
+from airflow.sdk import TriggerRule
+from airflow.sdk.definitions.param import ParamsDict
+from airflow.sdk.exceptions import ParamValidationError
+from syncswitch.spec import JobSpec
+from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
-import pytest  # noqa: E402
-from airflow.dag_processing.dagbag import DagBag  # noqa: E402
-from airflow.sdk import TriggerRule  # noqa: E402
-from airflow.sdk.definitions.param import ParamsDict  # noqa: E402
-from airflow.sdk.exceptions import ParamValidationError  # noqa: E402
-from syncswitch.spec import JobSpec  # noqa: E402
-from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SLOT_TASKS = ("segment_{}_bsp", "segment_{}_asp", "watch_stragglers_{}")
 

@@ -12,25 +12,16 @@ import os
 import re
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
-from proc_utils import assert_no_processes
+from proc_utils import assert_no_processes, wait_for
 from syncswitch import forkserver
 from syncswitch.launcher import free_ports
 from syncswitch.spec import SegmentSpec
 
 pytestmark = pytest.mark.cluster
 READY_TIMEOUT = 300
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def pid_alive(pid: int) -> bool:
@@ -66,7 +57,8 @@ def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forks
         log=str(log),
         name=f"ss-{name}",
     )
-    wait_for(lambda: log.exists() and "serving at" in log.read_text(errors="replace"), what=f"{name} serving")
+    serving = lambda: log.exists() and "serving at" in log.read_text(errors="replace")  # noqa: E731
+    wait_for(serving, timeout=60, what=f"{name} serving")
     return node, log
 
 
@@ -110,7 +102,7 @@ def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None
     assert node.poll() is None
     # The launcher's side of the connection closes, as when a launcher is SIGKILLed.
     node._conn.close()
-    wait_for(lambda: not pid_alive(node.pid), what="the orphaned node to be killed")
+    wait_for(lambda: not pid_alive(node.pid), what="the orphaned node to be killed", timeout=30)
 
     # A node that ends on its own reports its exit code over its lease.
     second, _ = fork_ps(server, tmp_path, name="ps-1")
@@ -147,7 +139,7 @@ def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> N
         node, _ = fork_ps(server_dir, tmp_path)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
-        wait_for(lambda: not pid_alive(node.pid), what="the node to die with its server")
+        wait_for(lambda: not pid_alive(node.pid), what="the node to die with its server", timeout=30)
         assert node.wait(timeout=10) == -signal.SIGKILL
     finally:
         if process.poll() is None:

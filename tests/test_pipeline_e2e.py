@@ -11,34 +11,25 @@ online-switching tests (real scheduler) cover it.
 
 from __future__ import annotations
 
-import atexit
 import glob
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-# Airflow reads its configuration when first imported: point it at a throwaway home first (the same
-# one for every module of this test session), removed when the session's process exits.
-os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
-atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
-os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+import pytest
+from proc_utils import assert_no_processes
+from syncswitch import storage
+from syncswitch.layout import RunLayout, safe_run_id
+from syncswitch.state import read_state
 
-import pytest  # noqa: E402
-from proc_utils import assert_no_processes  # noqa: E402
-from syncswitch import storage  # noqa: E402
-from syncswitch.layout import RunLayout, safe_run_id  # noqa: E402
-from syncswitch.state import read_state  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 

@@ -214,6 +214,31 @@ def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_left
     assert segment_events(str(run_dir), 1, "bsp", "straggler")[0]["worker"] == 1
 
 
+def test_a_stalled_cluster_fails_the_segment_instead_of_hanging(
+    tmp_path: Path, no_leftover_processes
+) -> None:
+    """Every node frozen (as a hung PS or collective would leave them): the launcher gives up after
+    --stall-seconds without a new step, stops the cluster and keeps the last checkpoint."""
+    run_dir, work_dir = tmp_path / "run", tmp_path / "work"
+    no_leftover_processes(re.escape(str(work_dir)))
+    proc = start_train(
+        *("--protocol", "asp", "--workers", "2", "--run-dir", str(run_dir), "--until-step", "5000"),
+        *("--ckpt-frequency", "20", "--stall-seconds", "15", "--work-dir", str(work_dir)),
+    )
+    try:
+        wait_for_progress(work_dir, 25, proc)
+        for name in json.loads((work_dir / "nodes.json").read_text()):
+            os.kill(node_pid(work_dir, name), signal.SIGSTOP)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "no training progress for" in err and "resumes from the last checkpoint" in err
+    manifest = checkpoints.latest(RunLayout(str(run_dir)))
+    assert manifest is not None and manifest["global_step"] >= 20
+
+
 def test_sigterm_stops_every_process_and_frees_ports(tmp_path: Path) -> None:
     work_dir = tmp_path / "work"
     proc = start_train(
@@ -303,6 +328,7 @@ def other_model_run(tmp_path: Path) -> Path:
         (["--hparams", "batch_size=many"], "hparams", "int"),
         (["--problem", "image_cifar10", "--data-dir", "/nonexistent/cifar"], "data_dir", "data_batch_1.bin"),
         (["--straggler", "worker=1,start=0"], "straggler", "duration"),
+        (["--stall-seconds", "0"], "stall-seconds", "> 0"),
     ],
 )
 def test_bad_input_is_one_clear_error_before_spawning(

@@ -67,6 +67,12 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", action="store_true", help="report test accuracy of the final checkpoint")
     p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
     p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=None,
+        help="fail the segment after this long without a new step (default: 600)",
+    )
+    p.add_argument(
         "--forkserver",
         metavar="DIR",
         help="fork the cluster's processes from this running fork server (default: start a private one)",
@@ -76,6 +82,8 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(args: argparse.Namespace) -> SegmentSpec:
+    if args.stall_seconds is not None and args.stall_seconds <= 0:
+        raise SpecError("stall-seconds", f"must be > 0, got {args.stall_seconds}")
     if args.spec:
         with open(args.spec, encoding="utf-8") as f:
             return SegmentSpec.from_dict(json.load(f))
@@ -118,7 +126,7 @@ def next_segment_index(run_dir: str) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    from syncswitch.launcher import SegmentFailed, install_signal_handlers, run_segment
+    from syncswitch.launcher import STALL_SECONDS, SegmentFailed, install_signal_handlers, run_segment
 
     args = build_train_parser().parse_args(argv)
     install_signal_handlers()
@@ -126,7 +134,11 @@ def train_main(argv: list[str]) -> int:
     try:
         spec = spec_from_args(args)
         result = run_segment(
-            spec, args.work_dir, forkserver_dir=args.forkserver, show_progress=not args.quiet
+            spec,
+            args.work_dir,
+            forkserver_dir=args.forkserver,
+            stall_seconds=args.stall_seconds or STALL_SECONDS,
+            show_progress=not args.quiet,
         )
     except KeyboardInterrupt as exc:
         print(f"syncswitch train: interrupted ({exc or 'Ctrl-C'}); the cluster was stopped", file=sys.stderr)

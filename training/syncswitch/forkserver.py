@@ -43,6 +43,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from syncswitch import storage
+
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 TICK_SECONDS = 0.2
@@ -67,13 +69,6 @@ def _prctl(option: int, arg: Any) -> None:
 
 def _die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 # ---- server -------------------------------------------------------------------------------------
@@ -115,7 +110,7 @@ class ForkServer:
         self.listener.listen(64)
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ)
-        _write_json(
+        storage.write_json(
             os.path.join(self.server_dir, READY_FILE),
             {
                 "pid": os.getpid(),
@@ -265,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server_dir = args[0]
     os.makedirs(server_dir, exist_ok=True)
-    _write_json(os.path.join(server_dir, PID_FILE), {"pid": os.getpid()})
+    storage.write_json(os.path.join(server_dir, PID_FILE), {"pid": os.getpid()})
     return ForkServer(server_dir).serve()
 
 
@@ -288,7 +283,8 @@ def start(
             start_new_session=not die_with_parent,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - only prctl
         )
-    _write_json(os.path.join(server_dir, PID_FILE), {"pid": proc.pid})  # so wait_ready sees it starting
+    # Written here too, so that wait_ready sees the server starting from this moment on.
+    storage.write_json(os.path.join(server_dir, PID_FILE), {"pid": proc.pid})
     return proc
 
 
@@ -297,10 +293,10 @@ READY, STARTING, ABSENT = "ready", "starting", "absent"
 
 def status(server_dir: str) -> str:
     """READY (accepting requests), STARTING (alive, still importing) or ABSENT."""
-    ready = _read_json(os.path.join(server_dir, READY_FILE))
+    ready = storage.read_json(os.path.join(server_dir, READY_FILE), default=None)
     if ready is not None and _pid_alive(ready["pid"]):
         return READY
-    starting = _read_json(os.path.join(server_dir, PID_FILE))
+    starting = storage.read_json(os.path.join(server_dir, PID_FILE), default=None)
     return STARTING if starting is not None and _pid_alive(starting["pid"]) else ABSENT
 
 
@@ -314,14 +310,6 @@ def wait_ready(server_dir: str, timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise ForkServerUnavailable(f"the fork server for {server_dir} was not ready in {timeout:.0f}s")
         time.sleep(TICK_SECONDS)
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def _pid_alive(pid: int) -> bool:

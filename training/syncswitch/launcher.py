@@ -39,6 +39,11 @@ BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0
+# A segment whose chief reports no new step for this long is failed, so that a hang (a frozen PS, a
+# stuck collective, a coordinator waiting on a worker that never finished its first step) becomes a
+# retry from the last checkpoint instead of a week of nothing. Covers the first step (launch included)
+# and the chief's end-of-segment evaluation, so it is generous.
+STALL_SECONDS = 600.0
 
 
 class SegmentFailed(RuntimeError):
@@ -119,9 +124,11 @@ class LocalCluster:
         *,
         forkserver_dir: str,
         launched_at: float | None = None,
+        stall_seconds: float = STALL_SECONDS,
         show_progress: bool = True,
     ) -> None:
         self.spec = spec
+        self.stall_seconds = stall_seconds
         self.work_dir = work_dir
         self.data_dir = data_dir
         self.forkserver_dir = forkserver_dir
@@ -132,6 +139,8 @@ class LocalCluster:
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
         self._lost_workers: set[int] = set()
+        self._last_step: float | None = None
+        self._last_step_change = time.monotonic()
 
     @property
     def chief(self) -> Node:
@@ -206,6 +215,7 @@ class LocalCluster:
                 raise SegmentFailed("a BSP worker died and the chief did not exit; stopping the segment")
             if len(self._lost_workers) >= self.spec.num_workers:
                 raise SegmentFailed("every ASP worker is gone")
+            self._check_stall()
             if self.show_progress and time.monotonic() - last_progress >= PROGRESS_SECONDS:
                 self._print_progress()
                 last_progress = time.monotonic()
@@ -230,6 +240,19 @@ class LocalCluster:
                 node.process.wait()
 
     # -- supervision helpers --
+
+    def _check_stall(self) -> None:
+        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
+        step = progress.get("global_step") if progress else None
+        now = time.monotonic()
+        if step != self._last_step:
+            self._last_step, self._last_step_change = step, now
+        elif now - self._last_step_change > self.stall_seconds:
+            where = "before the first step" if step is None else f"at step {step:g}"
+            raise SegmentFailed(
+                f"no training progress for {now - self._last_step_change:.0f}s ({where}); stopping the "
+                f"segment so that a rerun resumes from the last checkpoint\n{self.tail_logs()}"
+            )
 
     def _act_on_kill_requests(self) -> None:
         for node in self.nodes:
@@ -332,6 +355,7 @@ def run_segment(
     work_dir: str | None = None,
     *,
     forkserver_dir: str | None = None,
+    stall_seconds: float = STALL_SECONDS,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Run one segment to its end and return its SegmentResult (result.json).
@@ -356,6 +380,7 @@ def run_segment(
             data_dir,
             forkserver_dir=server_dir,
             launched_at=launched_at,
+            stall_seconds=stall_seconds,
             show_progress=show_progress,
         )
         cluster.start()

@@ -80,7 +80,7 @@ class SegmentOperator(BaseOperator):
         slot: int,
         protocol: str,
         run_dir: Any,
-        poll_seconds: float = 1.0,
+        poll_seconds: float = 0.5,
         log_seconds: float = 10.0,
         stall_seconds: float = 900.0,
         **kwargs: Any,

@@ -77,7 +77,7 @@ class SegmentTrigger(BaseTrigger):
         protocol: str,
         until_step: float,
         handle: Handle,
-        poll_seconds: float = 1.0,
+        poll_seconds: float = 0.5,
         log_seconds: float = 10.0,
         stall_seconds: float = 900.0,
     ) -> None:

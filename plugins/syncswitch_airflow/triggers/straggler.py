@@ -4,7 +4,7 @@ Every ``poll_interval`` seconds it reads the new lines of the segment's event fi
 (``metrics/seg-ii-proto/*.jsonl``), feeds the ``worker_step`` events to a
 :class:`~syncswitch_airflow.detector.StragglerDetector`, and fires one event:
 
-    {"status": "segment_ended"}   the segment's result.json exists
+    {"status": "segment_ended"}   the segment's result.json exists (checked every 0.5 s)
     {"status": "not_started"}     no event and no result within ``start_timeout`` s
     {"status": "stalled"}         events stopped for ``idle_timeout`` s without a result (crashed)
     {"status": "verdict", "change": "raised" | "cleared" | "ongoing", "verdict": Verdict.to_dict()}
@@ -27,6 +27,8 @@ from syncswitch import events, storage
 from syncswitch.layout import RunLayout
 
 from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdict
+
+END_CHECK_SECONDS = 0.5
 
 CLASSPATH = "syncswitch_airflow.triggers.straggler.StragglerTrigger"
 
@@ -164,7 +166,16 @@ class StragglerTrigger(BaseTrigger):
                 self.log.info("segment %d (%s): no new events for %.0f s", self.index, self.protocol, idle)
                 yield TriggerEvent(self._payload("stalled", idle=round(idle, 3)))
                 return
-            await asyncio.sleep(self.poll_interval)
+            await self._sleep_unless_ended(result_uri)
+
+    async def _sleep_unless_ended(self, result_uri: str) -> None:
+        """Sleep one poll interval, but look for the segment's end more often: the next segment
+        waits for this watcher, so a late "segment_ended" would add to the switch gap."""
+        deadline = time.monotonic() + self.poll_interval
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(END_CHECK_SECONDS, left))
+            if await asyncio.to_thread(storage.exists, result_uri):
+                return
 
     def _judge(
         self, detector: StragglerDetector, records: list[dict[str, Any]]
