@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["imported"] = time.time()
 
     if role == "ps" or (role == "worker" and spec.protocol == "asp"):
-        run_server(tf, tf_config, role, task)
+        run_server(tf, tf_config, role, task, args.intra_op_threads, args.inter_op_threads)
         return 0
 
     from syncswitch.problems import get_problem
@@ -69,13 +69,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_server(tf, tf_config: dict, role: str, task: int) -> None:  # noqa: ANN001 - the tf module
-    """An ASP worker or parameter server: serves the coordinator until the launcher stops it."""
+def run_server(
+    tf,  # noqa: ANN001 - the tf module
+    tf_config: dict,
+    role: str,
+    task: int,
+    intra_op_threads: int,
+    inter_op_threads: int,
+) -> None:
+    """An ASP worker or parameter server: serves the coordinator until the launcher stops it.
+
+    The server sizes its own thread pools from its ConfigProto, not from tf.config.threading. Left at
+    0 they follow the CPUs the process may use: one when pinned to a core, and a worker running a
+    step function needs at least two inter-op threads (one waits on a transfer the other serves).
+    With a single one, pinned ASP clusters deadlocked before their first step.
+    """
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=intra_op_threads,
+        inter_op_parallelism_threads=max(inter_op_threads, 2),
+    )
     server = tf.distribute.Server(
         tf.train.ClusterSpec(tf_config["cluster"]),
         job_name=role,
         task_index=task,
         protocol="grpc",
+        config=config,
         start=True,
     )
     print(f"{role} {task} serving at {server.target}", flush=True)

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 TERMINAL_STATUSES = ("segment_ended", "not_started", "stalled")
 SWITCH_ACTIONS = ("switch", "switch_back")
 SEGMENT_ENDED = "segment already ended"
+# What a switch costs before this run has measured one: 4-9 s on the local backend with its warm fork
+# server (docs/benchmarks.md), rounded up. Replaced by the run's own figures once a segment has ended.
+DEFAULT_SWITCH_GAP_SECONDS = 10.0
 
 
 class StragglerSensor(BaseSensorOperator):
@@ -54,7 +57,7 @@ class StragglerSensor(BaseSensorOperator):
         idle_timeout: float = 900.0,
         recheck_seconds: float = 30.0,
         detector: dict[str, Any] | None = None,
-        default_switch_gap: float = 15.0,
+        default_switch_gap: float = DEFAULT_SWITCH_GAP_SECONDS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
