@@ -239,6 +239,17 @@ def test_a_stalled_cluster_fails_the_segment_instead_of_hanging(
     assert manifest is not None and manifest["global_step"] >= 20
 
 
+def test_asp_with_pinned_cores_trains(tmp_path: Path) -> None:
+    """Pinned to one core each, the ASP servers once got a single inter-op thread and deadlocked
+    before the first step (node.run_server now sizes their pools itself)."""
+    rc, result, stderr = train(
+        *("--protocol", "asp", "--workers", "2", "--ps", "1", "--pin-cores"),
+        *("--run-dir", str(tmp_path / "run"), "--until-step", "40", "--stall-seconds", "180"),
+    )
+    assert rc == 0, stderr[-3000:]
+    assert result["global_step"] == 40 and result["updates"] == 80
+
+
 def test_sigterm_stops_every_process_and_frees_ports(tmp_path: Path) -> None:
     work_dir = tmp_path / "work"
     proc = start_train(

@@ -67,6 +67,13 @@ def _prctl(option: int, arg: Any) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
+def log(message: str) -> None:
+    """One timestamped line in the server's log (forkserver.log)."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    print(f"{stamp} forkserver: {message}", flush=True)
+
+
 def _die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -118,7 +125,7 @@ class ForkServer:
                 "preload_seconds": round(time.monotonic() - started, 2),
             },
         )
-        print(f"forkserver {os.getpid()}: ready in {time.monotonic() - started:.1f}s", flush=True)
+        log(f"pid {os.getpid()} ready in {time.monotonic() - started:.1f}s")
         while not self.stopping and os.path.isdir(self.server_dir):
             for key, _ in self.selector.select(TICK_SECONDS):
                 if key.fileobj is self.listener:
@@ -167,7 +174,7 @@ class ForkServer:
             run_node(request)  # never returns
         lease.pid, lease.name = pid, str(request.get("name", "node"))
         self._send(lease, {"pid": pid})
-        print(f"forkserver: forked {lease.name} as pid {pid}", flush=True)
+        log(f"forked {lease.name} as pid {pid}")
 
     def _close_inherited(self) -> None:
         self.selector.close()
@@ -186,7 +193,7 @@ class ForkServer:
             code = os.waitstatus_to_exitcode(status)
             lease = next((x for x in self.leases.values() if x.pid == pid), None)
             if lease is not None:
-                print(f"forkserver: {lease.name} (pid {pid}) exited with {code}", flush=True)
+                log(f"{lease.name} (pid {pid}) exited with {code}")
                 self._send(lease, {"returncode": code})
                 self._release(lease, kill=False)
 
@@ -198,7 +205,7 @@ class ForkServer:
 
     def _release(self, lease: Lease, *, kill: bool) -> None:
         if kill and lease.pid is not None:
-            print(f"forkserver: killing {lease.name} (pid {lease.pid}): its lease was closed", flush=True)
+            log(f"killing {lease.name} (pid {lease.pid}): its lease was closed")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(lease.pid, signal.SIGCONT)  # a SIGSTOPped straggler must not linger
                 os.kill(lease.pid, signal.SIGKILL)
