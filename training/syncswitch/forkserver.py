@@ -168,10 +168,11 @@ class ForkServer:
             raise ValueError("a request needs 'argv' (a list) and 'log' (a path)")
         sys.stdout.flush()
         sys.stderr.flush()
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             self._close_inherited()
-            run_node(request)  # never returns
+            run_node(request, server_pid)  # never returns
         lease.pid, lease.name = pid, str(request.get("name", "node"))
         self._send(lease, {"pid": pid})
         log(f"forked {lease.name} as pid {pid}")
@@ -226,11 +227,13 @@ class ForkServer:
         self.stopping = True
 
 
-def run_node(request: dict[str, Any]) -> None:
+def run_node(request: dict[str, Any], server_pid: int) -> None:
     """In the forked child: become the requested node, run it, and exit with its status."""
     code = 1
     try:
         _die_with_parent()
+        if os.getppid() != server_pid:  # the server died before the line above took effect
+            return
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         _prctl(PR_SET_NAME, ctypes.c_char_p(request.get("name", "node").encode()[:15]))

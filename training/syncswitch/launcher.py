@@ -36,6 +36,7 @@ POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
 BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
+KILL_WAIT_SECONDS = 10.0
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0
 # A segment whose chief reports no new step for this long is failed, so that a hang (a frozen PS, a
@@ -236,7 +237,10 @@ class LocalCluster:
             node.process.send_signal(signal.SIGCONT)
             node.process.kill()
         for node in alive:
-            node.process.wait()
+            try:
+                node.process.wait(timeout=KILL_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:  # the fork server did not report it: say so, go on
+                self._log(f"{node.name} (pid {node.process.pid}) still reported alive after SIGKILL")
 
     # -- supervision helpers --
 
