@@ -7,6 +7,7 @@ docs/benchmarks.md unchanged.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -14,6 +15,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,3 +161,20 @@ def load_1m() -> float:
 def log(message: str) -> None:
     """Progress of the benchmark itself, on stderr so stdout carries only the tables."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def add_airflow_home_argument(parser: argparse.ArgumentParser) -> None:
+    """--airflow-home for the benchmarks that drive `syncswitch run` on an embedded Airflow."""
+    parser.add_argument(
+        "--airflow-home",
+        default=os.path.join(tempfile.gettempdir(), "syncswitch-bench-airflow"),
+        help="the embedded Airflow's home (default: a bench-only one, so a shared instance is left alone)",
+    )
+
+
+def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, those after ``--``, which go to `syncswitch run`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]

@@ -30,11 +30,13 @@ from typing import Any
 
 from _common import (
     BenchError,
+    add_airflow_home_argument,
     fmt,
     log,
     machine_line,
     markdown_table,
     run_json_command,
+    split_passthrough,
     syncswitch_command,
 )
 
@@ -253,14 +255,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="Arguments after -- are passed to `syncswitch run`."
     )
-    p.add_argument(
-        "--airflow-home",
-        default=os.path.join(tempfile.gettempdir(), "syncswitch-bench-airflow"),
-        help="the embedded Airflow's home (default: a bench-only one, so a shared instance is left alone)",
-    )
+    add_airflow_home_argument(p)
     p.add_argument("--keep", action="store_true", help="keep the run folder and the command log")
-    argv = sys.argv[1:] if argv is None else argv
-    own, run_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, run_flags = split_passthrough(argv)
     return p.parse_args(own), run_flags
 
 

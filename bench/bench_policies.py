@@ -26,6 +26,7 @@ from typing import Any
 
 from _common import (
     BenchError,
+    add_airflow_home_argument,
     fmt,
     load_1m,
     log,
@@ -33,6 +34,7 @@ from _common import (
     markdown_table,
     run_command,
     run_json_command,
+    split_passthrough,
     syncswitch_command,
     tail,
 )
@@ -236,14 +238,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--straggler", default=DEFAULT_STRAGGLER, help="the transient straggler (syncswitch run form)"
     )
     p.add_argument("--reference", action="store_true", help="also run: no policy, no straggler")
-    p.add_argument(
-        "--airflow-home",
-        default=os.path.join(tempfile.gettempdir(), "syncswitch-bench-airflow"),
-        help="the embedded Airflow's home (default: a bench-only one, so a shared instance is left alone)",
-    )
+    add_airflow_home_argument(p)
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
-    argv = sys.argv[1:] if argv is None else argv
-    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, extra = split_passthrough(argv)
     return p.parse_args(own), [*DEFAULT_JOB_FLAGS, *extra]
 
 
