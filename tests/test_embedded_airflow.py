@@ -104,22 +104,32 @@ def test_rest_trigger_with_invalid_conf_is_rejected_naming_the_param(
     assert not runs.exists()  # no run was created, so nothing wrote a run folder
 
 
-def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
+def syncswitch_run(
+    airflow: EmbeddedAirflow, cwd: Path, *flags: str, timeout: float
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """`syncswitch run` on this test's Airflow, kept up afterwards; asserts exit 0 and returns the
+    completed process and its final JSON line."""
     result = subprocess.run(
-        [
-            *(str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"),
-            *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
-            *("--cluster-name", "ignored", "--online-policy", "greedy"),
-        ],
-        cwd=tmp_path,
+        [str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui", *flags],
+        cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    result, summary = syncswitch_run(
+        airflow,
+        tmp_path,
+        *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
+        *("--cluster-name", "ignored", "--online-policy", "greedy"),
+        timeout=900,
+    )
     lines = result.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
     assert summary["state"] == "success"
     assert summary["run_id"] and Path(summary["run_dir"]).is_dir()
     assert Path(summary["run_dir"]).parent == runs / "cli-e2e"
@@ -151,20 +161,14 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     to BSP for the rest of the BSP budget; then the planned ASP segment runs. The workload stays exact
     and teardown leaves nothing running."""
     runs = tmp_path / "runs"
-    result = subprocess.run(
-        [
-            *(str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"),
-            *("--bucket-dir", str(runs), "--job-name", "greedy-e2e", "--switch-order", "10"),
-            *("--train-steps", "2000", "400", "--ckpt-frequency", "100", "--online-policy", "greedy"),
-            *("--straggler", "worker=1,start=0,duration=90,slowdown=4"),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+    _result, summary = syncswitch_run(
+        airflow,
+        tmp_path,
+        *("--bucket-dir", str(runs), "--job-name", "greedy-e2e", "--switch-order", "10"),
+        *("--train-steps", "2000", "400", "--ckpt-frequency", "100", "--online-policy", "greedy"),
+        *("--straggler", "worker=1,start=0,duration=90,slowdown=4"),
         timeout=1500,
     )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
     actions = [d["action"] for d in summary["online_switches"]]
     assert actions[:2] == ["switch", "switch_back"], summary["online_switches"]
     assert all(d["reason"] for d in summary["online_switches"])
