@@ -178,9 +178,10 @@ class EvaluateRunOperator(RunFolderOperator):
         (syncswitch.evaluate) on the warm cluster; reuse that result when it is for the newest
         checkpoint. Otherwise evaluate here, which imports TensorFlow into this worker (10-20 s)."""
         latest = checkpoints.latest(RunLayout(self.run_dir))
-        for key in sorted(state.get("segments", {}), key=int, reverse=True):
-            seg = state["segments"][key]
-            if latest is not None and seg.get("checkpoint") == latest["uri"] and "test_accuracy" in seg:
+        segments = state.get("segments", {}) if latest is not None else {}
+        for key in sorted(segments, key=int, reverse=True):
+            seg = segments[key]
+            if seg.get("checkpoint") == latest["uri"] and "test_accuracy" in seg:
                 self.log.info(
                     "run %s: segment %s already evaluated the final checkpoint %s at its end",
                     state["run_id"],
