@@ -62,6 +62,7 @@ with DAG(
                 task_id=f"watch_stragglers_{slot}",
                 run_dir=run_dir,
                 slot=slot,
+                segment_tasks={t.protocol: t.task_id for t in slot_tasks},
                 priority_weight=1,  # the segment task is picked first when slots are scarce
                 **after_previous,
             )

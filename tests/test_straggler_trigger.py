@@ -18,15 +18,19 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 from syncswitch import storage
-from syncswitch.events import EventWriter
+from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, update_state
 from syncswitch_airflow.sensors.straggler import DEFAULT_SWITCH_GAP_SECONDS, StragglerSensor, apply_switch
-from syncswitch_airflow.triggers.straggler import CLASSPATH, EventTail, StragglerTrigger
+from syncswitch_airflow.triggers import straggler as straggler_trigger
+from syncswitch_airflow.triggers.straggler import CLASSPATH, StragglerTrigger
 
 DETECTOR = {"window_seconds": 0.5, "threshold": 1.5, "raise_after": 2, "clear_after": 2, "lateness": 0.1}
 TICK = 0.05
+SEGMENT_TASK = {"dag_id": "sync_switch", "run_id": "r", "task_id": "segment_0_bsp"}
+# What a sensor's execute() gets from Airflow, as far as the sensor reads it.
+CONTEXT = {"ti": SimpleNamespace(dag_id="sync_switch", run_id="r")}
 Slowdown = Callable[[int, float], float]
 
 
@@ -93,9 +97,9 @@ def first_event(trigger: StragglerTrigger, timeout: float = 30.0) -> dict[str, A
 
 def trigger_for(layout: RunLayout, protocol: str = "bsp", **kwargs: Any) -> StragglerTrigger:
     settings = {
+        "segment_task": SEGMENT_TASK,
         "poll_interval": 0.05,
-        "start_timeout": 10.0,
-        "idle_timeout": 10.0,
+        "task_check_seconds": 0.1,
         "detector": DETECTOR,
         **kwargs,
     }
@@ -144,18 +148,49 @@ def test_result_json_ends_the_watch(layout: RunLayout) -> None:
     assert payload == {"status": "segment_ended", "index": 0, "protocol": "bsp"}
 
 
-def test_a_segment_that_never_starts(layout: RunLayout) -> None:
-    started = time.monotonic()
-    payload = first_event(trigger_for(layout, start_timeout=0.4))
-    assert payload["status"] == "not_started" and payload["waited"] >= 0.4
-    assert time.monotonic() - started < 5
+@pytest.fixture(autouse=True)
+def segment_task_states(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The states the execution API reports for the watched segment task, one per question; the
+    last one repeats. Airflow's task SDK is the external boundary here: no scheduler runs."""
+    states: list[str | None] = [None]
+
+    def answer(dag_id: str, run_id: str, task_id: str) -> str | None:
+        assert (dag_id, run_id, task_id) == tuple(SEGMENT_TASK.values())
+        return states.pop(0) if len(states) > 1 else states[0]
+
+    monkeypatch.setattr(straggler_trigger, "task_state", answer)
+    return states
 
 
-def test_a_segment_whose_events_stop_without_a_result_is_stalled(layout: RunLayout) -> None:
+@pytest.mark.parametrize("final_state", ["failed", "skipped", "upstream_failed"])
+def test_the_watch_ends_when_its_segment_task_ends_without_a_result(
+    layout: RunLayout, segment_task_states: list, final_state: str
+) -> None:
+    # Deferred, then waiting for a retry (the retry relaunches the segment: keep watching), then done.
+    segment_task_states[:] = ["deferred", "up_for_retry", "running", final_state]
     with writer_for(layout, "bsp", 2, clean):
-        time.sleep(0.5)
-    payload = first_event(trigger_for(layout, idle_timeout=0.5))
-    assert payload["status"] == "stalled"
+        payload = first_event(trigger_for(layout))
+    assert payload == {
+        "status": "segment_task_ended",
+        "task_state": final_state,
+        "index": 0,
+        "protocol": "bsp",
+    }
+    assert segment_task_states == [final_state]
+
+
+def test_an_unanswered_task_state_question_does_not_end_the_watch(
+    layout: RunLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unavailable(**_kwargs: str) -> str:
+        raise ConnectionError("execution API restarting")
+
+    monkeypatch.setattr(straggler_trigger, "task_state", unavailable)
+    with writer_for(layout, "bsp", 2, clean):
+        timer = write_result_after(layout, "bsp", 1.0)
+        payload = first_event(trigger_for(layout))
+        timer.join()
+    assert payload["status"] == "segment_ended"
 
 
 def test_started_straggling_it_fires_when_the_straggler_clears(layout: RunLayout) -> None:
@@ -237,6 +272,7 @@ def sensor(layout: RunLayout, slot: int = 0) -> StragglerSensor:
         task_id=f"watch_stragglers_{slot}",
         run_dir=layout.root,
         slot=slot,
+        segment_tasks={"bsp": f"segment_{slot}_bsp", "asp": f"segment_{slot}_asp"},
         poll_interval=0.05,
         detector=DETECTOR,
         recheck_seconds=5.0,
@@ -251,14 +287,14 @@ def raised_payload(layout: RunLayout) -> dict[str, Any]:
 def test_sensor_skips_a_slot_past_the_end_of_the_plan(layout: RunLayout) -> None:
     start_run(layout, "greedy")
     with pytest.raises(AirflowSkipException):
-        sensor(layout, slot=2).execute({})
+        sensor(layout, slot=2).execute(CONTEXT)
 
 
 def test_sensor_returns_at_once_when_its_segment_already_ended(layout: RunLayout) -> None:
     start_run(layout, "greedy")
     storage.write_json(layout.segment_result(0, "bsp"), {"index": 0})
     started = time.monotonic()
-    result = sensor(layout).execute({})
+    result = sensor(layout).execute(CONTEXT)
     assert result["status"] == "segment_ended" and result["decisions"] == []
     assert time.monotonic() - started < 1
 
@@ -266,7 +302,7 @@ def test_sensor_returns_at_once_when_its_segment_already_ended(layout: RunLayout
 def test_sensor_defers_to_the_trigger_for_a_running_segment(layout: RunLayout) -> None:
     start_run(layout, "greedy")
     with pytest.raises(TaskDeferred) as deferred:
-        sensor(layout).execute({})
+        sensor(layout).execute(CONTEXT)
     classpath, kwargs = deferred.value.trigger.serialize()
     assert classpath == CLASSPATH
     assert (kwargs["index"], kwargs["protocol"], kwargs["straggling_since"]) == (0, "bsp", None)
@@ -287,13 +323,13 @@ def test_sensor_never_defers_under_dags_test(layout: RunLayout) -> None:
         assert time.monotonic() - started < 1
     # Under the scheduler the same sensor defers to its trigger.
     with pytest.raises(TaskDeferred):
-        sensor(layout).execute({"dag_run": SimpleNamespace(triggering_user_name="admin")})
+        sensor(layout).execute({**CONTEXT, "dag_run": SimpleNamespace(triggering_user_name="admin")})
 
 
 def test_greedy_verdict_rewrites_the_plan_then_requests_the_stop(layout: RunLayout) -> None:
     start_run(layout, "greedy")
     payload = raised_payload(layout)
-    decision = sensor(layout).execute_complete({}, payload)
+    decision = sensor(layout).execute_complete(CONTEXT, payload)
     assert decision["action"] == "switch" and decision["policy"] == "greedy"
     state = read_state(layout)
     assert state is not None
@@ -308,7 +344,7 @@ def test_greedy_verdict_rewrites_the_plan_then_requests_the_stop(layout: RunLayo
 
     # The online ASP slot starts its detector straggling, so it reports when the straggler clears.
     with pytest.raises(TaskDeferred) as deferred:
-        sensor(layout, slot=1).execute({})
+        sensor(layout, slot=1).execute(CONTEXT)
     kwargs = deferred.value.trigger.serialize()[1]
     assert (kwargs["protocol"], kwargs["straggling_since"]) == ("asp", payload["verdict"]["since"])
     assert kwargs["straggling_workers"] == [1]
@@ -328,7 +364,7 @@ def test_policy_none_records_the_detection_and_keeps_watching(layout: RunLayout)
     start_run(layout, "none")
     payload = raised_payload(layout)
     with pytest.raises(TaskDeferred) as deferred:
-        sensor(layout).execute_complete({}, payload)
+        sensor(layout).execute_complete(CONTEXT, payload)
     state = read_state(layout)
     assert state is not None and len(state["plan"]) == 2
     assert not storage.exists(layout.stop_request(0))
@@ -344,7 +380,7 @@ def test_elastic_declines_a_fresh_straggler_and_asks_to_hear_of_it_again(layout:
     start_run(layout, "elastic")
     payload = raised_payload(layout)
     with pytest.raises(TaskDeferred) as deferred:
-        sensor(layout).execute_complete({}, payload)
+        sensor(layout).execute_complete(CONTEXT, payload)
     state = read_state(layout)
     assert state is not None
     [recorded] = state["decisions"]
@@ -358,7 +394,7 @@ def test_a_verdict_arriving_after_the_segment_ended_changes_nothing(layout: RunL
     start_run(layout, "greedy")
     payload = raised_payload(layout)
     storage.write_json(layout.segment_result(0, "bsp"), {"index": 0})
-    result = sensor(layout).execute_complete({}, payload)
+    result = sensor(layout).execute_complete(CONTEXT, payload)
     assert result["status"] == "segment_ended"
     assert [d["reason"] for d in result["decisions"]] == ["segment already ended"]
     assert not storage.exists(layout.stop_request(0))
@@ -366,11 +402,11 @@ def test_a_verdict_arriving_after_the_segment_ended_changes_nothing(layout: RunL
 
 def test_sensor_ends_quietly_on_terminal_events(layout: RunLayout) -> None:
     start_run(layout, "greedy")
-    for status in ("segment_ended", "not_started", "stalled"):
-        result = sensor(layout).execute_complete({}, {"status": status, "index": 0, "protocol": "bsp"})
+    for status in ("segment_ended", "segment_task_ended"):
+        result = sensor(layout).execute_complete(CONTEXT, {"status": status, "index": 0, "protocol": "bsp"})
         assert result["status"] == status
     # A verdict about another protocol's folder: the plan moved under this slot, nothing to act on.
-    moved = sensor(layout).execute_complete({}, {"status": "verdict", "index": 0, "protocol": "asp"})
+    moved = sensor(layout).execute_complete(CONTEXT, {"status": "verdict", "index": 0, "protocol": "asp"})
     assert moved["status"] == "plan_changed"
     state = read_state(layout)
     assert state is not None and state["decisions"] == [] and len(state["plan"]) == 2

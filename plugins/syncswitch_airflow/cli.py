@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from syncswitch import storage
-from syncswitch.events import parse_lines
+from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
@@ -422,7 +422,7 @@ class ProgressPrinter:
         self.workload = workload
         self.say = say
         self.started = started
-        self._offsets: dict[str, int] = {}
+        self._tails: dict[str, EventTail] = {}
         # segment metrics folder -> its latest step event / its segment_end event
         self._last_step: dict[str, dict[str, Any]] = {}
         self._ended: dict[str, dict[str, Any]] = {}
@@ -489,25 +489,12 @@ class ProgressPrinter:
             f"{str(event.get('protocol')).upper()}"
         )
 
-    def _new_events(self, folder: str) -> Iterator[dict[str, Any]]:
+    def _new_events(self, folder: str) -> list[dict[str, Any]]:
+        tail = self._tails.setdefault(folder, EventTail(folder))
         try:
-            files = storage.list_files(folder, suffix=".jsonl")
+            return tail.read_new()
         except OSError:
-            return
-        for uri in files:
-            yield from parse_lines(self._read_new(uri))
-
-    def _read_new(self, uri: str) -> str:
-        """New complete lines since the last read (local files are tailed; gs:// objects reread)."""
-        if storage.is_remote(uri):
-            return storage.read_text(uri, default="")
-        offset = self._offsets.get(uri, 0)
-        with open(uri, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]  # leave a torn last line for the next read
-        self._offsets[uri] = offset + len(complete)
-        return complete.decode("utf-8", errors="replace")
+            return []
 
 
 def _num(value: Any, digits: int) -> str:

@@ -182,6 +182,14 @@ def build_params(bucket_dir: str) -> dict[str, Param]:
         "pin_cores": Param(
             d.pin_cores, type="boolean", title="Pin cores", description="Pin each process to one core."
         ),
+        "stall_seconds": Param(
+            d.stall_seconds,
+            type="number",
+            minimum=10,
+            title="Stall limit (s)",
+            description="A segment whose global step does not move for this long (or for 20x its usual "
+            "time between steps, if longer) is stopped and retried from its last checkpoint.",
+        ),
         "evaluate_segments": Param(
             d.evaluate_segments,
             type="boolean",

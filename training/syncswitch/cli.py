@@ -70,7 +70,8 @@ def build_train_parser() -> argparse.ArgumentParser:
         "--stall-seconds",
         type=float,
         default=None,
-        help="fail the segment after this long without a new step (default: 600)",
+        help="fail the segment after this long without a new step, or 20x the usual time between "
+        "steps if that is longer (default: the spec's, 600)",
     )
     p.add_argument(
         "--forkserver",
@@ -84,9 +85,18 @@ def build_train_parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace) -> SegmentSpec:
     if args.stall_seconds is not None and args.stall_seconds <= 0:
         raise SpecError("stall-seconds", f"must be > 0, got {args.stall_seconds}")
-    if args.spec:
-        with open(args.spec, encoding="utf-8") as f:
-            return SegmentSpec.from_dict(json.load(f))
+    spec = _spec_from_flags(args) if not args.spec else _spec_from_file(args.spec)
+    if args.stall_seconds is not None:
+        spec = spec.replace(stall_seconds=args.stall_seconds)
+    return spec
+
+
+def _spec_from_file(path: str) -> SegmentSpec:
+    with open(path, encoding="utf-8") as f:
+        return SegmentSpec.from_dict(json.load(f))
+
+
+def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
     model = args.model or ("cnn" if args.problem == "digits" else "resnet")
     hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
     for name, value in (("workers", args.workers), ("ps", args.ps), ("until-step", args.until_step)):
@@ -126,7 +136,7 @@ def next_segment_index(run_dir: str) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    from syncswitch.launcher import STALL_SECONDS, SegmentFailed, install_signal_handlers, run_segment
+    from syncswitch.launcher import SegmentFailed, install_signal_handlers, run_segment
 
     args = build_train_parser().parse_args(argv)
     install_signal_handlers()
@@ -137,7 +147,6 @@ def train_main(argv: list[str]) -> int:
             spec,
             args.work_dir,
             forkserver_dir=args.forkserver,
-            stall_seconds=args.stall_seconds or STALL_SECONDS,
             show_progress=not args.quiet,
         )
     except KeyboardInterrupt as exc:

@@ -15,8 +15,8 @@ Per event type, the extra keys are:
     segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
                    momentum_rule, restored_from (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
-    step           (chief) global_step (BSP-equivalent steps, float), samples, updates, loss,
-                   examples_per_sec, step_time, learning_rate, momentum
+    step           (the chief only: the ASP coordinator, BSP worker 0) global_step (BSP-equivalent
+                   steps, float), samples, updates, loss, examples_per_sec, step_time, learning_rate, momentum
     worker_step    per-worker timing, the straggler detector's input: worker, global_step, steps
                    (averaged over), step_time (s per step of this worker), compute_time (this worker's
                    own share of a step: BSP = step_time minus the time blocked waiting for peers in
@@ -134,6 +134,37 @@ def parse_lines(text: str) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
         except json.JSONDecodeError:
             continue
+
+
+class EventTail:
+    """The one incremental reader of event files: each ``read_new()`` returns the complete lines
+    appended to a folder's ``.jsonl`` files since the last call, sorted by wall time.
+
+    Every watcher reads events through it (the segment trigger's progress and stall check, the
+    straggler trigger, ``syncswitch run``'s progress lines), so they agree on what a run has done.
+    Local files are read from the last offset; ``gs://`` objects (re-uploaded whole by their writer)
+    are read from the same offset with a ranged download. A torn last line (a writer mid-append) is
+    kept for the next call. A folder that does not exist yet reads as empty.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.offsets: dict[str, int] = {}
+
+    def read_new(self, event: str | None = None) -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = []
+        for uri in storage.list_files(self.folder, suffix=".jsonl"):
+            offset = self.offsets.get(uri, 0)
+            chunk = storage.read_bytes_from(uri, offset)
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offsets[uri] = offset + len(complete)
+            records.extend(
+                r
+                for r in parse_lines(complete.decode("utf-8", errors="replace"))
+                if event is None or r.get("event") == event
+            )
+        records.sort(key=lambda r: r.get("wall_time", 0.0))
+        return records
 
 
 def read_events(metrics_uri: str, *, event: str | None = None) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from syncswitch import checkpoints, forkserver, storage
 from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec, StragglerSpec
+from syncswitch.stall import StallWatch
 
 POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
@@ -39,11 +40,6 @@ DUTY_CYCLE_SECONDS = 0.2
 KILL_WAIT_SECONDS = 10.0
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0
-# A segment whose chief reports no new step for this long is failed, so that a hang (a frozen PS, a
-# stuck collective, a coordinator waiting on a worker that never finished its first step) becomes a
-# retry from the last checkpoint instead of a week of nothing. Covers the first step (launch included)
-# and the chief's end-of-segment evaluation, so it is generous.
-STALL_SECONDS = 600.0
 
 
 class SegmentFailed(RuntimeError):
@@ -124,11 +120,12 @@ class LocalCluster:
         *,
         forkserver_dir: str,
         launched_at: float | None = None,
-        stall_seconds: float = STALL_SECONDS,
         show_progress: bool = True,
     ) -> None:
         self.spec = spec
-        self.stall_seconds = stall_seconds
+        # A hang (a frozen PS, a stuck collective, a coordinator waiting on a worker that never
+        # finished its first step) fails the segment, so that a retry resumes from the last checkpoint.
+        self.stall = StallWatch(spec.stall_seconds)
         self.work_dir = work_dir
         self.data_dir = data_dir
         self.forkserver_dir = forkserver_dir
@@ -139,8 +136,6 @@ class LocalCluster:
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
         self._lost_workers: set[int] = set()
-        self._last_step: float | None = None
-        self._last_step_change = time.monotonic()
 
     @property
     def chief(self) -> Node:
@@ -246,15 +241,12 @@ class LocalCluster:
 
     def _check_stall(self) -> None:
         progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
-        step = progress.get("global_step") if progress else None
-        now = time.monotonic()
-        if step != self._last_step:
-            self._last_step, self._last_step_change = step, now
-        elif now - self._last_step_change > self.stall_seconds:
-            where = "before the first step" if step is None else f"at step {step:g}"
+        self.stall.observe(progress.get("global_step") if progress else None)
+        reason = self.stall.stalled()
+        if reason:
             raise SegmentFailed(
-                f"no training progress for {now - self._last_step_change:.0f}s ({where}); stopping the "
-                f"segment so that a rerun resumes from the last checkpoint\n{self.tail_logs()}"
+                f"{reason}; stopping the segment so that a rerun resumes from the last checkpoint\n"
+                f"{self.tail_logs()}"
             )
 
     def _act_on_kill_requests(self) -> None:
@@ -358,7 +350,6 @@ def run_segment(
     work_dir: str | None = None,
     *,
     forkserver_dir: str | None = None,
-    stall_seconds: float = STALL_SECONDS,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Run one segment to its end and return its SegmentResult (result.json).
@@ -383,7 +374,6 @@ def run_segment(
             data_dir,
             forkserver_dir=server_dir,
             launched_at=launched_at,
-            stall_seconds=stall_seconds,
             show_progress=show_progress,
         )
         cluster.start()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch.hparams import HParams, HParamsError, get_hparams
+from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
@@ -110,6 +111,7 @@ class SegmentSpec:
     evaluate: bool = False
     pin_cores: bool = False
     watchdog_seconds: float = 60.0
+    stall_seconds: float = DEFAULT_STALL_SECONDS  # the floor of syncswitch.stall's rule
     stragglers: tuple[StragglerSpec, ...] = ()
     straggler_reference_time: float | None = None  # epoch seconds; None = launch time
 
@@ -192,6 +194,7 @@ class JobSpec:
     seed: int = 0
     pin_cores: bool = False
     evaluate_segments: bool = True
+    stall_seconds: float = DEFAULT_STALL_SECONDS
 
     # ---- parsing ---------------------------------------------------------------------------
 
@@ -221,7 +224,8 @@ class JobSpec:
             "seed",
         ):
             values[name] = _int(name, values[name])
-        values["bsp_fraction"] = _float("bsp_fraction", values["bsp_fraction"])
+        for name in ("bsp_fraction", "stall_seconds"):
+            values[name] = _float(name, values[name])
         for name in ("pin_cores", "evaluate_segments"):
             values[name] = _bool(name, values[name])
         spec = cls(**values)
@@ -279,6 +283,10 @@ class JobSpec:
             )
         if self.model == "resnet" and self.problem == "digits":
             raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
+        if not self.stall_seconds >= 10:
+            raise SpecError(
+                "stall_seconds", f"must be >= 10 (seconds without a new step), got {self.stall_seconds}"
+            )
         if self.max_online_switches < 0:
             raise SpecError("max_online_switches", "must be >= 0")
         if self.momentum_ramp_steps < 0:
@@ -387,6 +395,7 @@ class JobSpec:
             seed=self.seed,
             evaluate=self.evaluate_segments,
             pin_cores=self.pin_cores,
+            stall_seconds=self.stall_seconds,
             stragglers=self.stragglers,
         )
 

@@ -65,6 +65,19 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def read_bytes_from(uri: str, offset: int) -> bytes:
+    """The bytes of an object from ``offset`` on (b"" when it is no longer than that)."""
+    if is_remote(uri):
+        blob = _blob(uri)
+        blob.reload()
+        if (blob.size or 0) <= offset:
+            return b""
+        return blob.download_as_bytes(start=offset)
+    with open(uri, "rb") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def read_text(uri: str, default: str | None = None) -> str:
     """Read a text object; return ``default`` if it does not exist (raise if default is None)."""
     try:

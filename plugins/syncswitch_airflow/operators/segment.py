@@ -81,8 +81,7 @@ class SegmentOperator(BaseOperator):
         protocol: str,
         run_dir: Any,
         poll_seconds: float = 0.5,
-        log_seconds: float = 10.0,
-        stall_seconds: float = 900.0,
+        log_seconds: float = 30.0,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 1)
@@ -93,7 +92,6 @@ class SegmentOperator(BaseOperator):
         self.run_dir = run_dir
         self.poll_seconds = poll_seconds
         self.log_seconds = log_seconds
-        self.stall_seconds = stall_seconds
         self.ui_color = PROTOCOL_COLORS.get(protocol, "#ffffff")
 
     @property
@@ -128,9 +126,9 @@ class SegmentOperator(BaseOperator):
                 protocol=self.protocol,
                 until_step=entry["until_step"],
                 handle=handle,
+                stall_seconds=JobSpec.from_params(state["job"]).stall_seconds,
                 poll_seconds=self.poll_seconds,
                 log_seconds=self.log_seconds,
-                stall_seconds=self.stall_seconds,
             ),
             method_name="execute_complete",
         )

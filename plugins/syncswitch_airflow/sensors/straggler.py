@@ -5,7 +5,7 @@ execute()
     once (the ``airflow dags test`` path, where the sensor runs after its segment task); else defers
     to :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`.
 execute_complete()
-    segment ended / never started / stalled -> returns without effect.
+    segment ended, or its segment task finished without a result -> returns without effect.
     verdict -> asks the policy named by the job's ``online_policy``; records the decision in
     state.json. A switch rewrites the plan (plan.insert_switch) in the same state update that records
     the decision, and only then writes the graceful-stop request ``control/stop-seg-ii``, so the
@@ -33,7 +33,7 @@ from syncswitch_airflow.triggers.straggler import StragglerTrigger
 
 log = logging.getLogger(__name__)
 
-TERMINAL_STATUSES = ("segment_ended", "not_started", "stalled")
+TERMINAL_STATUSES = ("segment_ended", "segment_task_ended")
 SWITCH_ACTIONS = ("switch", "switch_back")
 SEGMENT_ENDED = "segment already ended"
 # What a switch costs before this run has measured one: 4-9 s on the local backend with its warm fork
@@ -42,7 +42,11 @@ DEFAULT_SWITCH_GAP_SECONDS = 10.0
 
 
 class StragglerSensor(BaseSensorOperator):
-    """Deferrable watcher of one segment slot. ``run_dir`` and ``slot`` are templated."""
+    """Deferrable watcher of one segment slot. ``run_dir`` and ``slot`` are templated.
+
+    ``segment_tasks`` maps each protocol to the task id of the slot's segment task; the watcher ends
+    when that task has finished, whatever the outcome.
+    """
 
     template_fields: Sequence[str] = ("run_dir", "slot")
     ui_color = "#f4d58d"
@@ -52,9 +56,8 @@ class StragglerSensor(BaseSensorOperator):
         *,
         run_dir: str,
         slot: int | str,
+        segment_tasks: dict[str, str],
         poll_interval: float = 2.0,
-        start_timeout: float = 300.0,
-        idle_timeout: float = 900.0,
         recheck_seconds: float = 30.0,
         detector: dict[str, Any] | None = None,
         default_switch_gap: float = DEFAULT_SWITCH_GAP_SECONDS,
@@ -63,9 +66,8 @@ class StragglerSensor(BaseSensorOperator):
         super().__init__(**kwargs)
         self.run_dir = run_dir
         self.slot = slot
+        self.segment_tasks = dict(segment_tasks)
         self.poll_interval = poll_interval
-        self.start_timeout = start_timeout
-        self.idle_timeout = idle_timeout
         self.recheck_seconds = recheck_seconds
         # Validated now, so a bad setting fails when the DAG is parsed rather than on the triggerer.
         self.detector = DetectorConfig.from_dict(detector or {}).to_dict()
@@ -92,10 +94,13 @@ class StragglerSensor(BaseSensorOperator):
             )
             return self._finish(state, item, "not_watched")
         since, workers = _straggler_behind(state, item)
-        self._defer(state, item, start_after=None, straggling_since=since, straggling_workers=workers)
+        self._defer(
+            context, state, item, start_after=None, straggling_since=since, straggling_workers=workers
+        )
 
     def _defer(
         self,
+        context: Any,
         state: State,
         item: dict[str, Any],
         *,
@@ -107,9 +112,12 @@ class StragglerSensor(BaseSensorOperator):
             run_dir=self.run_dir,
             index=item["index"],
             protocol=item["protocol"],
+            segment_task={
+                "dag_id": context["ti"].dag_id,
+                "run_id": context["ti"].run_id,
+                "task_id": self.segment_tasks[item["protocol"]],
+            },
             poll_interval=self.poll_interval,
-            start_timeout=self.start_timeout,
-            idle_timeout=self.idle_timeout,
             recheck_seconds=self._recheck_seconds(state),
             detector=self.detector,
             start_after=start_after,
@@ -182,6 +190,7 @@ class StragglerSensor(BaseSensorOperator):
         if decision.reason == SEGMENT_ENDED:
             return self._finish(state, item, "segment_ended")
         self._defer(
+            context,
             state,
             item,
             start_after=verdict.window_end,

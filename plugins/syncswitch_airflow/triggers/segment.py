@@ -1,27 +1,31 @@
 """SegmentTrigger: waits on the triggerer for one detached training segment to end.
 
-It polls the run folder (``result.json``, the chief's ``step`` events) and the cluster backend (is the
-launcher still alive?) and fires exactly one event:
+It polls the run folder (``result.json``; the chief's ``step`` events through the one event reader,
+``syncswitch.events.EventTail``) and the cluster backend (is the launcher still alive?) and fires exactly
+one event:
 
     {"status": "success", "result": <result.json>}
     {"status": "failed", "reason": "...", "exit_code": int | None, "log_tail": "..."}
 
 Storage and ``/proc`` reads run in a thread (``asyncio.to_thread``) so the triggerer's event loop is
-never blocked. Progress goes to the task log at most every ``log_seconds``.
+never blocked. Progress goes to the task log every ``log_seconds``. A segment whose step stops moving
+is failed by the rule of ``syncswitch.stall`` (the launcher applies it first; the trigger only when the
+launcher itself hangs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import posixpath
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from syncswitch import events, storage
+from syncswitch import storage
+from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
+from syncswitch.stall import DEFAULT_STALL_SECONDS, TRIGGER_GRACE_SECONDS, StallWatch
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
@@ -37,34 +41,18 @@ class Progress:
     examples_per_sec: float | None
     wall_time: float
 
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> Progress:
+        return cls(
+            global_step=float(event.get("global_step", 0.0)),
+            examples_per_sec=event.get("examples_per_sec"),
+            wall_time=float(event.get("wall_time", 0.0)),
+        )
+
 
 def read_result(run_dir: str, index: int, protocol: str) -> dict[str, Any] | None:
     """The segment's result.json, or None while it has not been written."""
     return storage.read_json(RunLayout(run_dir).segment_result(index, protocol), default={}) or None
-
-
-def latest_progress(run_dir: str, index: int, protocol: str) -> Progress | None:
-    """The chief's latest ``step`` event of the segment, or None before the first step."""
-    folder = RunLayout(run_dir).segment_metrics(index, protocol)
-    chief_files = [u for u in storage.list_files(folder, suffix=".jsonl") if _is_chief(u)]
-    latest: dict[str, Any] | None = None
-    for uri in chief_files:
-        for record in events.parse_lines(storage.read_text(uri, default="")):
-            if record.get("event") == "step" and (
-                latest is None or record.get("wall_time", 0) >= latest.get("wall_time", 0)
-            ):
-                latest = record
-    if latest is None:
-        return None
-    return Progress(
-        global_step=float(latest.get("global_step", 0.0)),
-        examples_per_sec=latest.get("examples_per_sec"),
-        wall_time=float(latest.get("wall_time", 0.0)),
-    )
-
-
-def _is_chief(uri: str) -> bool:
-    return posixpath.basename(uri).startswith("chief")
 
 
 class SegmentTrigger(BaseTrigger):
@@ -77,9 +65,11 @@ class SegmentTrigger(BaseTrigger):
         protocol: str,
         until_step: float,
         handle: Handle,
+        stall_seconds: float = DEFAULT_STALL_SECONDS,
+        stall_grace_seconds: float = TRIGGER_GRACE_SECONDS,
         poll_seconds: float = 0.5,
-        log_seconds: float = 10.0,
-        stall_seconds: float = 900.0,
+        progress_seconds: float = 2.0,
+        log_seconds: float = 30.0,
     ) -> None:
         super().__init__()
         self.run_dir = run_dir
@@ -87,9 +77,11 @@ class SegmentTrigger(BaseTrigger):
         self.protocol = protocol
         self.until_step = until_step
         self.handle = handle
-        self.poll_seconds = poll_seconds
-        self.log_seconds = log_seconds
         self.stall_seconds = stall_seconds
+        self.stall_grace_seconds = stall_grace_seconds
+        self.poll_seconds = poll_seconds
+        self.progress_seconds = progress_seconds
+        self.log_seconds = log_seconds
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -100,9 +92,11 @@ class SegmentTrigger(BaseTrigger):
                 "protocol": self.protocol,
                 "until_step": self.until_step,
                 "handle": self.handle,
-                "poll_seconds": self.poll_seconds,
-                "log_seconds": self.log_seconds,
                 "stall_seconds": self.stall_seconds,
+                "stall_grace_seconds": self.stall_grace_seconds,
+                "poll_seconds": self.poll_seconds,
+                "progress_seconds": self.progress_seconds,
+                "log_seconds": self.log_seconds,
             },
         )
 
@@ -112,10 +106,11 @@ class SegmentTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(self.handle["backend"])
+        tail = EventTail(RunLayout(self.run_dir).segment_metrics(self.index, self.protocol))
+        stall = StallWatch(self.stall_seconds)
+        progress: Progress | None = None
         started = time.monotonic()
-        last_step: float | None = None
-        last_change = started
-        next_log = started
+        next_look = next_log = started
         while True:
             result = await asyncio.to_thread(read_result, self.run_dir, self.index, self.protocol)
             if result is not None:
@@ -129,24 +124,18 @@ class SegmentTrigger(BaseTrigger):
                 yield await self._launcher_gone(backend, status.exit_code)
                 return
             now = time.monotonic()
-            if now >= next_log:
-                next_log = now + self.log_seconds
-                progress = await asyncio.to_thread(latest_progress, self.run_dir, self.index, self.protocol)
-                step = progress.global_step if progress else None
-                if step != last_step:
-                    last_step, last_change = step, now
-                self._log_progress(progress, now - started)
-                if now - last_change > self.stall_seconds:
-                    yield TriggerEvent(
-                        {
-                            "status": "failed",
-                            "reason": f"no progress for {self.stall_seconds:.0f} s (at step {last_step})",
-                            "exit_code": None,
-                            "log_tail": await asyncio.to_thread(
-                                backend.segment_log_tail, self.handle, self.index
-                            ),
-                        }
-                    )
+            if now >= next_look:
+                next_look = now + self.progress_seconds
+                steps = await asyncio.to_thread(tail.read_new, "step")
+                if steps:
+                    progress = Progress.from_event(steps[-1])
+                stall.observe(progress.global_step if progress else None)
+                if now >= next_log:
+                    next_log = now + self.log_seconds
+                    self._log_progress(progress, now - started)
+                reason = stall.stalled(grace=self.stall_grace_seconds)
+                if reason:
+                    yield await self._failed(backend, reason, exit_code=None)
                     return
             await asyncio.sleep(self.poll_seconds)
 
@@ -156,18 +145,17 @@ class SegmentTrigger(BaseTrigger):
         if result is not None:
             return TriggerEvent({"status": "success", "result": result})
         how = f"exited with code {exit_code}" if exit_code is not None else "vanished without an exit code"
+        return await self._failed(backend, f"the launcher {how} before writing result.json", exit_code)
+
+    async def _failed(self, backend: Any, reason: str, exit_code: int | None) -> TriggerEvent:
+        log_tail = await asyncio.to_thread(backend.segment_log_tail, self.handle, self.index)
         return TriggerEvent(
-            {
-                "status": "failed",
-                "reason": f"the launcher {how} before writing result.json",
-                "exit_code": exit_code,
-                "log_tail": await asyncio.to_thread(backend.segment_log_tail, self.handle, self.index),
-            }
+            {"status": "failed", "reason": reason, "exit_code": exit_code, "log_tail": log_tail}
         )
 
     def _log_progress(self, progress: Progress | None, elapsed: float) -> None:
         if progress is None:
-            self.log.info("%s: starting (%.0f s since launch)", self.label, elapsed)
+            self.log.info("%s: waiting for the first step (%.0f s so far)", self.label, elapsed)
             return
         rate = f"{progress.examples_per_sec:.0f} examples/s" if progress.examples_per_sec else "rate n/a"
         self.log.info(

@@ -1,17 +1,22 @@
 """StragglerTrigger: watch one running segment's per-worker timings on the triggerer.
 
 Every ``poll_interval`` seconds it reads the new lines of the segment's event files
-(``metrics/seg-ii-proto/*.jsonl``), feeds the ``worker_step`` events to a
-:class:`~syncswitch_airflow.detector.StragglerDetector`, and fires one event:
+(``metrics/seg-ii-proto/*.jsonl``, through the one event reader ``syncswitch.events.EventTail``), feeds
+the ``worker_step`` events to a :class:`~syncswitch_airflow.detector.StragglerDetector`, and fires one
+event:
 
-    {"status": "segment_ended"}   the segment's result.json exists (checked every 0.5 s)
-    {"status": "not_started"}     no event and no result within ``start_timeout`` s
-    {"status": "stalled"}         events stopped for ``idle_timeout`` s without a result (crashed)
+    {"status": "segment_ended"}        the segment's result.json exists (checked every 0.5 s)
+    {"status": "segment_task_ended", "task_state": ...}
+                                       the segment's own Airflow task finished without a result
+                                       (failed for good, skipped, marked failed by hand)
     {"status": "verdict", "change": "raised" | "cleared" | "ongoing", "verdict": Verdict.to_dict()}
-                                  the detector raised or cleared; "ongoing" every ``recheck_seconds``
-                                  of event time while a straggler lasts (0 = never)
+                                       the detector raised or cleared; "ongoing" every ``recheck_seconds``
+                                       of event time while a straggler lasts (0 = never)
 
-Storage reads block, so they run in a thread (``asyncio.to_thread``).
+The watcher has no timeouts of its own: it lives exactly as long as the segment task it watches
+(asked through the task SDK's execution API every ``task_check_seconds``). A segment task that waits
+for a retry (``up_for_retry``) is still alive: its retry relaunches the segment. Storage reads block,
+so they run in a thread (``asyncio.to_thread``).
 """
 
 from __future__ import annotations
@@ -19,54 +24,34 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from syncswitch import events, storage
+from syncswitch import storage
+from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 
 from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdict
 
 END_CHECK_SECONDS = 0.5
+# Task states after which a segment task will not run again in this DAG run (no retry pending).
+FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
 CLASSPATH = "syncswitch_airflow.triggers.straggler.StragglerTrigger"
 
 
-@dataclass
-class EventTail:
-    """Reads only the complete lines appended to a folder's ``.jsonl`` files since the last call.
+def task_state(dag_id: str, run_id: str, task_id: str) -> str | None:
+    """The state of one task instance of this DAG run, from the execution API (None if unknown)."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
-    Local files are read from the last offset; gs:// objects (re-uploaded whole by their writer)
-    are downloaded and sliced at it.
-    """
-
-    folder: str
-    offsets: dict[str, int] = field(default_factory=dict)
-
-    def read_new(self) -> list[dict[str, Any]]:
-        records: list[dict[str, Any]] = []
-        for uri in storage.list_files(self.folder, suffix=".jsonl"):
-            chunk = self._read_from(uri, self.offsets.get(uri, 0))
-            # A writer may be mid-append: keep a torn last line for the next call.
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self.offsets[uri] = self.offsets.get(uri, 0) + len(complete)
-            records.extend(events.parse_lines(complete.decode("utf-8", errors="replace")))
-        records.sort(key=lambda r: r.get("wall_time", 0.0))
-        return records
-
-    @staticmethod
-    def _read_from(uri: str, offset: int) -> bytes:
-        if storage.is_remote(uri):
-            return storage.read_bytes(uri)[offset:]
-        with open(uri, "rb") as f:
-            f.seek(offset)
-            return f.read()
+    states = RuntimeTaskInstance.get_task_states(dag_id=dag_id, task_ids=[task_id], run_ids=[run_id])
+    return (states.get(run_id) or {}).get(task_id)
 
 
 class StragglerTrigger(BaseTrigger):
     """Fires once: when segment ``index`` (``protocol``) ends, never starts, stalls, or a verdict changes.
 
+    ``segment_task`` is ``{"dag_id", "run_id", "task_id"}`` of the segment task being watched.
     ``start_after`` ignores worker_step events before that wall time (a re-deferred sensor does not
     re-judge windows it already acted on); ``straggling_since`` / ``straggling_workers`` start the
     detector in the straggling state so that it fires when the straggler clears.
@@ -78,9 +63,9 @@ class StragglerTrigger(BaseTrigger):
         run_dir: str,
         index: int,
         protocol: str,
+        segment_task: dict[str, str],
         poll_interval: float = 2.0,
-        start_timeout: float = 300.0,
-        idle_timeout: float = 900.0,
+        task_check_seconds: float = 5.0,
         recheck_seconds: float = 0.0,
         detector: dict[str, Any] | None = None,
         start_after: float | None = None,
@@ -91,9 +76,9 @@ class StragglerTrigger(BaseTrigger):
         self.run_dir = run_dir
         self.index = int(index)
         self.protocol = protocol
+        self.segment_task = dict(segment_task)
         self.poll_interval = float(poll_interval)
-        self.start_timeout = float(start_timeout)
-        self.idle_timeout = float(idle_timeout)
+        self.task_check_seconds = float(task_check_seconds)
         self.recheck_seconds = float(recheck_seconds)
         self.detector = dict(detector or {})
         self.start_after = start_after
@@ -107,9 +92,9 @@ class StragglerTrigger(BaseTrigger):
                 "run_dir": self.run_dir,
                 "index": self.index,
                 "protocol": self.protocol,
+                "segment_task": self.segment_task,
                 "poll_interval": self.poll_interval,
-                "start_timeout": self.start_timeout,
-                "idle_timeout": self.idle_timeout,
+                "task_check_seconds": self.task_check_seconds,
                 "recheck_seconds": self.recheck_seconds,
                 "detector": self.detector,
                 "start_after": self.start_after,
@@ -131,18 +116,13 @@ class StragglerTrigger(BaseTrigger):
             straggling_since=self.straggling_since,
             straggling_workers=self.straggling_workers,
         )
-        started = time.monotonic()
-        last_new_event: float | None = None
+        next_task_check = time.monotonic()
         while True:
             if await asyncio.to_thread(storage.exists, result_uri):
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
                 yield TriggerEvent(self._payload("segment_ended"))
                 return
-            records = await asyncio.to_thread(tail.read_new)
-            now = time.monotonic()
-            if records:
-                last_new_event = now
-            fired = self._judge(detector, records)
+            fired = self._judge(detector, await asyncio.to_thread(tail.read_new, "worker_step"))
             if fired is not None:
                 verdict, change = fired
                 self.log.info(
@@ -155,18 +135,27 @@ class StragglerTrigger(BaseTrigger):
                 )
                 yield TriggerEvent(self._payload("verdict", change=change, verdict=verdict.to_dict()))
                 return
-            if last_new_event is None and now - started >= self.start_timeout:
-                self.log.info(
-                    "segment %d (%s) did not start within %.0f s", self.index, self.protocol, now - started
-                )
-                yield TriggerEvent(self._payload("not_started", waited=round(now - started, 3)))
-                return
-            if last_new_event is not None and now - last_new_event >= self.idle_timeout:
-                idle = now - last_new_event
-                self.log.info("segment %d (%s): no new events for %.0f s", self.index, self.protocol, idle)
-                yield TriggerEvent(self._payload("stalled", idle=round(idle, 3)))
-                return
+            if time.monotonic() >= next_task_check:
+                next_task_check = time.monotonic() + self.task_check_seconds
+                state = await self._segment_task_state()
+                if state in FINISHED_TASK_STATES:
+                    self.log.info(
+                        "segment %d (%s): its task %s is %s; stop watching",
+                        self.index,
+                        self.protocol,
+                        self.segment_task.get("task_id"),
+                        state,
+                    )
+                    yield TriggerEvent(self._payload("segment_task_ended", task_state=state))
+                    return
             await self._sleep_unless_ended(result_uri)
+
+    async def _segment_task_state(self) -> str | None:
+        try:
+            return await asyncio.to_thread(task_state, **self.segment_task)
+        except Exception as exc:  # noqa: BLE001 - an API hiccup must not end the watch; ask again later
+            self.log.warning("cannot read the state of %s: %s", self.segment_task.get("task_id"), exc)
+            return None
 
     async def _sleep_unless_ended(self, result_uri: str) -> None:
         """Sleep one poll interval, but look for the segment's end more often: the next segment
@@ -181,12 +170,7 @@ class StragglerTrigger(BaseTrigger):
         self, detector: StragglerDetector, records: list[dict[str, Any]]
     ) -> tuple[Verdict, str] | None:
         """Feed new records; the verdict and change to fire on, or None to keep watching."""
-        fresh = [
-            r
-            for r in records
-            if r.get("event") == "worker_step"
-            and (self.start_after is None or r.get("wall_time", 0.0) > self.start_after)
-        ]
+        fresh = [r for r in records if self.start_after is None or r.get("wall_time", 0.0) > self.start_after]
         for verdict in detector.feed(fresh):
             if verdict.change is not None:
                 return verdict, verdict.change

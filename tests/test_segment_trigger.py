@@ -1,0 +1,135 @@
+"""SegmentTrigger against real run folders of both protocols, with a real launcher record.
+
+The launcher is a real detached process started through the local backend (a sleeper standing in for
+``syncswitch train``); a writer thread plays the segment's chief through the real EventWriter: worker 0
+in BSP (``worker-0.jsonl``), the coordinator in ASP (``chief-0.jsonl``). The trigger's ``run()`` runs
+under asyncio.run; no Airflow database is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from syncswitch import storage
+from syncswitch.events import EventWriter
+from syncswitch.layout import RunLayout
+from syncswitch_airflow.backends.local import LocalBackend
+from syncswitch_airflow.triggers.segment import SegmentTrigger
+
+CHIEF = {"bsp": ("worker", 0), "asp": ("chief", 0)}
+
+
+class ChiefWriter:
+    """Emits the chief's `step` events every ``interval`` s until stopped (or ``steps`` are done)."""
+
+    def __init__(self, layout: RunLayout, protocol: str, interval: float, steps: int | None = None) -> None:
+        role, task = CHIEF[protocol]
+        self.events = EventWriter(
+            layout.segment_events(0, protocol, role, task),
+            run_id="r",
+            segment=0,
+            protocol=protocol,
+            role=role,
+            task=task,
+            flush_seconds=0,
+        )
+        self.interval, self.steps = interval, steps
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        step = 0
+        while not self.stop.wait(self.interval) and (self.steps is None or step < self.steps):
+            step += 1
+            self.events.emit(
+                "step", global_step=float(step), samples=64 * step, loss=1.0, examples_per_sec=320.0
+            )
+
+    def __enter__(self) -> ChiefWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.events.close()
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    return RunLayout.for_run(str(tmp_path / "runs"), "job", "r")
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A live launcher record of segment 0 on a local cluster handle; stopped afterwards."""
+    backend = LocalBackend(str(tmp_path / "work"))
+    handle = {"backend": "local", "run": "r", "work_dir": str(tmp_path / "work" / "r")}
+    backend.launch_command(handle, 0, [sys.executable, "-c", "import time; time.sleep(120)"])
+    yield handle
+    backend.stop_segment(handle, 0, grace_seconds=2)
+
+
+def first_event(trigger: SegmentTrigger, timeout: float = 60.0) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def trigger(layout: RunLayout, protocol: str, handle: dict[str, Any], stall_seconds: float) -> SegmentTrigger:
+    return SegmentTrigger(
+        run_dir=layout.root,
+        index=0,
+        protocol=protocol,
+        until_step=1000,
+        handle=handle,
+        stall_seconds=stall_seconds,
+        stall_grace_seconds=0.0,
+        poll_seconds=0.05,
+        progress_seconds=0.1,
+        log_seconds=0.5,
+    )
+
+
+@pytest.mark.parametrize("protocol", ["bsp", "asp"])
+def test_a_segment_that_keeps_stepping_past_the_stall_limit_is_not_failed(
+    layout: RunLayout, launcher: dict, protocol: str, capfd: pytest.CaptureFixture
+) -> None:
+    stall_seconds = 1.0
+    with ChiefWriter(layout, protocol, interval=0.2):
+        timer = threading.Timer(
+            4 * stall_seconds,
+            lambda: storage.write_json(layout.segment_result(0, protocol), {"index": 0, "end_step": 20}),
+        )
+        timer.start()
+        started = time.monotonic()
+        payload = first_event(trigger(layout, protocol, launcher, stall_seconds))
+        timer.join()
+    assert payload == {"status": "success", "result": {"index": 0, "end_step": 20}}
+    assert time.monotonic() - started >= 4 * stall_seconds
+    # The task log shows the chief's steps in both protocols (BSP's chief is worker 0).
+    logged = capfd.readouterr()
+    assert re.search(r"segment 0 \((bsp|asp)\): step \d+\.0 / 1000, 320 examples/s", logged.out + logged.err)
+
+
+@pytest.mark.parametrize("protocol", ["bsp", "asp"])
+def test_a_segment_whose_steps_stop_is_failed_after_the_limit(
+    layout: RunLayout, launcher: dict, protocol: str
+) -> None:
+    with ChiefWriter(layout, protocol, interval=0.1, steps=5):
+        started = time.monotonic()
+        payload = first_event(trigger(layout, protocol, launcher, stall_seconds=1.5))
+    assert payload["status"] == "failed"
+    assert "no new step" in payload["reason"] and "at step 5" in payload["reason"]
+    assert time.monotonic() - started >= 1.5
