@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -79,40 +80,76 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-@pytest.fixture(scope="session")
-def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real fake-gcs-server (in-memory, http) for the session; yields its URL.
+class GcsEmulator:
+    """A real fake-gcs-server on a fixed port with its objects on disk, so that it can be stopped
+    (a bucket outage) and started again with everything written before still there."""
 
-    Sets ``STORAGE_EMULATOR_HOST`` for the session so ``syncswitch.storage`` and any subprocess the
-    tests start talk to the emulator; the previous value is restored afterwards.
-    """
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("fake-gcs") / "server.log"
-    command = [
-        str(fake_gcs_server_binary()),
-        *("-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)),
-        *("-external-url", url, "-log-level", "warn"),
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_until_answering(proc, url, log_path)
-    except BaseException:
-        _stop(proc)
-        raise
+    def __init__(self, root: Path, port: int, host: str = "127.0.0.1") -> None:
+        self.root, self.port, self.host = root, port, host
+        self.url = f"http://{host}:{port}"
+        self.log_path = root / "server.log"
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        command = [
+            str(fake_gcs_server_binary()),
+            *("-backend", "filesystem", "-filesystem-root", str(self.root / "objects")),
+            *("-scheme", "http", "-host", self.host, "-port", str(self.port)),
+            *("-external-url", self.url, "-log-level", "warn"),
+        ]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            _wait_until_answering(self._proc, self.url, self.log_path)
+        except BaseException:
+            _stop(self._proc)
+            raise
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop(self._proc)
+            self._proc = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def outage(self, seconds: float) -> threading.Thread:
+        """Stop now, start again after ``seconds``, in the background; join the thread to wait."""
+        self.stop()
+        thread = threading.Thread(target=lambda: (time.sleep(seconds), self.start()), daemon=True)
+        thread.start()
+        return thread
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """The session's GCS emulator (fake-gcs-server, http, objects on disk). Sets
+    ``STORAGE_EMULATOR_HOST`` for the session so ``syncswitch.storage`` and every subprocess the tests
+    start (Airflow included) talk to it; the previous value is restored afterwards."""
+    server = GcsEmulator(tmp_path_factory.mktemp("fake-gcs"), _free_port())
+    server.start()
     previous = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = url
+    os.environ["STORAGE_EMULATOR_HOST"] = server.url
     try:
-        yield url
+        yield server
     finally:
         if previous is None:
             os.environ.pop("STORAGE_EMULATOR_HOST", None)
         else:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-        _stop(proc)
-        assert proc.returncode is not None
-        assert not find_processes(rf"fake-gcs-server\S* .*-port {port}\b"), "fake-gcs-server still running"
+        server.stop()
+        assert not find_processes(rf"fake-gcs-server\S* .*-port {server.port}\b"), (
+            "fake-gcs-server still running"
+        )
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(gcs_server: GcsEmulator) -> str:
+    """The session emulator's URL."""
+    return gcs_server.url
 
 
 @pytest.fixture

@@ -214,19 +214,23 @@ def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_left
     assert segment_events(str(run_dir), 1, "bsp", "straggler")[0]["worker"] == 1
 
 
-def test_a_stalled_cluster_fails_the_segment_instead_of_hanging(
+def test_a_bsp_segment_stepping_past_the_stall_limit_lives_and_a_frozen_one_fails(
     tmp_path: Path, no_leftover_processes
 ) -> None:
-    """Every node frozen (as a hung PS or collective would leave them): the launcher gives up after
-    --stall-seconds without a new step, stops the cluster and keeps the last checkpoint."""
+    """BSP (where the chief is worker 0) keeps stepping for longer than --stall-seconds and is left
+    alone; then every node is frozen (as a hung collective would leave them): the launcher gives up
+    after the limit without a new step, stops the cluster and keeps the last checkpoint."""
     run_dir, work_dir = tmp_path / "run", tmp_path / "work"
     no_leftover_processes(re.escape(str(work_dir)))
+    stall_seconds = 15
     proc = start_train(
-        *("--protocol", "asp", "--workers", "2", "--run-dir", str(run_dir), "--until-step", "5000"),
-        *("--ckpt-frequency", "20", "--stall-seconds", "15", "--work-dir", str(work_dir)),
+        *("--protocol", "bsp", "--workers", "2", "--run-dir", str(run_dir), "--until-step", "100000"),
+        *("--ckpt-frequency", "20", "--stall-seconds", str(stall_seconds), "--work-dir", str(work_dir)),
     )
     try:
-        wait_for_progress(work_dir, 25, proc)
+        wait_for_progress(work_dir, 1, proc)
+        time.sleep(2 * stall_seconds)
+        assert proc.poll() is None, f"a healthy BSP segment was failed: {proc.communicate()[1][-3000:]}"
         for name in json.loads((work_dir / "nodes.json").read_text()):
             os.kill(node_pid(work_dir, name), signal.SIGSTOP)
         _out, err = proc.communicate(timeout=120)
@@ -234,11 +238,49 @@ def test_a_stalled_cluster_fails_the_segment_instead_of_hanging(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
-    assert "no training progress for" in err and "resumes from the last checkpoint" in err
+    assert "no new step for" in err and "resumes from the last checkpoint" in err
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
     assert manifest is not None and manifest["global_step"] >= 20
 
 
+def test_a_bucket_outage_mid_segment_is_ridden_out_and_a_longer_one_fails_cleanly(
+    gcs_server, gcs_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leftover_processes
+) -> None:
+    """The GCS emulator goes away for 20 s while BSP trains into a gs:// run folder: checkpoint writes,
+    event uploads and the stop-request poll retry with backoff, the segment ends on target, and every
+    checkpoint is complete. With a retry limit shorter than the next outage the segment fails, and a
+    rerun resumes from the last complete checkpoint."""
+    run_dir, work_dir = f"{gcs_bucket}/outage", tmp_path / "work"
+    no_leftover_processes(re.escape(str(work_dir)))
+    common = ["--protocol", "bsp", "--workers", "2", "--run-dir", run_dir, "--ckpt-frequency", "20"]
+    proc = start_train(*common, "--until-step", "400", "--work-dir", str(work_dir))
+    wait_for_progress(work_dir, 30, proc)
+    gcs_server.outage(20.0).join()
+    _out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    chief_log = (work_dir / "worker-0.log").read_text()
+    assert "bucket unreachable:" in chief_log and "bucket reachable again:" in chief_log
+    layout = RunLayout(run_dir)
+    names = storage.list_dirs(layout.checkpoints)
+    assert names and all(storage.exists(f"{layout.checkpoints}/{n}/manifest.json") for n in names), names
+    assert checkpoints.latest(layout)["global_step"] == 400
+    steps = [e["global_step"] for e in segment_events(run_dir, 0, "bsp", "step")]
+    assert steps == sorted(steps) and steps[-1] > 30, "events written during the outage were kept"
+
+    monkeypatch.setenv("SYNCSWITCH_BUCKET_RETRY_SECONDS", "5")
+    proc = start_train(*common, "--until-step", "4000", "--work-dir", str(tmp_path / "work2"))
+    wait_for_progress(tmp_path / "work2", 430, proc)
+    restarted = gcs_server.outage(25.0)
+    _out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    restarted.join()
+    assert proc.returncode == 1, err[-3000:]
+    last_complete = checkpoints.latest(layout)["global_step"]
+    assert 400 < last_complete < 4000
+    monkeypatch.delenv("SYNCSWITCH_BUCKET_RETRY_SECONDS")
+    target = int(last_complete) + 40
+    rc, result, err = train(*common, "--until-step", str(target), "--segment-index", "1")
+    assert rc == 0, err[-3000:]
+    assert result["start_step"] == last_complete and result["global_step"] == target
 def test_asp_with_pinned_cores_trains(tmp_path: Path) -> None:
     """Pinned to one core each, the ASP servers once got a single inter-op thread and deadlocked
     before the first step (node.run_server now sizes their pools itself)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,73 @@ def test_local_delete_removes_a_folder(tmp_path: Path) -> None:
     storage.write_text(str(tmp_path / "dir/a/b.txt"), "x")
     storage.delete(str(tmp_path / "dir"))
     assert not storage.exists(str(tmp_path / "dir"))
+
+
+def test_local_files_are_readable_by_others(tmp_path: Path) -> None:
+    path = str(tmp_path / "report" / "summary.json")
+    storage.write_json(path, {"a": 1})
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+# ---- bucket outages: the session emulator is stopped and started again on the same port -------------
+
+
+def test_a_call_during_a_short_outage_waits_for_the_bucket(
+    gcs_server, gcs_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = join(gcs_bucket, "run", "before.json")
+    storage.write_json(before, {"written": "before"})
+    restarted = gcs_server.outage(3.0)
+    with caplog.at_level("WARNING", logger="syncswitch.storage"):
+        storage.write_json(join(gcs_bucket, "run", "during.json"), {"written": "during"})
+    restarted.join()
+    assert storage.read_json(before) == {"written": "before"}, "the outage lost an object"
+    assert storage.read_json(join(gcs_bucket, "run", "during.json")) == {"written": "during"}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("bucket unreachable: write gs://") for m in messages), messages
+    assert any(m.startswith("bucket reachable again: write gs://") for m in messages), messages
+
+
+def test_an_outage_past_the_limit_raises_naming_the_call_and_the_limit(
+    gcs_server, gcs_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(storage.RETRY_SECONDS_ENV, "2")
+    uri = join(gcs_bucket, "run", "state.json")
+    restarted = gcs_server.outage(6.0)
+    try:
+        with pytest.raises(storage.BucketUnavailable, match=rf"write {uri}: .*limit 2 s"):
+            storage.write_json(uri, {})
+    finally:
+        restarted.join()
+    monkeypatch.delenv(storage.RETRY_SECONDS_ENV)
+    assert not storage.exists(uri), "nothing half-written"
+
+
+def test_events_are_kept_through_an_outage_and_training_never_waits(gcs_server, gcs_bucket: str) -> None:
+    from syncswitch.events import EventWriter, read_events
+
+    uri = join(gcs_bucket, "run", "metrics", "seg-00-bsp", "worker-0.jsonl")
+    writer = EventWriter(uri, run_id="r", segment=0, protocol="bsp", role="worker", task=0, flush_seconds=0.1)
+    writer.emit("step", global_step=1.0)
+    restarted = gcs_server.outage(3.0)
+    started = time.monotonic()
+    for step in range(2, 30):
+        writer.emit("step", global_step=float(step))
+        time.sleep(0.05)
+    assert time.monotonic() - started < 2.9, "emit() waited for the bucket"
+    restarted.join()
+    writer.close()
+    steps = [e["global_step"] for e in read_events(join(gcs_bucket, "run", "metrics"))]
+    assert steps == [float(s) for s in range(1, 30)]
+
+
+def test_state_updates_ride_out_an_outage(gcs_server, gcs_bucket: str) -> None:
+    from syncswitch.layout import RunLayout
+    from syncswitch.state import read_state, update_state
+
+    layout = RunLayout(join(gcs_bucket, "job", "run"))
+    update_state(layout, lambda s: s.update(segments={}))
+    restarted = gcs_server.outage(2.0)
+    update_state(layout, lambda s: s["segments"].update({"0": {"end_step": 10}}))
+    restarted.join()
+    assert read_state(layout) == {"segments": {"0": {"end_step": 10}}}

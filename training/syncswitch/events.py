@@ -33,6 +33,7 @@ Per event type, the extra keys are:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -41,6 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from syncswitch import storage
+
+log = logging.getLogger(__name__)
 
 EVENT_TYPES = (
     "segment_start",
@@ -58,7 +61,9 @@ class EventWriter:
     """Appends events for one process.
 
     Local run folders are appended to in place. For ``gs://`` folders (objects cannot be appended
-    to) events go to a local file that is uploaded whole every ``flush_seconds`` and on close.
+    to) events go to a local file that a background thread uploads whole, at most every
+    ``flush_seconds``; ``close()`` uploads the last time. Training never waits for the bucket: during
+    an outage the uploader logs once, keeps every event in the local file and tries again later.
     """
 
     def __init__(
@@ -90,7 +95,12 @@ class EventWriter:
             os.makedirs(os.path.dirname(uri) or ".", exist_ok=True)
         self._file = open(self._local_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._flush_seconds = flush_seconds
-        self._last_upload = 0.0
+        self._dirty = threading.Event()
+        self._closing = threading.Event()
+        self._uploader: threading.Thread | None = None
+        if self._remote:
+            self._uploader = threading.Thread(target=self._upload_loop, name="event-upload", daemon=True)
+            self._uploader.start()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         if event not in EVENT_TYPES:
@@ -100,22 +110,38 @@ class EventWriter:
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
-            if self._remote and time.monotonic() - self._last_upload >= self._flush_seconds:
-                self._upload()
+        self._dirty.set()
         return record
 
-    def _upload(self) -> None:
-        storage.upload_file(self._local_path, self.uri)
-        self._last_upload = time.monotonic()
+    def _upload_loop(self) -> None:
+        failing = False
+        while not self._closing.is_set():
+            if not self._dirty.wait(timeout=1.0):
+                continue
+            self._dirty.clear()
+            try:
+                storage.upload_file(self._local_path, self.uri, retry_seconds=0)
+            except storage.BucketUnavailable as exc:
+                self._dirty.set()  # still to upload
+                if not failing:
+                    log.warning("events of %s not uploaded yet, kept locally: %s", self.uri, exc)
+                failing = True
+            else:
+                if failing:
+                    log.warning("events of %s uploaded again", self.uri)
+                failing = False
+            self._closing.wait(self._flush_seconds)
 
     def close(self) -> None:
         with self._lock:
             if self._file.closed:
                 return
             self._file.close()
-            if self._remote:
-                self._upload()
-                os.unlink(self._local_path)
+        if self._remote:
+            self._closing.set()
+            self._uploader.join()
+            storage.upload_file(self._local_path, self.uri)  # the last upload waits out an outage
+            os.unlink(self._local_path)
 
     def __enter__(self) -> EventWriter:
         return self

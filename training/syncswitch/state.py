@@ -76,32 +76,40 @@ def _update_local(path: str, mutate: Callable[[State], None]) -> State:
 
 
 def _update_gcs(uri: str, mutate: Callable[[State], None], attempts: int) -> State:
-    from google.api_core.exceptions import NotFound, PreconditionFailed
+    from google.api_core.exceptions import PreconditionFailed
 
-    bucket, key = storage.split_gs(uri)
-    bucket_ref = storage.gcs_client().bucket(bucket)
     for attempt in range(attempts):
-        # A fresh Blob per attempt: reload() stores the generation it saw, and a reused Blob would
-        # pin the next attempt's reads to that stale generation (NotFound -> {} -> 412 forever).
-        blob_ref = bucket_ref.blob(key)
-        generation = 0
-        state: State = {}
         try:
-            with contextlib.suppress(NotFound):
-                blob_ref.reload()
-                generation = blob_ref.generation
-                state = json.loads(blob_ref.download_as_bytes(if_generation_match=generation))
-            mutate(state)
-            blob_ref.upload_from_string(
-                json.dumps(state, indent=2, sort_keys=True, default=str),
-                content_type="application/json",
-                if_generation_match=generation,
-            )
-            return state
+            # A transient outage is retried inside (storage.retrying); a lost race comes out here.
+            return storage.retrying(f"update {uri}", lambda: _update_gcs_once(uri, mutate))
         except PreconditionFailed:  # another writer won (between reload and download, or on upload)
             # Jitter so that writers that lost together do not retry in lockstep.
             time.sleep(random.uniform(0.01, 0.05 * (attempt + 1)))
     raise RuntimeError(f"state.json at {uri} changed under {attempts} concurrent updates")
+
+
+def _update_gcs_once(uri: str, mutate: Callable[[State], None]) -> State:
+    """One read-modify-write guarded by the object's generation (0 = must not exist yet)."""
+    from google.api_core.exceptions import NotFound
+
+    bucket, key = storage.split_gs(uri)
+    # A fresh Blob per attempt: reload() stores the generation it saw, and a reused Blob would
+    # pin the next attempt's reads to that stale generation (NotFound -> {} -> 412 forever).
+    blob_ref = storage.gcs_client().bucket(bucket).blob(key)
+    generation = 0
+    state: State = {}
+    with contextlib.suppress(NotFound):
+        blob_ref.reload(retry=None)
+        generation = blob_ref.generation
+        state = json.loads(blob_ref.download_as_bytes(if_generation_match=generation, retry=None))
+    mutate(state)
+    blob_ref.upload_from_string(
+        json.dumps(state, indent=2, sort_keys=True, default=str),
+        content_type="application/json",
+        if_generation_match=generation,
+        retry=None,
+    )
+    return state
 
 
 def record_decision(layout: RunLayout, decision: dict[str, Any]) -> State:

@@ -6,19 +6,44 @@ path as production against a GCS emulator.
 
 Writes are atomic at object granularity: local files are written to a temp file and renamed; GCS
 object uploads are atomic by nature.
+
+Bucket outages. Every ``gs://`` call goes through :func:`retrying`, the one retry owner (the client
+library's own retries are switched off so that the limit below is the real one): a transient error
+(connection refused or reset, timeouts, 429 and 5xx answers) is retried with exponential backoff for
+up to ``$SYNCSWITCH_BUCKET_RETRY_SECONDS`` (300 s by default), with one log line when the bucket
+becomes unreachable and one when it answers again. Past the limit, :class:`BucketUnavailable` is
+raised: a segment then fails, and its retry resumes from the last complete checkpoint (a checkpoint
+is complete only once its manifest, uploaded last, exists, so an outage never leaves a half-written
+"latest"). Callers that must not block training on the bucket (event and TensorBoard uploads) pass
+``retry_seconds=0`` and try again later themselves.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 GS_PREFIX = "gs://"
+RETRY_SECONDS_ENV = "SYNCSWITCH_BUCKET_RETRY_SECONDS"
+DEFAULT_RETRY_SECONDS = 300.0
+# Per request: a hung connection counts as a failed attempt after this long.
+REQUEST_TIMEOUT_SECONDS = 60.0
+_FIRST_BACKOFF_SECONDS = 0.5
+_MAX_BACKOFF_SECONDS = 15.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class BucketUnavailable(RuntimeError):
+    """The bucket did not answer within the retry limit; the message says what failed and since when."""
 
 
 def is_remote(uri: str) -> bool:
@@ -55,12 +80,106 @@ def _blob(uri: str):  # noqa: ANN202
     return gcs_client().bucket(bucket).blob(key)
 
 
+# --- retries ----------------------------------------------------------------------------------
+
+
+def retry_limit() -> float:
+    """Seconds a bucket call keeps retrying transient errors (``$SYNCSWITCH_BUCKET_RETRY_SECONDS``)."""
+    raw = os.environ.get(RETRY_SECONDS_ENV)
+    return float(raw) if raw else DEFAULT_RETRY_SECONDS
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An error worth retrying: the bucket is unreachable or overloaded, not the request wrong.
+    The same classes google-cloud-storage retries by default (google.cloud.storage.retry)."""
+    import http.client
+
+    import requests
+    import urllib3
+    from google.api_core import exceptions as api
+    from google.auth import exceptions as auth
+
+    transient = (
+        api.TooManyRequests,
+        api.InternalServerError,
+        api.BadGateway,
+        api.ServiceUnavailable,
+        api.GatewayTimeout,
+        ConnectionError,
+        TimeoutError,
+        requests.ConnectionError,
+        requests.exceptions.ChunkedEncodingError,
+        requests.exceptions.Timeout,
+        http.client.BadStatusLine,
+        http.client.IncompleteRead,
+        http.client.ResponseNotReady,
+        urllib3.exceptions.PoolError,
+        urllib3.exceptions.ProtocolError,
+        urllib3.exceptions.TimeoutError,
+    )
+    if isinstance(exc, transient):
+        return True
+    if isinstance(exc, api.GoogleAPICallError):
+        return exc.code in (408, 429, 500, 502, 503, 504)
+    if isinstance(exc, auth.TransportError):
+        return bool(exc.args) and isinstance(exc.args[0], BaseException) and is_transient(exc.args[0])
+    response = getattr(exc, "response", None)  # google.resumable_media's InvalidResponse
+    return getattr(response, "status_code", None) in (408, 429, 500, 502, 503, 504)
+
+
+def retrying(what: str, call: Callable[[], T], *, retry_seconds: float | None = None) -> T:
+    """``call()``, retrying transient bucket errors with backoff for up to ``retry_seconds``
+    (default :func:`retry_limit`); raises BucketUnavailable past it. ``what`` names the call in logs."""
+    limit = retry_limit() if retry_seconds is None else retry_seconds
+    started = time.monotonic()
+    delay, failures = _FIRST_BACKOFF_SECONDS, 0
+    while True:
+        try:
+            result = call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            waited = time.monotonic() - started
+            if waited + delay > limit:
+                raise BucketUnavailable(
+                    f"{what}: the bucket did not answer for {waited:.0f} s (limit {limit:.0f} s, "
+                    f"${RETRY_SECONDS_ENV}): {type(exc).__name__}: {exc}"
+                ) from exc
+            if failures == 0:
+                log.warning(
+                    "bucket unreachable: %s failed (%s); retrying with backoff for up to %.0f s",
+                    what,
+                    type(exc).__name__,
+                    limit,
+                )
+            failures += 1
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_BACKOFF_SECONDS)
+            continue
+        if failures:
+            log.warning(
+                "bucket reachable again: %s succeeded after %.0f s (%d retries)",
+                what,
+                time.monotonic() - started,
+                failures,
+            )
+        return result
+
+
+def _gcs(what: str, uri: str, call: Callable[[], T], retry_seconds: float | None = None) -> T:
+    return retrying(f"{what} {uri}", call, retry_seconds=retry_seconds)
+
+
+# The client's own retries are off (retry=None): retrying() above is the one owner of the limit.
+_NO_RETRY: dict[str, Any] = {"retry": None, "timeout": REQUEST_TIMEOUT_SECONDS}
+
+
 # --- single objects -------------------------------------------------------------------------
 
 
 def read_bytes(uri: str) -> bytes:
     if is_remote(uri):
-        return _blob(uri).download_as_bytes()
+        return _gcs("read", uri, lambda: _blob(uri).download_as_bytes(**_NO_RETRY))
     with open(uri, "rb") as f:
         return f.read()
 
@@ -68,11 +187,15 @@ def read_bytes(uri: str) -> bytes:
 def read_bytes_from(uri: str, offset: int) -> bytes:
     """The bytes of an object from ``offset`` on (b"" when it is no longer than that)."""
     if is_remote(uri):
-        blob = _blob(uri)
-        blob.reload()
-        if (blob.size or 0) <= offset:
-            return b""
-        return blob.download_as_bytes(start=offset)
+
+        def ranged() -> bytes:
+            blob = _blob(uri)
+            blob.reload(**_NO_RETRY)
+            if (blob.size or 0) <= offset:
+                return b""
+            return blob.download_as_bytes(start=offset, **_NO_RETRY)
+
+        return _gcs("read", uri, ranged)
     with open(uri, "rb") as f:
         f.seek(offset)
         return f.read()
@@ -101,14 +224,16 @@ def read_json(uri: str, default: Any = _MISSING) -> Any:
     return json.loads(text)
 
 
-def write_bytes(uri: str, data: bytes) -> None:
+def write_bytes(uri: str, data: bytes, *, retry_seconds: float | None = None) -> None:
     if is_remote(uri):
-        _blob(uri).upload_from_string(data)
+        _gcs("write", uri, lambda: _blob(uri).upload_from_string(data, **_NO_RETRY), retry_seconds)
         return
     directory = os.path.dirname(uri) or "."
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
+        # mkstemp creates 0600; run folders are read by other users (a UI, a report viewer).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, uri)
@@ -128,24 +253,29 @@ def write_json(uri: str, obj: Any) -> None:
 
 def exists(uri: str) -> bool:
     if is_remote(uri):
-        return _blob(uri).exists()
+        return _gcs("look up", uri, lambda: _blob(uri).exists(**_NO_RETRY))
     return os.path.exists(uri)
 
 
 def delete(uri: str) -> None:
     if is_remote(uri):
-        blob = _blob(uri)
-        if blob.exists():
-            blob.delete()
+
+        def delete_if_there() -> None:
+            try:
+                _blob(uri).delete(**_NO_RETRY)
+            except _not_found_error():
+                pass  # gone already (or an earlier attempt's answer was lost)
+
+        _gcs("delete", uri, delete_if_there)
     elif os.path.isdir(uri):
         shutil.rmtree(uri, ignore_errors=True)
     elif os.path.exists(uri):
         os.unlink(uri)
 
 
-def upload_file(local_path: str, uri: str) -> None:
+def upload_file(local_path: str, uri: str, *, retry_seconds: float | None = None) -> None:
     if is_remote(uri):
-        _blob(uri).upload_from_filename(local_path)
+        _gcs("upload", uri, lambda: _blob(uri).upload_from_filename(local_path, **_NO_RETRY), retry_seconds)
         return
     with open(local_path, "rb") as f:
         write_bytes(uri, f.read())
@@ -154,7 +284,7 @@ def upload_file(local_path: str, uri: str) -> None:
 def download_file(uri: str, local_path: str) -> None:
     os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
     if is_remote(uri):
-        _blob(uri).download_to_filename(local_path)
+        _gcs("download", uri, lambda: _blob(uri).download_to_filename(local_path, **_NO_RETRY))
     else:
         shutil.copyfile(uri, local_path)
 
@@ -164,16 +294,19 @@ def download_file(uri: str, local_path: str) -> None:
 
 def list_files(prefix: str, suffix: str = "") -> list[str]:
     """Every file (object) below ``prefix``, recursively, as full URIs/paths, sorted."""
-    return sorted(u for u in _walk(prefix) if u.endswith(suffix))
-
-
-def _walk(prefix: str) -> Iterator[str]:
     if is_remote(prefix):
-        bucket, key = split_gs(prefix)
-        key = key.rstrip("/") + "/" if key else ""
-        for blob in gcs_client().list_blobs(bucket, prefix=key):
-            yield f"{GS_PREFIX}{bucket}/{blob.name}"
-        return
+        return sorted(u for u in _gcs("list", prefix, lambda: list(_walk_gcs(prefix))) if u.endswith(suffix))
+    return sorted(u for u in _walk_local(prefix) if u.endswith(suffix))
+
+
+def _walk_gcs(prefix: str) -> Iterator[str]:
+    bucket, key = split_gs(prefix)
+    key = key.rstrip("/") + "/" if key else ""
+    for blob in gcs_client().list_blobs(bucket, prefix=key, **_NO_RETRY):
+        yield f"{GS_PREFIX}{bucket}/{blob.name}"
+
+
+def _walk_local(prefix: str) -> Iterator[str]:
     if not os.path.isdir(prefix):
         return
     for dirpath, _dirs, files in os.walk(prefix):
@@ -187,22 +320,26 @@ def list_dirs(prefix: str) -> list[str]:
     if is_remote(prefix):
         bucket, key = split_gs(prefix)
         key = key.rstrip("/") + "/" if key else ""
-        iterator = gcs_client().list_blobs(bucket, prefix=key, delimiter="/")
-        list(iterator)  # the prefixes are filled in while pages are consumed
-        return sorted(p[len(key) :].rstrip("/") for p in iterator.prefixes)
+
+        def child_prefixes() -> list[str]:
+            iterator = gcs_client().list_blobs(bucket, prefix=key, delimiter="/", **_NO_RETRY)
+            list(iterator)  # the prefixes are filled in while pages are consumed
+            return sorted(p[len(key) :].rstrip("/") for p in iterator.prefixes)
+
+        return _gcs("list", prefix, child_prefixes)
     if not os.path.isdir(prefix):
         return []
     return sorted(d for d in os.listdir(prefix) if os.path.isdir(os.path.join(prefix, d)))
 
 
-def upload_dir(local_dir: str, uri: str) -> list[str]:
+def upload_dir(local_dir: str, uri: str, *, retry_seconds: float | None = None) -> list[str]:
     """Copy every file of a local folder below ``uri``; returns the relative names copied."""
     names = []
     for dirpath, _dirs, files in os.walk(local_dir):
         for name in files:
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, local_dir)
-            upload_file(path, f"{uri.rstrip('/')}/{rel}")
+            upload_file(path, f"{uri.rstrip('/')}/{rel}", retry_seconds=retry_seconds)
             names.append(rel)
     return sorted(names)
 

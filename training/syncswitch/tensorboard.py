@@ -46,12 +46,15 @@ class TensorBoardWriter:
                 for tag in (name, f"{name}/{self.protocol}"):
                     tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=metadata)
         if self.remote_dir and time.monotonic() - self._last_upload >= self._upload_seconds:
-            self.upload()
+            try:  # never hold up training for the bucket: the file stays local until the next try
+                self.upload(retry_seconds=0)
+            except storage.BucketUnavailable:
+                self._last_upload = time.monotonic()
 
-    def upload(self) -> None:
+    def upload(self, retry_seconds: float | None = None) -> None:
         self._writer.flush()
         if self.remote_dir:
-            storage.upload_dir(self.local_dir, self.remote_dir)
+            storage.upload_dir(self.local_dir, self.remote_dir, retry_seconds=retry_seconds)
         self._last_upload = time.monotonic()
 
     def close(self) -> None:

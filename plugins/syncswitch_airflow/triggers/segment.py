@@ -112,7 +112,7 @@ class SegmentTrigger(BaseTrigger):
         started = time.monotonic()
         next_look = next_log = started
         while True:
-            result = await asyncio.to_thread(read_result, self.run_dir, self.index, self.protocol)
+            result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
             if result is not None:
                 yield TriggerEvent({"status": "success", "result": result})
                 return
@@ -126,7 +126,7 @@ class SegmentTrigger(BaseTrigger):
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + self.progress_seconds
-                steps = await asyncio.to_thread(tail.read_new, "step")
+                steps = await self._from_bucket(tail.read_new, "step") or []
                 if steps:
                     progress = Progress.from_event(steps[-1])
                 stall.observe(progress.global_step if progress else None)
@@ -139,9 +139,18 @@ class SegmentTrigger(BaseTrigger):
                     return
             await asyncio.sleep(self.poll_seconds)
 
+    async def _from_bucket(self, read: Any, *args: Any) -> Any:
+        """``read(*args)`` in a thread; None while the bucket stays unreachable past its retry limit
+        (the launcher, which needs the bucket too, decides whether the segment survives that)."""
+        try:
+            return await asyncio.to_thread(read, *args)
+        except storage.BucketUnavailable as exc:
+            self.log.warning("%s: %s; still watching", self.label, exc)
+            return None
+
     async def _launcher_gone(self, backend: Any, exit_code: int | None) -> TriggerEvent:
         # The chief writes result.json before the launcher exits; read once more to close the race.
-        result = await asyncio.to_thread(read_result, self.run_dir, self.index, self.protocol)
+        result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
         if result is not None:
             return TriggerEvent({"status": "success", "result": result})
         how = f"exited with code {exit_code}" if exit_code is not None else "vanished without an exit code"

@@ -22,6 +22,7 @@ so they run in a thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -118,11 +119,17 @@ class StragglerTrigger(BaseTrigger):
         )
         next_task_check = time.monotonic()
         while True:
-            if await asyncio.to_thread(storage.exists, result_uri):
+            try:
+                ended = await asyncio.to_thread(storage.exists, result_uri)
+                records = await asyncio.to_thread(tail.read_new, "worker_step")
+            except storage.BucketUnavailable as exc:
+                self.log.warning("segment %d (%s): %s; still watching", self.index, self.protocol, exc)
+                continue
+            if ended:
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
                 yield TriggerEvent(self._payload("segment_ended"))
                 return
-            fired = self._judge(detector, await asyncio.to_thread(tail.read_new, "worker_step"))
+            fired = self._judge(detector, records)
             if fired is not None:
                 verdict, change = fired
                 self.log.info(
@@ -163,8 +170,9 @@ class StragglerTrigger(BaseTrigger):
         deadline = time.monotonic() + self.poll_interval
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(END_CHECK_SECONDS, left))
-            if await asyncio.to_thread(storage.exists, result_uri):
-                return
+            with contextlib.suppress(storage.BucketUnavailable):
+                if await asyncio.to_thread(storage.exists, result_uri):
+                    return
 
     def _judge(
         self, detector: StragglerDetector, records: list[dict[str, Any]]
