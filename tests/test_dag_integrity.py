@@ -152,10 +152,8 @@ def test_params_accept_the_original_style_job(dag) -> None:  # noqa: ANN001
 
 
 def test_offline_plan_has_cumulative_targets_and_original_positions() -> None:
-    from syncswitch_airflow.operators.job import offline_plan
-
     job = JobSpec(switch_order="101", train_steps=(10, 20, 30))
-    assert offline_plan(job) == [
+    assert job.plan_entries() == [
         {"index": 0, "protocol": "bsp", "until_step": 10, "origin": "plan", "plan_index": 0},
         {"index": 1, "protocol": "asp", "until_step": 30, "origin": "plan", "plan_index": 1},
         {"index": 2, "protocol": "bsp", "until_step": 60, "origin": "plan", "plan_index": 2},
@@ -163,9 +161,7 @@ def test_offline_plan_has_cumulative_targets_and_original_positions() -> None:
 
 
 def test_online_segments_take_the_settings_of_the_segment_they_split() -> None:
-    from syncswitch_airflow import plan as plans
-    from syncswitch_airflow.operators.job import offline_plan
-    from syncswitch_airflow.operators.segment import build_segment_spec
+    from syncswitch import plan as plans
 
     job = JobSpec(
         switch_order="101",
@@ -173,10 +169,9 @@ def test_online_segments_take_the_settings_of_the_segment_they_split() -> None:
         hparams=("batch_size=16", "batch_size=32", "batch_size=64"),
         ckpt_frequency=(5, 10, 15),
     )
-    state = {"job": job.to_params(), "run_id": "r1", "run_dir": "/runs/demo/r1"}
     # A straggler during segment 0: it stops early at 6, an online ASP segment finishes its budget.
-    plan = plans.truncate(plans.insert_switch(offline_plan(job), 0, "asp"), 0, 6)
-    specs = [build_segment_spec(state, entry, reference_time=123.0) for entry in plan]
+    plan = plans.truncate(plans.insert_switch(job.plan_entries(), 0, "asp"), 0, 6)
+    specs = [job.segment_spec(entry, "r1", "/runs/demo/r1") for entry in plan]
     assert [(s.index, s.protocol, s.until_step) for s in specs] == [
         (0, "bsp", 6),
         (1, "asp", 10),
@@ -186,12 +181,11 @@ def test_online_segments_take_the_settings_of_the_segment_they_split() -> None:
     assert [s.hparams for s in specs] == ["batch_size=16", "batch_size=16", "batch_size=32", "batch_size=64"]
     assert [s.ckpt_frequency for s in specs] == [5, 5, 10, 15]
     assert {s.total_steps for s in specs} == {60}
-    assert {s.straggler_reference_time for s in specs} == {123.0}
     assert {(s.run_id, s.run_dir) for s in specs} == {("r1", "/runs/demo/r1")}
 
 
 def test_a_result_ends_its_entry_at_the_target_or_when_stopped_on_purpose() -> None:
-    from syncswitch_airflow.operators.segment import is_finished
+    from syncswitch_airflow.triggers.segment import is_finished
 
     entry = {"index": 1, "protocol": "asp", "until_step": 30}
     assert is_finished({"end_step": 30.0, "stopped_early": False}, entry)

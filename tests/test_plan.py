@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+from syncswitch import plan as plans
+from syncswitch.plan import PlanError
 from syncswitch.spec import JobSpec
-from syncswitch_airflow import plan as plans
-from syncswitch_airflow.plan import PlanError
 
 
 def offline_plan() -> list[dict]:

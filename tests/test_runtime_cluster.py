@@ -281,6 +281,8 @@ def test_a_bucket_outage_mid_segment_is_ridden_out_and_a_longer_one_fails_cleanl
     rc, result, err = train(*common, "--until-step", str(target), "--segment-index", "1")
     assert rc == 0, err[-3000:]
     assert result["start_step"] == last_complete and result["global_step"] == target
+
+
 def test_asp_with_pinned_cores_trains(tmp_path: Path) -> None:
     """Pinned to one core each, the ASP servers once got a single inter-op thread and deadlocked
     before the first step (node.run_server now sizes their pools itself)."""

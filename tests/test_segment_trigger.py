@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import storage
 from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
+from syncswitch.state import read_state
 from syncswitch_airflow.backends.local import LocalBackend
 from syncswitch_airflow.triggers.segment import SegmentTrigger
 
@@ -78,10 +80,10 @@ def launcher(tmp_path: Path) -> Iterator[dict[str, Any]]:
     backend.stop_segment(handle, 0, grace_seconds=2)
 
 
-def first_event(trigger: SegmentTrigger, timeout: float = 60.0) -> dict[str, Any]:
-    async def first() -> dict[str, Any]:
+def first_event(trigger: SegmentTrigger, timeout: float = 60.0) -> TriggerEvent:
+    async def first() -> TriggerEvent:
         async for event in trigger.run():
-            return event.payload
+            return event
         raise AssertionError("the trigger ended without an event")
 
     return asyncio.run(asyncio.wait_for(first(), timeout))
@@ -114,9 +116,12 @@ def test_a_segment_that_keeps_stepping_past_the_stall_limit_is_not_failed(
         )
         timer.start()
         started = time.monotonic()
-        payload = first_event(trigger(layout, protocol, launcher, stall_seconds))
+        event = first_event(trigger(layout, protocol, launcher, stall_seconds))
         timer.join()
-    assert payload == {"status": "success", "result": {"index": 0, "end_step": 20}}
+    # The task ends on the triggerer, with the result recorded in state.json and the summary as XCom.
+    assert isinstance(event, TaskSuccessEvent)
+    assert event.xcoms["return_value"]["end_step"] == 20
+    assert read_state(layout)["segments"]["0"] == {"index": 0, "end_step": 20}
     assert time.monotonic() - started >= 4 * stall_seconds
     # The task log shows the chief's steps in both protocols (BSP's chief is worker 0).
     logged = capfd.readouterr()
@@ -125,11 +130,14 @@ def test_a_segment_that_keeps_stepping_past_the_stall_limit_is_not_failed(
 
 @pytest.mark.parametrize("protocol", ["bsp", "asp"])
 def test_a_segment_whose_steps_stop_is_failed_after_the_limit(
-    layout: RunLayout, launcher: dict, protocol: str
+    layout: RunLayout, launcher: dict, protocol: str, capfd: pytest.CaptureFixture
 ) -> None:
     with ChiefWriter(layout, protocol, interval=0.1, steps=5):
         started = time.monotonic()
-        payload = first_event(trigger(layout, protocol, launcher, stall_seconds=1.5))
-    assert payload["status"] == "failed"
-    assert "no new step" in payload["reason"] and "at step 5" in payload["reason"]
+        event = first_event(trigger(layout, protocol, launcher, stall_seconds=1.5))
+    assert isinstance(event, TaskFailedEvent)
     assert time.monotonic() - started >= 1.5
+    logged = capfd.readouterr()
+    assert re.search(r"failed: no new step for \d+ s \(at step 5", logged.out + logged.err)
+    # Nothing of the segment is left running, so that the retry starts cleanly.
+    assert LocalBackend(launcher["work_dir"]).segment_status(launcher, 0).state == "exited"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from proc_utils import wait_for
 from syncswitch import events, state, storage
 from syncswitch.layout import RunLayout, join, safe_run_id, segment_name
 
@@ -121,8 +122,12 @@ def test_gcs_writer_uploads_periodically(gcs_bucket: str) -> None:
         writer.emit("step", global_step=1.0)
         time.sleep(0.35)
         writer.emit("step", global_step=2.0)
-        # both visible while the writer is still open
-        assert [r["global_step"] for r in events.read_events(layout.metrics)] == [1.0, 2.0]
+        # both visible while the writer is still open (the uploader runs beside the training thread)
+        wait_for(
+            lambda: [r["global_step"] for r in events.read_events(layout.metrics)] == [1.0, 2.0],
+            timeout=5,
+            what="both events uploaded",
+        )
 
 
 def test_gcs_writer_uploads_the_rest_on_close(

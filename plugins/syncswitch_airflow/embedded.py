@@ -1,4 +1,4 @@
-"""An embedded Airflow in the project folder: ``airflow standalone`` driven over its REST API.
+"""An embedded Airflow in the project folder, supervised, driven over its REST API.
 
     airflow = EmbeddedAirflow(project_dir)
     airflow.start()                       # or reuse the one already running in <project>/.airflow
@@ -7,7 +7,9 @@
     airflow.stop()
 
 The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
-``dags/`` and ``plugins/``, sized for a 2-core machine. Every setting is passed to Airflow as an
+``dags/`` and ``plugins/``, sized for a 2-core machine. Its components (scheduler, dag-processor,
+triggerer, api-server) run under ``syncswitch_airflow.airflow_supervisor``, which restarts any that
+dies and says so in ``embedded.log``. Every setting is passed to Airflow as an
 ``AIRFLOW__SECTION__KEY`` variable (``env()``), so ``airflow.cfg`` keeps only Airflow's generated
 secrets. This module talks to Airflow over HTTP and processes only; it never imports Airflow, so the
 CLI starts fast and bad flags fail before anything heavy is loaded.
@@ -35,6 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from syncswitch import procs
+
+from syncswitch_airflow.airflow_supervisor import read_status
+
 ADMIN_USER = "admin"
 # A fixed password so the CLI, the tests and the README agree on it. The API listens on 127.0.0.1
 # only; this is the embedded development instance, not a deployment (see docker-compose.yaml).
@@ -42,6 +48,13 @@ ADMIN_PASSWORD = "syncswitch"
 PREFERRED_PORT = 8080
 TERMINAL_RUN_STATES = ("success", "failed")
 _HTTP_TIMEOUT_S = 30.0
+BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
+# Booting takes 25-50 s on an idle 2-core machine and several minutes on a loaded one; the limit only
+# guards against waiting forever, and is configurable.
+DEFAULT_BOOT_TIMEOUT_S = 1800.0
+_BOOT_PROGRESS_EVERY_S = 15.0
+# While the api-server restarts, requests are refused for a few seconds: keep asking this long.
+_API_UNAVAILABLE_GRACE_S = 120.0
 
 
 class AirflowError(RuntimeError):
@@ -52,13 +65,17 @@ class DagImportError(AirflowError):
     """A DAG file in the project's dags folder does not import; the message holds the traceback."""
 
 
+class AirflowGone(AirflowError):
+    """The embedded Airflow (its supervisor) is no longer running."""
+
+
 class TriggerRejected(AirflowError):
     """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
 
 
 @dataclass(frozen=True)
 class InstanceRecord:
-    """What the pid file records about a running standalone process."""
+    """What the pid file records about a running supervisor."""
 
     pid: int
     port: int  # the API server (UI and REST)
@@ -69,7 +86,7 @@ class InstanceRecord:
 
 
 class EmbeddedAirflow:
-    """One ``airflow standalone`` process group serving ``project_dir``'s DAGs on 127.0.0.1."""
+    """One supervised Airflow (a process group) serving ``project_dir``'s DAGs on 127.0.0.1."""
 
     def __init__(
         self,
@@ -83,7 +100,7 @@ class EmbeddedAirflow:
         self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
         self.dags_folder = self.project_dir / "dags"
         self.plugins_folder = self.project_dir / "plugins"
-        self.log_path = self.home / "standalone.log"
+        self.log_path = self.home / "embedded.log"
         self.pid_file = self.home / "embedded.json"
         self.password_file = self.home / "simple_auth_manager_passwords.json.generated"
         self._lock_file = self.home / "embedded.lock"
@@ -123,13 +140,15 @@ class EmbeddedAirflow:
             "API__PORT": str(record.port),
             "API__BASE_URL": base_url,
             "API__WORKERS": "1",
-            # Per-task overhead drops from about 1.1 s to 0.4 s with a short idle sleep.
-            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1",
+            # The scheduler's idle loop is most of an idle Airflow's CPU: 0.16 cores at a 0.1 s sleep,
+            # 0.025 at 1 s (bench/bench_airflow_cpu.py). Segments end from the triggerer (no task
+            # process to resume), which more than pays for the extra half second per hand-off.
+            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0",
             # Look for new DAG files often (a cheap listing) but reparse a known file only every
-            # minute: each parse imports the operators, CPU that training needs on 2 cores. start()
-            # reserializes, so a fresh start always sees the current DAG files.
+            # 10 minutes: each parse imports the operators, CPU that training needs on 2 cores.
+            # start() reserializes, so a fresh start always sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "10",
-            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "60",
+            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
             "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
@@ -143,17 +162,20 @@ class EmbeddedAirflow:
             del env[key]
         env.update({f"AIRFLOW__{key}": value for key, value in settings.items()})
         env["AIRFLOW_HOME"] = str(self.home)
-        # standalone starts its components as plain `airflow ...`: our interpreter's bin comes first.
+        # Components run as plain `airflow ...`: our interpreter's bin comes first.
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self, wait_for_dags: tuple[str, ...] = ("sync_switch",), timeout: float = 300.0) -> None:
-        """Start (or reuse) the instance, wait for health, reserialize DAGs, wait for ``wait_for_dags``."""
+    def start(self, wait_for_dags: tuple[str, ...] = ("sync_switch",), timeout: float | None = None) -> None:
+        """Start (or reuse) the instance, wait for health, reserialize DAGs, wait for ``wait_for_dags``.
+
+        ``timeout`` (default ``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT`` or 30 minutes) bounds the whole boot;
+        a progress line every 15 s says what it is still waiting for."""
         self.home.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if timeout is not None else boot_timeout())
         with self._start_lock():
             record = self.running_instance()
             if record is not None:
@@ -171,12 +193,12 @@ class EmbeddedAirflow:
         log_ports = free_ports(2, exclude={api_port})
         record = InstanceRecord(0, api_port, *log_ports, str(self.home), time.time())
         self._write_password_file()
-        self._log.info("starting airflow standalone on 127.0.0.1:%d, home %s", api_port, self.home)
+        self._log.info("starting the embedded Airflow on 127.0.0.1:%d, home %s", api_port, self.home)
         with open(self.log_path, "ab") as log:
             # Own session: stop() signals the whole process group, and a Ctrl-C in the terminal
             # reaches only the CLI, which then stops Airflow in order.
             self._process = subprocess.Popen(
-                [str(Path(sys.executable).parent / "airflow"), "standalone"],
+                [sys.executable, "-m", "syncswitch_airflow.airflow_supervisor"],
                 cwd=self.project_dir,
                 env=self.env(record),
                 stdin=subprocess.DEVNULL,
@@ -215,7 +237,7 @@ class EmbeddedAirflow:
             record = InstanceRecord(**json.loads(self.pid_file.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        if record.home != str(self.home) or not _process_has_home(record.pid, str(self.home)):
+        if record.home != str(self.home) or not procs.has_env(record.pid, "AIRFLOW_HOME", str(self.home)):
             return None
         return record
 
@@ -233,13 +255,15 @@ class EmbeddedAirflow:
         return self._get_json("/api/v2/monitor/health", auth=False)
 
     def _wait_healthy(self, deadline: float) -> None:
-        last_problem = "no answer yet"
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        next_report = started + _BOOT_PROGRESS_EVERY_S
+        waiting_for = "no answer yet"
+        while True:
             self._check_alive()
             try:
                 health = self.health()
-            except (OSError, AirflowError) as exc:
-                last_problem = str(exc)
+            except (OSError, AirflowError):
+                waiting_for = "the api-server to answer"
             else:
                 unhealthy = sorted(
                     name
@@ -250,16 +274,42 @@ class EmbeddedAirflow:
                     self._check_port_is_ours()
                     self._log.info("embedded Airflow healthy at %s", self.url)
                     return
-                last_problem = f"unhealthy: {', '.join(unhealthy)}"
+                waiting_for = f"{', '.join(unhealthy)} to report healthy"
+            now = time.monotonic()
+            if now >= deadline:
+                raise AirflowError(
+                    f"Airflow not healthy after {now - started:.0f} s: waiting for {waiting_for} "
+                    f"(raise ${BOOT_TIMEOUT_ENV} on a busy machine); see {self.log_path}"
+                )
+            if now >= next_report:
+                next_report = now + _BOOT_PROGRESS_EVERY_S
+                self._log.info(
+                    "embedded Airflow booting for %.0f s (%s): waiting for %s",
+                    now - started,
+                    self.supervisor_phase(),
+                    waiting_for,
+                )
             time.sleep(1.0)
-        raise AirflowError(f"Airflow not healthy in time ({last_problem}); see {self.log_path}")
+
+    def supervisor_phase(self) -> str:
+        status = read_status(self.home)
+        return status.get("phase", "starting") if status else "starting"
+
+    def component_restarts(self) -> dict[str, dict[str, Any]]:
+        """name -> {restarts, last_exit} of every component the supervisor restarted."""
+        status = read_status(self.home) or {}
+        return {
+            name: {"restarts": c.get("restarts", 0), "last_exit": c.get("last_exit")}
+            for name, c in status.get("components", {}).items()
+            if c.get("restarts")
+        }
 
     def _check_port_is_ours(self) -> None:
         """A healthy answer on our port could come from another Airflow that took the port between
         pick_port() and our api-server's bind; then everything we do would go to the wrong instance."""
         record = self._require_record()
-        owners = listening_pids(record.port)
-        if owners is not None and not owners & set(processes_in_group(record.pid)):
+        owners = procs.listening_pids(record.port)
+        if owners is not None and not owners & set(procs.processes_in_group(record.pid)):
             raise AirflowError(
                 f"port {record.port} is served by process(es) {sorted(owners)}, not by this Airflow in "
                 f"{self.home}; our api-server could not bind it (see {self.log_path}). Run again."
@@ -267,17 +317,17 @@ class EmbeddedAirflow:
 
     def _check_alive(self) -> None:
         if self._process is not None and self._process.poll() is not None:
-            raise AirflowError(
-                f"airflow standalone exited with {self._process.returncode}:\n{self.log_tail()}"
+            raise AirflowGone(
+                f"the embedded Airflow exited with {self._process.returncode}:\n{self.log_tail()}"
             )
         if self._process is None and not self.is_running():
-            raise AirflowError(f"the embedded Airflow in {self.home} is no longer running")
+            raise AirflowGone(f"the embedded Airflow in {self.home} is no longer running")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
-            return "(no standalone.log)"
+            return f"(no {self.log_path.name})"
 
     def reserialize(self, deadline: float) -> None:
         """Parse the dags folder now instead of waiting for the dag-processor's next refresh."""
@@ -326,21 +376,21 @@ class EmbeddedAirflow:
             self._log.info("no embedded Airflow running in %s", self.home)
         else:
             self._log.info("stopping embedded Airflow pid %d", record.pid)
-            _signal_group(record.pid, signal.SIGTERM)
+            procs.signal_group(record.pid, signal.SIGTERM)
             if not self._wait_group_gone(record.pid, timeout):
                 self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)
-                _signal_group(record.pid, signal.SIGKILL)
+                procs.signal_group(record.pid, signal.SIGKILL)
                 self._wait_group_gone(record.pid, 10.0)
         if self._process is not None:
             self._process.wait(timeout=10)
             self._process = None
         # Anything that left the group (a process that called setsid) still carries our AIRFLOW_HOME.
-        for pid in processes_of_home(str(self.home)):
+        for pid in self._processes():
             self._log.info("killing leftover process %d of %s", pid, self.home)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _wait_until(lambda: not processes_of_home(str(self.home)), 10.0)
-        left = processes_of_home(str(self.home))
+        procs.wait_until(lambda: not self._processes(), 10.0)
+        left = self._processes()
         if left:
             raise AirflowError(f"processes of {self.home} survived SIGKILL: {left}")
         with contextlib.suppress(FileNotFoundError):
@@ -350,13 +400,18 @@ class EmbeddedAirflow:
         if record is not None:
             self._log.info("embedded Airflow stopped")
 
+    def _processes(self) -> list[int]:
+        """Every live process of this instance: they all run with AIRFLOW_HOME=<home>. Training
+        processes never do (the cluster backends strip Airflow's variables), so they survive."""
+        return [p.pid for p in procs.processes_with_env("AIRFLOW_HOME", str(self.home))]
+
     def _wait_group_gone(self, pgid: int, timeout: float) -> bool:
         def gone() -> bool:
             if self._process is not None:
                 self._process.poll()  # reap our own child so it does not linger as a zombie
-            return not processes_in_group(pgid)
+            return not procs.processes_in_group(pgid)
 
-        return _wait_until(gone, timeout)
+        return procs.wait_until(gone, timeout)
 
     # ---- REST ------------------------------------------------------------------------------
 
@@ -417,13 +472,32 @@ class EmbeddedAirflow:
         poll_seconds: float = 2.0,
         on_poll: Callable[[str, dict[str, str | None]], None] | None = None,
     ) -> str:
-        """Poll until the run is success or failed; returns that state. ``on_poll`` sees every poll."""
+        """Poll until the run is success or failed; returns that state. ``on_poll`` sees every poll.
+
+        An api-server that does not answer for a while (the supervisor is restarting it) is waited
+        for; AirflowGone when the instance itself is gone."""
         deadline = time.monotonic() + timeout
+        unanswered_since: float | None = None
         while True:
             self._check_alive()
-            state = self.run_state(dag_id, run_id)
+            try:
+                state = self.run_state(dag_id, run_id)
+                tasks = self.task_states(dag_id, run_id)
+            except OSError as exc:  # connection refused or reset: the api-server is restarting
+                now = time.monotonic()
+                if unanswered_since is None:
+                    unanswered_since = now
+                    self._log.info("the Airflow API does not answer (%s); waiting for it", exc)
+                elif now - unanswered_since > _API_UNAVAILABLE_GRACE_S:
+                    waited = now - unanswered_since
+                    raise AirflowError(f"the Airflow API did not answer for {waited:.0f} s") from exc
+                time.sleep(poll_seconds)
+                continue
+            if unanswered_since is not None:
+                self._log.info("the Airflow API answers again")
+                unanswered_since = None
             if on_poll is not None:
-                on_poll(state, self.task_states(dag_id, run_id))
+                on_poll(state, tasks)
             if state in TERMINAL_RUN_STATES:
                 return state
             if time.monotonic() >= deadline:
@@ -488,31 +562,13 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
     return ports
 
 
-def listening_pids(port: int) -> set[int] | None:
-    """Pids holding a TCP socket that listens on 127.0.0.1/0.0.0.0 ``port``; None where /proc lacks it."""
-    inodes = set()
+def boot_timeout() -> float:
+    """``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT`` seconds, or 30 minutes."""
+    raw = os.environ.get(BOOT_TIMEOUT_ENV)
     try:
-        with open("/proc/net/tcp") as f:
-            rows = f.read().splitlines()[1:]
-    except OSError:
-        return None
-    for row in rows:
-        fields = row.split()
-        address, state, inode = fields[1], fields[3], fields[9]
-        if state == "0A" and int(address.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-            inodes.add(f"socket:[{inode}]")
-    owners = set()
-    for pid in _live_pids():
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                    owners.add(pid)
-                    break
-    return owners
+        return float(raw) if raw else DEFAULT_BOOT_TIMEOUT_S
+    except ValueError:
+        raise AirflowError(f"{BOOT_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
 
 
 def _quote(part: str) -> str:
@@ -539,59 +595,3 @@ def _error_text(body: Any) -> str:
             for item in detail
         )
     return detail if isinstance(detail, str) else json.dumps(detail)
-
-
-def _wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _live_pids() -> Iterator[int]:
-    """Pids of live (non-zombie) processes other than this one."""
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if fields and fields[0] != b"Z":
-            yield int(entry)
-
-
-def processes_in_group(pgid: int) -> list[int]:
-    found = []
-    for pid in _live_pids():
-        try:
-            if os.getpgid(pid) == pgid:
-                found.append(pid)
-        except ProcessLookupError:
-            continue
-    return found
-
-
-def _process_has_home(pid: int, home: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"AIRFLOW_HOME={home}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def processes_of_home(home: str) -> list[int]:
-    """Live processes started with ``AIRFLOW_HOME=<home>`` (every Airflow process of an instance)."""
-    return [pid for pid in _live_pids() if _process_has_home(pid, home)]

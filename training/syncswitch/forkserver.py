@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import storage
+from syncswitch.procs import is_alive
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -281,7 +282,8 @@ def start(
     server_dir: str, *, env: dict[str, str] | None = None, die_with_parent: bool = False
 ) -> subprocess.Popen:
     """Start a server for ``server_dir`` in the background (it is ready later: see wait_ready).
-    ``die_with_parent`` ties it to the caller; otherwise it runs in a session of its own."""
+    ``env`` is its whole environment (default: ours). ``die_with_parent`` ties it to the caller;
+    otherwise it runs in a session of its own."""
     os.makedirs(server_dir, exist_ok=True)
     with open(os.path.join(server_dir, LOG_FILE), "ab") as log:
         proc = subprocess.Popen(
@@ -289,7 +291,7 @@ def start(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+            env={**(os.environ if env is None else env), "TF_CPP_MIN_LOG_LEVEL": "2"},
             start_new_session=not die_with_parent,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - only prctl
         )
@@ -304,10 +306,10 @@ READY, STARTING, ABSENT = "ready", "starting", "absent"
 def status(server_dir: str) -> str:
     """READY (accepting requests), STARTING (alive, still importing) or ABSENT."""
     ready = storage.read_json(os.path.join(server_dir, READY_FILE), default=None)
-    if ready is not None and _pid_alive(ready["pid"]):
+    if ready is not None and is_alive(ready["pid"]):
         return READY
     starting = storage.read_json(os.path.join(server_dir, PID_FILE), default=None)
-    return STARTING if starting is not None and _pid_alive(starting["pid"]) else ABSENT
+    return STARTING if starting is not None and is_alive(starting["pid"]) else ABSENT
 
 
 def wait_ready(server_dir: str, timeout: float) -> None:
@@ -320,14 +322,6 @@ def wait_ready(server_dir: str, timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise ForkServerUnavailable(f"the fork server for {server_dir} was not ready in {timeout:.0f}s")
         time.sleep(TICK_SECONDS)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 class ForkedProcess:

@@ -1,7 +1,10 @@
 """The job spec and the segment spec: what a user asks for, and what one training segment runs.
 
-    JobSpec.from_params(params)   validates DAG params / CLI flags / REST conf, naming the bad field
-    JobSpec.plan()                -> [SegmentSpec, ...], one per digit of switch_order
+    JobSpec.from_params(params)            validates DAG params / CLI flags / REST conf, naming the bad field
+    JobSpec.plan_entries()                 the offline plan: one entry per digit of switch_order
+                                           (the plan-entry contract: syncswitch.plan)
+    JobSpec.segment_spec(entry, ...)       -> SegmentSpec: what one plan entry's processes run
+    JobSpec.plan(run_id, run_dir)          -> [SegmentSpec, ...] of the offline plan
 
 Units. Every step number in the interface is a BSP-equivalent step: one global batch of
 ``num_workers x batch_size`` samples. Progress is counted exactly in samples; an ASP worker update of
@@ -17,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from syncswitch import plan as plans
 from syncswitch.hparams import HParams, HParamsError, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
@@ -345,51 +349,53 @@ class JobSpec:
     def per_segment(self, values: tuple, index: int) -> Any:
         return values[index] if len(values) > 1 else values[0]
 
-    def plan(self, run_id: str, run_dir: str) -> list[SegmentSpec]:
-        """The offline plan: one SegmentSpec per switch_order digit, with cumulative targets."""
+    def plan_entries(self) -> list[dict[str, Any]]:
+        """The offline plan (``state["plan"]`` before any online switch): one entry per
+        switch_order digit with its cumulative target. ``plan_index`` is the entry's position in
+        switch_order; per-segment settings (hparams, ckpt_frequency) follow it, also after online
+        switches renumber the entries."""
         until = 0
-        segments = []
+        entries = []
         for index, (digit, steps) in enumerate(zip(self.switch_order, self.segment_steps(), strict=True)):
             until += steps
-            segments.append(
-                self.segment(
-                    index,
-                    PROTOCOLS[digit],
-                    until,
-                    run_id,
-                    run_dir,
-                    hparams=self.per_segment(self.hparams, index),
-                    ckpt_frequency=self.per_segment(self.ckpt_frequency, index),
-                )
+            entries.append(
+                {
+                    "index": index,
+                    "protocol": PROTOCOLS[digit],
+                    "until_step": until,
+                    "origin": "plan",
+                    "plan_index": index,
+                }
             )
-        return segments
+        plans.check(entries)
+        return entries
 
-    def segment(
-        self,
-        index: int,
-        protocol: str,
-        until_step: int,
-        run_id: str,
-        run_dir: str,
-        *,
-        hparams: str = "",
-        ckpt_frequency: int = 0,
-    ) -> SegmentSpec:
+    def plan(self, run_id: str, run_dir: str) -> list[SegmentSpec]:
+        """The SegmentSpecs of the offline plan."""
+        return [self.segment_spec(entry, run_id, run_dir) for entry in self.plan_entries()]
+
+    def segment_spec(self, entry: dict[str, Any], run_id: str, run_dir: str) -> SegmentSpec:
+        """What the processes of one plan entry run: the job's settings for the original segment it
+        belongs to. Online entries carry no ``plan_index``; they take the settings of the original
+        segment they were carved from (the first whose target is at or beyond theirs)."""
+        position = entry.get("plan_index")
+        if position is None:
+            position = self._original_position(entry["until_step"])
         return SegmentSpec(
             run_id=run_id,
             run_dir=run_dir,
-            index=index,
-            protocol=protocol,
-            until_step=until_step,
+            index=entry["index"],
+            protocol=entry["protocol"],
+            until_step=entry["until_step"],
             total_steps=self.workload,
             model=self.model,
             hparam_set=self.hparam_set,
             problem=self.problem,
             data_dir=self.data_dir,
-            hparams=hparams,
+            hparams=self.per_segment(self.hparams, position),
             num_workers=self.num_workers,
             num_ps=self.num_ps,
-            ckpt_frequency=ckpt_frequency,
+            ckpt_frequency=self.per_segment(self.ckpt_frequency, position),
             momentum_rule=self.momentum_rule,
             momentum_ramp_steps=self.momentum_ramp_steps,
             seed=self.seed,
@@ -398,6 +404,14 @@ class JobSpec:
             stall_seconds=self.stall_seconds,
             stragglers=self.stragglers,
         )
+
+    def _original_position(self, until_step: float) -> int:
+        until = 0
+        for position, steps in enumerate(self.segment_steps()):
+            until += steps
+            if until_step <= until:
+                return position
+        return len(self.switch_order) - 1
 
     def to_params(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

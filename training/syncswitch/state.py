@@ -14,9 +14,13 @@ A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json``
 index, protocol, start_step, end_step, samples, updates, started_at, first_step_at, ended_at,
 seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup.
 
-Several tasks update state.json (segment tasks, the straggler sensor), so every update is a
+Every change to state.json is one of the named operations below (create_run, record_segment,
+straggler_reference_time, apply_switch, record_decision, record_final, finish_run), each a
 read-modify-write guarded by a lock: an fcntl lock for local folders, a generation precondition for
-GCS objects.
+GCS objects. Several writers act at once (segment triggers, the straggler sensor), and every
+operation is idempotent, so a retried task or a restarted triggerer can repeat it safely. (On GCS an
+update whose answer was lost in an outage is retried and meets a changed generation: it is then
+re-read and re-applied, which the idempotence makes harmless.)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
 
@@ -112,6 +117,91 @@ def _update_gcs_once(uri: str, mutate: Callable[[State], None]) -> State:
     return state
 
 
+# ---- the named operations: the only writers of state.json -------------------------------------------
+
+
+def create_run(
+    layout: RunLayout, run_id: str, job_params: dict[str, Any], plan: list[dict], cluster: dict
+) -> tuple[State, bool]:
+    """The run's state with its offline plan; (state, created). A retried or cleared run of the same
+    run id keeps its state (the plan may already have changed online and segments may have ended):
+    only the cluster handle is refreshed and the status is running again."""
+    created: list[bool] = []
+
+    def write(state: State) -> None:
+        if state.get("run_id") == run_id and state.get("plan"):
+            state["cluster"] = cluster
+            state["status"] = "running"
+            return
+        state.clear()
+        state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster)
+        created.append(True)
+
+    return update_state(layout, write), bool(created)
+
+
+def record_segment(layout: RunLayout, index: int, result: dict[str, Any]) -> State:
+    """Store segment ``index``'s SegmentResult; an early stop (an online switch) moves the entry's
+    target to where it stopped. Raises PlanError for an impossible end step."""
+
+    def store(state: State) -> None:
+        state.setdefault("segments", {})[str(index)] = result
+        if result.get("stopped_early"):
+            state["plan"] = plans.truncate(state["plan"], index, result["end_step"])
+
+    return update_state(layout, store)
+
+
+def straggler_reference_time(layout: RunLayout, protocol: str, now: float) -> float | None:
+    """Injected stragglers count from the first BSP segment's launch, across every segment: a BSP
+    segment sets it (once); an ASP segment before any BSP one has none (it counts from its own)."""
+    if protocol == "bsp":
+        state = update_state(layout, lambda s: s.setdefault("timings", {}).setdefault("first_bsp_start", now))
+    else:
+        state = read_state(layout) or {}
+    return state.get("timings", {}).get("first_bsp_start")
+
+
 def record_decision(layout: RunLayout, decision: dict[str, Any]) -> State:
     decision = {"time": time.time(), **decision}
     return update_state(layout, lambda s: s.setdefault("decisions", []).append(decision))
+
+
+def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
+    """Record an online switch decision and rewrite the plan in one update: the entry after ``item``
+    runs the other protocol to the same target. Repeating it does not insert the switch twice."""
+    index = item["index"]
+    new_protocol = plans.other_protocol(item["protocol"])
+
+    def mutate(state: State) -> None:
+        current = state.get("plan", [])
+        following = plans.entry(current, index + 1)
+        already = (
+            following is not None
+            and following.get("origin") == "online"
+            and following.get("protocol") == new_protocol
+            and following.get("until_step") == item["until_step"]
+        )
+        if not already:
+            state["plan"] = plans.insert_switch(current, index, new_protocol)
+        state.setdefault("decisions", []).append({"time": time.time(), **record, "plan_changed": not already})
+
+    return update_state(layout, mutate)
+
+
+def record_final(layout: RunLayout, final: dict[str, Any]) -> State:
+    """The evaluation of the run's final checkpoint."""
+    return update_state(layout, lambda s: s.__setitem__("final", final))
+
+
+def finish_run(layout: RunLayout, status: str | None, extra: dict[str, Any] | None = None) -> State:
+    """The run's outcome (``success`` / ``failed``; None keeps the current one), its end time, and
+    whatever else closes its books (``extra`` is merged into the state)."""
+
+    def mark(state: State) -> None:
+        if status:
+            state["status"] = status
+        state.setdefault("timings", {})["finished"] = time.time()
+        state.update(extra or {})
+
+    return update_state(layout, mark)

@@ -29,11 +29,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import forkserver
 from syncswitch.layout import RunLayout
+from syncswitch.procs import (
+    ProcStat,
+    is_alive,
+    mem_available_gb,
+    processes_with_env,
+    read_stat,
+    signal_group,
+    signal_pid,
+)
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
@@ -56,86 +64,18 @@ _POLL_S = 0.1
 log = logging.getLogger(__name__)
 
 
+def cluster_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without Airflow's own variables, plus ``extra``.
+
+    Cluster processes outlive the Airflow task that starts them, and Airflow itself: the embedded
+    Airflow finds (and on stop kills) its processes by AIRFLOW_HOME, so training must not carry it.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    return {**env, **extra}
+
+
 def default_work_root() -> str:
     return os.environ.get(WORK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "syncswitch")
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of ``/proc/<pid>/stat`` the backend needs."""
-
-    pid: int
-    state: str
-    pgid: int
-    start_ticks: int
-
-    @property
-    def alive(self) -> bool:
-        # A zombie has exited; it only waits for its parent to reap it.
-        return self.state not in ("Z", "X")
-
-
-def read_stat(pid: int) -> ProcStat | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses; the rest follows the last ')'.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return ProcStat(pid=pid, state=fields[0], pgid=int(fields[2]), start_ticks=int(fields[19]))
-
-
-def is_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """True if ``pid`` runs and (when given) started at ``start_ticks``, i.e. was not reused."""
-    stat = read_stat(pid)
-    return bool(stat and stat.alive and (start_ticks is None or stat.start_ticks == start_ticks))
-
-
-def marked_processes(variable: str, value: str) -> list[ProcStat]:
-    """Live processes whose initial environment holds ``variable=value`` (this process excluded)."""
-    wanted = f"{variable}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # gone, or another user's process
-            continue
-        if wanted in environ.split(b"\0"):
-            stat = read_stat(int(entry))
-            if stat and stat.alive:
-                found.append(stat)
-    return found
-
-
-def mem_available_gb() -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024**2
-    except OSError:
-        pass
-    return None
-
-
-def _signal(pid: int, signum: int) -> bool:
-    try:
-        os.kill(pid, signum)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    try:
-        os.killpg(pgid, signum)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 class LocalBackend:
@@ -177,7 +117,7 @@ class LocalBackend:
         server_dir = handle["forkserver_dir"]
         if forkserver.status(server_dir) != forkserver.ABSENT:
             return
-        server = forkserver.start(server_dir, env={CLUSTER_ENV: handle["work_dir"]})
+        server = forkserver.start(server_dir, env=cluster_environment(**{CLUSTER_ENV: handle["work_dir"]}))
         log.info("run %s: started the cluster's fork server (pid %d)", handle.get("run"), server.pid)
 
     def _check_memory(self, processes: int) -> None:
@@ -244,12 +184,9 @@ class LocalBackend:
         exit_path = os.path.join(seg_dir, "exitcode")
         if os.path.exists(exit_path):
             os.unlink(exit_path)
-        env = {
-            **os.environ,
-            CLUSTER_ENV: handle["work_dir"],
-            SEGMENT_ENV: seg_dir,
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = cluster_environment(
+            **{CLUSTER_ENV: handle["work_dir"], SEGMENT_ENV: seg_dir, "PYTHONUNBUFFERED": "1"}
+        )
         wrapper = [sys.executable, "-m", "syncswitch_airflow.backends.supervise", exit_path, "--", *command]
         log_path = os.path.join(seg_dir, "launcher.log")
         with open(log_path, "ab") as out:
@@ -290,7 +227,7 @@ class LocalBackend:
         if exit_code is None:
             # The wrapper vanished: an orphaned launcher still works and will write its result
             # (its cluster processes die with it, so any survivor means the segment goes on).
-            survivors = marked_processes(SEGMENT_ENV, seg_dir)
+            survivors = processes_with_env(SEGMENT_ENV, seg_dir)
             if survivors:
                 return SegmentStatus(RUNNING, pid=survivors[0].pid)
         return SegmentStatus(EXITED, exit_code=exit_code, pid=record["pid"])
@@ -326,7 +263,7 @@ class LocalBackend:
 
     def _live(self, records: list[dict[str, Any]], variable: str, value: str) -> list[ProcStat]:
         """Every live process of the scope: the launch wrappers and everything carrying the marker."""
-        found = {p.pid: p for p in marked_processes(variable, value)}
+        found = {p.pid: p for p in processes_with_env(variable, value)}
         for record in records:
             stat = read_stat(record["pid"])
             if stat and stat.alive and stat.start_ticks == record.get("start_ticks"):
@@ -353,7 +290,7 @@ class LocalBackend:
         self, procs: list[ProcStat], records: list[dict[str, Any]], variable: str, value: str, deadline: float
     ) -> None:
         for proc in procs:
-            _signal(proc.pid, signal.SIGTERM)
+            signal_pid(proc.pid, signal.SIGTERM)
         pids = {p.pid for p in procs}
         while pids and time.monotonic() < deadline:
             if not pids & {p.pid for p in self._live(records, variable, value)}:
@@ -375,9 +312,9 @@ class LocalBackend:
             our_groups = {p.pgid for p in live}
             for record in records:
                 if record.get("pgid") in our_groups:
-                    _signal_group(record["pgid"], signal.SIGKILL)
+                    signal_group(record["pgid"], signal.SIGKILL)
             for proc in live:
-                _signal(proc.pid, signal.SIGKILL)
+                signal_pid(proc.pid, signal.SIGKILL)
             time.sleep(_POLL_S)
 
 

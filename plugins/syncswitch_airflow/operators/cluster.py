@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException
 from syncswitch.layout import RunLayout
-from syncswitch.state import State, read_state, update_state
+from syncswitch.state import finish_run, read_state
 
 from syncswitch_airflow.backends import ClusterError, get_backend
 from syncswitch_airflow.operators.common import job_from_params, run_layout
@@ -82,10 +81,4 @@ class TeardownClusterOperator(BaseOperator):
         if not run_dir or read_state(RunLayout(run_dir)) is None:
             return
 
-        def mark(state: State) -> None:
-            if outcome:
-                state["status"] = outcome
-            state.setdefault("timings", {})["finished"] = time.time()
-            state.setdefault("cluster", {})["teardown"] = released
-
-        update_state(RunLayout(run_dir), mark)
+        finish_run(RunLayout(run_dir), outcome)

@@ -8,12 +8,12 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from syncswitch import checkpoints
+from syncswitch import plan as plans
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
-from syncswitch.spec import PROTOCOLS, JobSpec, SpecError
-from syncswitch.state import State, new_state, update_state
+from syncswitch.spec import JobSpec, SpecError
+from syncswitch.state import create_run, record_final
 
-from syncswitch_airflow import plan as plans
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS, check_slot_budget
 from syncswitch_airflow.operators.common import (
     absolute_bucket_dir,
@@ -59,29 +59,6 @@ class ValidateJobOperator(BaseOperator):
         return {"switch_order": job.switch_order, "segment_steps": steps, "workload": sum(steps)}
 
 
-def offline_plan(job: JobSpec) -> list[dict[str, Any]]:
-    """``state["plan"]`` before any online switch: one entry per switch_order digit.
-
-    ``plan_index`` is the entry's position in the original switch_order; per-segment settings
-    (hparams, ckpt_frequency) follow it, also after online switches renumber the entries.
-    """
-    until = 0
-    entries = []
-    for index, (digit, steps) in enumerate(zip(job.switch_order, job.segment_steps(), strict=True)):
-        until += steps
-        entries.append(
-            {
-                "index": index,
-                "protocol": PROTOCOLS[digit],
-                "until_step": until,
-                "origin": "plan",
-                "plan_index": index,
-            }
-        )
-    plans.check(entries)
-    return entries
-
-
 class PlanRunOperator(BaseOperator):
     """Create the run folder's ``state.json`` with the offline plan; returns the run folder.
 
@@ -101,22 +78,7 @@ class PlanRunOperator(BaseOperator):
         run_id = context["run_id"]
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
-        created: list[bool] = []
-
-        def write_plan(state: State) -> None:
-            if state.get("run_id") == run_id and state.get("plan"):
-                # A retry or a cleared run: completed segments and online changes stay.
-                state["cluster"] = self.cluster
-                state["status"] = "running"
-                return
-            fresh = new_state(layout, run_id, params)
-            fresh["plan"] = offline_plan(job)
-            fresh["cluster"] = self.cluster
-            state.clear()
-            state.update(fresh)
-            created.append(True)
-
-        state = update_state(layout, write_plan)
+        state, created = create_run(layout, run_id, params, job.plan_entries(), self.cluster)
         self.log.info(
             "run %s: %s plan in %s: %s",
             run_id,
@@ -157,7 +119,7 @@ class EvaluateRunOperator(RunFolderOperator):
         final = self._evaluate_final_checkpoint(state, job)
         workload = plans.workload(state["plan"])
         final = {**final, "workload": workload, "evaluated_at": time.time()}
-        update_state(RunLayout(self.run_dir), lambda s: s.__setitem__("final", final))
+        record_final(RunLayout(self.run_dir), final)
         self.log.info(
             "run %s: final checkpoint at step %s of %s: test accuracy %.4f, loss %.4f (%s)",
             state["run_id"],

@@ -5,7 +5,7 @@ execute()
     once (the ``airflow dags test`` path, where the sensor runs after its segment task); else defers
     to :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`.
 execute_complete()
-    segment ended, or its segment task finished without a result -> returns without effect.
+    (the segment's end, or its task's, ends the watcher on the triggerer: StragglerTrigger)
     verdict -> asks the policy named by the job's ``online_policy``; records the decision in
     state.json. A switch rewrites the plan (plan.insert_switch) in the same state update that records
     the decision, and only then writes the graceful-stop request ``control/stop-seg-ii``, so the
@@ -16,24 +16,23 @@ execute_complete()
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowSkipException
+from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
-from syncswitch.state import State, read_state, record_decision, update_state
+from syncswitch.state import State, read_state, record_decision
+from syncswitch.state import apply_switch as switch_plan
 
-from syncswitch_airflow import plan as plans
 from syncswitch_airflow.detector import DetectorConfig, Verdict
 from syncswitch_airflow.policies import Decision, PolicyContext, get_policy, measured_switch_gap
 from syncswitch_airflow.triggers.straggler import StragglerTrigger
 
 log = logging.getLogger(__name__)
 
-TERMINAL_STATUSES = ("segment_ended", "segment_task_ended")
 SWITCH_ACTIONS = ("switch", "switch_back")
 SEGMENT_ENDED = "segment already ended"
 # What a switch costs before this run has measured one: 4-9 s on the local backend with its warm fork
@@ -165,8 +164,6 @@ class StragglerSensor(BaseSensorOperator):
         item = plans.entry(state.get("plan", []), slot)
         if item is None:
             raise AirflowSkipException(f"slot {slot} is no longer in the plan")
-        if event["status"] in TERMINAL_STATUSES:
-            return self._finish(state, item, event["status"])
         if event.get("protocol", item["protocol"]) != item["protocol"]:
             # The plan moved under this slot (a switch in an earlier slot): what it watched is gone.
             return self._finish(state, item, "plan_changed")
@@ -249,25 +246,8 @@ def decision_record(
 
 def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
     """Record the decision and rewrite the plan in one state update, then request the graceful stop."""
-    index = item["index"]
-    new_protocol = plans.other_protocol(item["protocol"])
-
-    def mutate(state: State) -> None:
-        current = state.get("plan", [])
-        following = plans.entry(current, index + 1)
-        already = (
-            following is not None
-            and following.get("origin") == "online"
-            and following.get("protocol") == new_protocol
-            and following.get("until_step") == item["until_step"]
-        )
-        # A retried task must not insert the same switch twice.
-        if not already:
-            state["plan"] = plans.insert_switch(current, index, new_protocol)
-        state.setdefault("decisions", []).append({"time": time.time(), **record, "plan_changed": not already})
-
-    state = update_state(layout, mutate)
-    storage.write_text(layout.stop_request(index), f"{record['action']}: {record['reason']}\n")
+    state = switch_plan(layout, item, record)
+    storage.write_text(layout.stop_request(item["index"]), f"{record['action']}: {record['reason']}\n")
     return state
 
 

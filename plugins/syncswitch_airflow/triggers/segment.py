@@ -1,11 +1,14 @@
 """SegmentTrigger: waits on the triggerer for one detached training segment to end.
 
 It polls the run folder (``result.json``; the chief's ``step`` events through the one event reader,
-``syncswitch.events.EventTail``) and the cluster backend (is the launcher still alive?) and fires exactly
-one event:
+``syncswitch.events.EventTail``) and the cluster backend (is the launcher still alive?), and ends the
+segment task itself (``end_from_trigger``):
 
-    {"status": "success", "result": <result.json>}
-    {"status": "failed", "reason": "...", "exit_code": int | None, "log_tail": "..."}
+    success   record the SegmentResult in state.json (record_result), then TaskSuccessEvent with the
+              task's XCom (the segment summary)
+    failure   log the reason and the launcher's log tail, stop whatever of the segment still runs (so
+              that a retry starts cleanly from the latest checkpoint), then TaskFailedEvent (Airflow
+              turns it into up_for_retry while retries are left)
 
 Storage and ``/proc`` reads run in a thread (``asyncio.to_thread``) so the triggerer's event loop is
 never blocked. Progress goes to the task log every ``log_seconds``. A segment whose step stops moving
@@ -21,11 +24,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import storage
 from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 from syncswitch.stall import DEFAULT_STALL_SECONDS, TRIGGER_GRACE_SECONDS, StallWatch
+from syncswitch.state import record_segment
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
@@ -53,6 +57,36 @@ class Progress:
 def read_result(run_dir: str, index: int, protocol: str) -> dict[str, Any] | None:
     """The segment's result.json, or None while it has not been written."""
     return storage.read_json(RunLayout(run_dir).segment_result(index, protocol), default={}) or None
+
+
+def is_finished(result: dict[str, Any], entry: dict[str, Any]) -> bool:
+    """A result.json that ends this entry: it reached the target, or it was stopped early on purpose."""
+    reached = float(result.get("end_step", -1)) == float(entry["until_step"])
+    return reached or bool(result.get("stopped_early"))
+
+
+def record_result(run_dir: str, index: int, result: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Store a segment's result in state.json (an early stop moves its plan entry's target), log it,
+    and return the segment task's XCom. Idempotent: a restarted trigger may call it again."""
+    run_id = record_segment(RunLayout(run_dir), index, result).get("run_id")
+    protocol = result.get("protocol")
+    rate = result.get("examples_per_sec")
+    log.info(
+        "run %s: segment %d (%s) ended at step %s in %.1f s (%s examples/s%s)",
+        run_id,
+        index,
+        protocol,
+        result.get("end_step"),
+        float(result.get("seconds") or 0.0),
+        f"{rate:.0f}" if isinstance(rate, int | float) else "n/a",
+        ", stopped early: " + str(result.get("reason")) if result.get("stopped_early") else "",
+    )
+    if result.get("checkpoint"):
+        log.info("run %s: segment %d hands off checkpoint %s", run_id, index, result["checkpoint"])
+    return {
+        key: result.get(key)
+        for key in ("index", "protocol", "start_step", "end_step", "seconds", "stopped_early")
+    }
 
 
 class SegmentTrigger(BaseTrigger):
@@ -114,7 +148,7 @@ class SegmentTrigger(BaseTrigger):
         while True:
             result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
             if result is not None:
-                yield TriggerEvent({"status": "success", "result": result})
+                yield await self._succeeded(result)
                 return
             status = await asyncio.to_thread(backend.segment_status, self.handle, self.index)
             lost = status.state == EXITED or (
@@ -135,7 +169,7 @@ class SegmentTrigger(BaseTrigger):
                     self._log_progress(progress, now - started)
                 reason = stall.stalled(grace=self.stall_grace_seconds)
                 if reason:
-                    yield await self._failed(backend, reason, exit_code=None)
+                    yield await self._failed(backend, reason)
                     return
             await asyncio.sleep(self.poll_seconds)
 
@@ -148,19 +182,31 @@ class SegmentTrigger(BaseTrigger):
             self.log.warning("%s: %s; still watching", self.label, exc)
             return None
 
+    async def _succeeded(self, result: dict[str, Any]) -> TriggerEvent:
+        try:
+            summary = await asyncio.to_thread(record_result, self.run_dir, self.index, result, self.log)
+        except Exception as exc:  # noqa: BLE001 - the task must end either way, with the reason logged
+            self.log.error("%s: cannot record its result: %s", self.label, exc)
+            return TaskFailedEvent()
+        return TaskSuccessEvent(xcoms={"return_value": summary})
+
     async def _launcher_gone(self, backend: Any, exit_code: int | None) -> TriggerEvent:
         # The chief writes result.json before the launcher exits; read once more to close the race.
         result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
         if result is not None:
-            return TriggerEvent({"status": "success", "result": result})
+            return await self._succeeded(result)
         how = f"exited with code {exit_code}" if exit_code is not None else "vanished without an exit code"
-        return await self._failed(backend, f"the launcher {how} before writing result.json", exit_code)
+        return await self._failed(backend, f"the launcher {how} before writing result.json")
 
-    async def _failed(self, backend: Any, reason: str, exit_code: int | None) -> TriggerEvent:
+    async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
         log_tail = await asyncio.to_thread(backend.segment_log_tail, self.handle, self.index)
-        return TriggerEvent(
-            {"status": "failed", "reason": reason, "exit_code": exit_code, "log_tail": log_tail}
-        )
+        self.log.error("%s failed: %s\nlauncher log tail:\n%s", self.label, reason, log_tail)
+        # Leave nothing running, so that a retry starts cleanly from the latest checkpoint.
+        try:
+            await asyncio.to_thread(backend.stop_segment, self.handle, self.index)
+        except Exception as exc:  # noqa: BLE001 - teardown_cluster kills whatever is left
+            self.log.error("%s: stopping its processes failed: %s", self.label, exc)
+        return TaskFailedEvent()
 
     def _log_progress(self, progress: Progress | None, elapsed: float) -> None:
         if progress is None:

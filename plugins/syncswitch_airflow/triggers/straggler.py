@@ -2,13 +2,17 @@
 
 Every ``poll_interval`` seconds it reads the new lines of the segment's event files
 (``metrics/seg-ii-proto/*.jsonl``, through the one event reader ``syncswitch.events.EventTail``), feeds
-the ``worker_step`` events to a :class:`~syncswitch_airflow.detector.StragglerDetector`, and fires one
-event:
+the ``worker_step`` events to a :class:`~syncswitch_airflow.detector.StragglerDetector`, and either
+ends the watcher task itself (``end_from_trigger``: no worker process is started to close it, and the
+next slot waits for it) with a TaskSuccessEvent whose XCom says why:
 
     {"status": "segment_ended"}        the segment's result.json exists (checked every 0.5 s)
     {"status": "segment_task_ended", "task_state": ...}
                                        the segment's own Airflow task finished without a result
                                        (failed for good, skipped, marked failed by hand)
+
+or hands a verdict back to the sensor, whose policy decides on the worker:
+
     {"status": "verdict", "change": "raised" | "cleared" | "ongoing", "verdict": Verdict.to_dict()}
                                        the detector raised or cleared; "ongoing" every ``recheck_seconds``
                                        of event time while a straggler lasts (0 = never)
@@ -27,7 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 from syncswitch import storage
 from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
@@ -107,6 +111,9 @@ class StragglerTrigger(BaseTrigger):
     def _payload(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "index": self.index, "protocol": self.protocol, **extra}
 
+    def _end(self, status: str, **extra: Any) -> TaskSuccessEvent:
+        return TaskSuccessEvent(xcoms={"return_value": self._payload(status, **extra)})
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         layout = RunLayout(self.run_dir)
         tail = EventTail(layout.segment_metrics(self.index, self.protocol))
@@ -127,7 +134,7 @@ class StragglerTrigger(BaseTrigger):
                 continue
             if ended:
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
-                yield TriggerEvent(self._payload("segment_ended"))
+                yield self._end("segment_ended")
                 return
             fired = self._judge(detector, records)
             if fired is not None:
@@ -153,7 +160,7 @@ class StragglerTrigger(BaseTrigger):
                         self.segment_task.get("task_id"),
                         state,
                     )
-                    yield TriggerEvent(self._payload("segment_task_ended", task_state=state))
+                    yield self._end("segment_task_ended", task_state=state)
                     return
             await self._sleep_unless_ended(result_uri)
 

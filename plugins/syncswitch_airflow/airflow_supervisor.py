@@ -1,0 +1,240 @@
+"""The embedded Airflow's supervisor: runs its components and restarts any that dies.
+
+    python -m syncswitch_airflow.airflow_supervisor      (started by EmbeddedAirflow, env included)
+
+It replaces ``airflow standalone``, which starts the scheduler, dag-processor, triggerer and
+api-server once and never restarts them: a triggerer killed while a segment task was deferred left the
+run waiting until someone started one by hand. Here:
+
+- the metadata database is migrated first (``airflow db migrate``);
+- each component runs as ``airflow <component>`` with its output in ``logs/components/<name>.log``;
+- a component that exits is restarted after a backoff (1 s, doubling up to 60 s; reset once it has
+  run for 10 minutes), with one line in this process's log (``embedded.log``) saying which, how it
+  ended and the how-many-th restart it is;
+- ``components.json`` in AIRFLOW_HOME says where each component stands (phase, pid, restarts, last
+  exit), so ``syncswitch run`` can say what it is waiting for and report restarts;
+- the supervisor is a child subreaper: the processes a dead component leaves behind (the LocalExecutor
+  workers of a SIGKILLed scheduler) become its children and are killed, so nothing stale lingers;
+- components run at a lower CPU priority than training (nice 10) and die with the supervisor
+  (PR_SET_PDEATHSIG), and SIGTERM stops them all in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from syncswitch import procs
+
+COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
+STATUS_FILE = "components.json"
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 60.0
+HEALTHY_RUN_SECONDS = 600.0  # a component that ran this long gets its backoff reset
+STOP_GRACE_SECONDS = 30.0
+NICENESS = 10
+_TICK_SECONDS = 1.0
+_ORPHAN_SCAN_SECONDS = 60.0
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} embedded airflow: {message}", flush=True)
+
+
+@dataclass
+class Component:
+    name: str
+    log_path: str
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    pid: int | None = None
+    started_at: float | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    next_start: float = 0.0
+    backoff: float = FIRST_BACKOFF_SECONDS
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "running": self.process is not None and self.process.poll() is None,
+            "started_at": self.started_at,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "log": self.log_path,
+        }
+
+
+class Supervisor:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.log_dir = home / "logs" / "components"
+        self.components = {name: Component(name, str(self.log_dir / f"{name}.log")) for name in COMPONENTS}
+        self.phase = "starting"
+        self.stopping = False
+        self._status_written = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        signal.signal(signal.SIGTERM, self._stop_signal)
+        signal.signal(signal.SIGINT, self._stop_signal)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._set_phase("migrating the metadata database")
+        if not self._migrate():
+            self._set_phase("failed: airflow db migrate")
+            return 1
+        self._set_phase("running")
+        next_orphan_scan = 0.0
+        while not self.stopping:
+            now = time.monotonic()
+            died = [c for c in self.components.values() if self._supervise(c, now)]
+            # Orphans appear when a component dies; a scan of /proc is not free on a busy machine.
+            if died or now >= next_orphan_scan:
+                self._reap_orphans()
+                next_orphan_scan = now + _ORPHAN_SCAN_SECONDS
+            if died or now - self._status_written >= _ORPHAN_SCAN_SECONDS:
+                self._write_status()
+            time.sleep(_TICK_SECONDS)
+        self._shutdown()
+        return 0
+
+    def _stop_signal(self, _signum: int, _frame: object) -> None:
+        self.stopping = True
+
+    def _migrate(self) -> bool:
+        log("migrating the metadata database")
+        with open(self.log_dir / "db-migrate.log", "ab") as out:
+            done = subprocess.run([_airflow(), "db", "migrate"], stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            log(f"`airflow db migrate` failed with {done.returncode}; see {self.log_dir / 'db-migrate.log'}")
+        return done.returncode == 0
+
+    # ---- components ------------------------------------------------------------------------
+
+    def _supervise(self, component: Component, now: float) -> bool:
+        """Start, watch or restart one component; True if it was found dead just now."""
+        if component.process is not None:
+            code = component.process.poll()
+            if code is None:
+                if component.started_at and time.time() - component.started_at > HEALTHY_RUN_SECONDS:
+                    component.backoff = FIRST_BACKOFF_SECONDS
+                return False
+            component.process, component.last_exit = None, code
+            component.next_start = now + component.backoff
+            log(
+                f"{component.name} (pid {component.pid}) exited with {code}; restarting it in "
+                f"{component.backoff:.0f} s (restart {component.restarts + 1})"
+            )
+            component.backoff = min(component.backoff * 2, MAX_BACKOFF_SECONDS)
+            component.restarts += 1
+            return True
+        if now >= component.next_start:
+            self._start(component)
+            self._write_status()
+        return False
+
+    def _start(self, component: Component) -> None:
+        with open(component.log_path, "ab") as out:
+            component.process = subprocess.Popen(
+                [_airflow(), component.name],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_component_preexec,  # noqa: PLW1509 - only prctl and nice
+            )
+        component.pid, component.started_at = component.process.pid, time.time()
+        what = "started" if component.restarts == 0 else "restarted"
+        log(f"{component.name} {what} as pid {component.pid} (log {component.log_path})")
+
+    def _reap_orphans(self) -> None:
+        """Kill and reap processes left behind by a dead component (they are re-parented to us, the
+        subreaper). Only those pids are waited for: a wait on any child would steal a component's
+        exit status from its Popen."""
+        components = {c.process.pid for c in self.components.values() if c.process is not None}
+        for child in procs.children_of(os.getpid()):
+            if child.pid in components:
+                continue
+            if child.alive:
+                log(f"killing pid {child.pid}, left behind by a component that died")
+                procs.kill(child.pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child.pid, os.WNOHANG)
+
+    def _shutdown(self) -> None:
+        self._set_phase("stopping")
+        running = [c for c in self.components.values() if c.process is not None and c.process.poll() is None]
+        for component in running:
+            component.process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for component in running:
+            try:
+                component.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log(f"{component.name} did not stop in {STOP_GRACE_SECONDS:.0f} s: SIGKILL")
+                component.process.kill()
+                component.process.wait()
+        self._set_phase("stopped")
+        log("stopped")
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._write_status()
+
+    def _write_status(self) -> None:
+        status = {
+            "pid": os.getpid(),
+            "phase": self.phase,
+            "updated_at": time.time(),
+            "components": {name: c.status() for name, c in self.components.items()},
+        }
+        tmp = self.home / f".{STATUS_FILE}.tmp"
+        tmp.write_text(json.dumps(status, indent=2))
+        tmp.replace(self.home / STATUS_FILE)
+        self._status_written = time.monotonic()
+
+
+def read_status(home: Path) -> dict[str, Any] | None:
+    """The supervisor's ``components.json``, or None."""
+    try:
+        return json.loads((home / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _component_preexec() -> None:
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.nice(NICENESS)
+
+
+def _airflow() -> str:
+    return str(Path(sys.executable).parent / "airflow")
+
+
+def main() -> int:
+    home = os.environ.get("AIRFLOW_HOME")
+    if not home:
+        print("airflow_supervisor: AIRFLOW_HOME must be set", file=sys.stderr)
+        return 2
+    return Supervisor(Path(home)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

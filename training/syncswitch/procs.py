@@ -1,0 +1,172 @@
+"""The one place that reads ``/proc`` and sends signals to process groups (Linux only).
+
+Used by the fork server, the local cluster backend, the remote host agent and the embedded Airflow:
+each finds "its" processes by a marker in their initial environment (``VAR=value``), by process
+group, or by pid plus start time (so that a reused pid is never mistaken for ours).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` we need."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    start_ticks: int
+
+    @property
+    def alive(self) -> bool:
+        # A zombie has exited; it only waits for its parent to reap it.
+        return self.state not in ("Z", "X")
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; the rest follows the last ')'.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    try:
+        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def is_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` runs and (when given) started at ``start_ticks``, i.e. was not reused."""
+    stat = read_stat(pid)
+    return bool(stat and stat.alive and (start_ticks is None or stat.start_ticks == start_ticks))
+
+
+def live_processes() -> Iterator[ProcStat]:
+    """Every live (non-zombie) process but this one."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            stat = read_stat(int(entry))
+            if stat is not None and stat.alive:
+                yield stat
+
+
+def children_of(pid: int) -> list[ProcStat]:
+    """The direct children of ``pid``, zombies included (a parent must still reap those)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = read_stat(int(entry))
+            if stat is not None and stat.ppid == pid:
+                found.append(stat)
+    return found
+
+
+def has_env(pid: int, variable: str, value: str) -> bool:
+    """True if the process was started with ``variable=value`` in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{variable}={value}".encode() in f.read().split(b"\0")
+    except OSError:  # gone, or another user's process
+        return False
+
+
+def processes_with_env(variable: str, value: str) -> list[ProcStat]:
+    """Live processes whose initial environment holds ``variable=value``."""
+    return [p for p in live_processes() if has_env(p.pid, variable, value)]
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    return [p.pid for p in live_processes() if p.pgid == pgid]
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Pids holding a TCP socket that listens on ``port`` (IPv4); None where /proc lacks it."""
+    inodes = set()
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    for row in rows:
+        fields = row.split()
+        address, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and int(address.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            inodes.add(f"socket:[{inode}]")
+    owners = set()
+    for proc in live_processes():
+        try:
+            fds = os.listdir(f"/proc/{proc.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{proc.pid}/fd/{fd}") in inodes:
+                    owners.add(proc.pid)
+                    break
+    return owners
+
+
+def signal_pid(pid: int, signum: int) -> bool:
+    """Send ``signum``; False if the process is gone."""
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def signal_group(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill(pid: int) -> bool:
+    """SIGCONT then SIGKILL: a stopped process (an injected straggler) must not linger stopped."""
+    signal_pid(pid, signal.SIGCONT)
+    return signal_pid(pid, signal.SIGKILL)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.1) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
+def mem_available_gb() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of ``pid`` so far (its reaped children excluded)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
