@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 from proc_utils import assert_no_processes, find_processes  # noqa: E402
 from syncswitch import storage  # noqa: E402
 
+PROJECT_DIR = Path(__file__).resolve().parents[1]
 _ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 _EMULATOR_START_TIMEOUT_S = 20.0
 
@@ -172,3 +173,25 @@ def no_leftover_processes() -> Iterator[Callable[[str], None]]:
     yield patterns.append
     for pattern in patterns:
         assert_no_processes(pattern)
+
+
+@pytest.fixture(scope="session")
+def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
+    whole session, with this project's dags/ and plugins/ and a private AIRFLOW_HOME; it reaches the
+    session's GCS emulator. Stopped at the end, and nothing of it may be left running."""
+    from syncswitch import procs
+    from syncswitch_airflow.embedded import EmbeddedAirflow
+
+    # Any free port: 8080 is left to a demo or another test session on the same machine.
+    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0)
+    try:
+        instance.start(wait_for_dags=("sync_switch",), timeout=600)
+        yield instance
+    finally:
+        record = instance.running_instance()
+        instance.stop()
+        assert not procs.processes_with_env("AIRFLOW_HOME", str(instance.home)), "Airflow processes left"
+        if record is not None:
+            assert procs.processes_in_group(record.pid) == [], "the supervisor's process group is left"
+        assert not instance.is_running() and not instance.pid_file.exists()

@@ -1,18 +1,16 @@
-"""The embedded Airflow (``airflow standalone`` in a project home) and a whole ``syncswitch run``.
+"""The embedded Airflow (supervised components in a project home) and a whole ``syncswitch run``.
 
-One real instance serves the whole module, with this project's dags/ and plugins/ and a private
-AIRFLOW_HOME under tmp, so it never touches <project>/.airflow or another test's instance. The tests
-run in file order: the full CLI run reuses the instance (``--airflow-home``) and keeps it up
-(``--keep-ui``); the last test stops it and checks the process table.
+The session's one real instance (conftest ``embedded_airflow``) serves these tests, with this project's
+dags/ and plugins/ and a private AIRFLOW_HOME under tmp, so it never touches <project>/.airflow or
+another test's instance. The CLI runs reuse it (``--airflow-home``) and keep it up (``--keep-ui``); the
+fixture stops it at the end of the session and checks the process table.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,42 +28,9 @@ pytestmark = [
 ]
 
 
-def live_processes() -> Iterator[tuple[int, int, list[bytes]]]:
-    """(pid, process group, environment) of every live process; zombies are already dead."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                # After the parenthesised command name: state, ppid, pgrp, ...
-                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if state != b"Z":
-            yield int(entry), int(pgrp), environ
-
-
-def processes_with_airflow_home(home: Path) -> list[int]:
-    """Every live process of the instance in ``home`` (they all run with AIRFLOW_HOME=<home>)."""
-    needle = f"AIRFLOW_HOME={home}".encode()
-    return [pid for pid, _pgrp, environ in live_processes() if needle in environ]
-
-
-def processes_in_group(pgid: int) -> list[int]:
-    return [pid for pid, pgrp, _environ in live_processes() if pgrp == pgid]
-
-
-@pytest.fixture(scope="module")
-def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedAirflow]:
-    # Any free port: 8080 is left to a demo or another test session on the same machine.
-    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0)
-    try:
-        instance.start(wait_for_dags=("sync_switch",), timeout=360)
-        yield instance
-    finally:
-        instance.stop()  # a no-op when the last test already stopped it
+@pytest.fixture
+def airflow(embedded_airflow: EmbeddedAirflow) -> EmbeddedAirflow:
+    return embedded_airflow
 
 
 def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAirflow) -> None:
@@ -180,12 +145,3 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     assert state["plan"][-1]["until_step"] == 2400
     assert state["decisions"][0]["workers"] == [1]
     assert_no_processes("greedy-e2e.*syncswitch|syncswitch.*greedy-e2e", timeout=30)
-
-
-def test_stop_leaves_no_airflow_process(airflow: EmbeddedAirflow) -> None:
-    record = airflow.running_instance()
-    assert record is not None and processes_with_airflow_home(airflow.home)
-    airflow.stop()
-    assert processes_with_airflow_home(airflow.home) == []
-    assert processes_in_group(record.pid) == []  # standalone ran as its own process group
-    assert not airflow.is_running() and not airflow.pid_file.exists()

@@ -38,6 +38,7 @@ from syncswitch_airflow.embedded import (
     ADMIN_PASSWORD,
     ADMIN_USER,
     AirflowError,
+    AirflowGone,
     EmbeddedAirflow,
     TriggerRejected,
 )
@@ -48,6 +49,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 _POLL_SECONDS = 2.0
 _PROGRESS_EVERY_SECONDS = 5.0
 _TEARDOWN_WAIT_SECONDS = 120.0
+# How often one `syncswitch run` starts the embedded Airflow again after it went away.
+_AIRFLOW_RESTARTS = 3
 _FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
 # Flags of the original main.py -> JobSpec fields. nargs "+" flags take one value per segment.
@@ -96,6 +99,7 @@ class RunOptions:
 
     project_dir: Path
     airflow_home: Path | None
+    boot_timeout: float | None
     keep_ui: bool
     json_only: bool
     stop_ui: bool
@@ -120,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--json-only", action="store_true", help="stdout gets only the final JSON line")
     cli.add_argument("--project-dir", default=None, help="folder holding dags/ and plugins/")
     cli.add_argument("--airflow-home", default=None, help="AIRFLOW_HOME (default <project>/.airflow)")
+    cli.add_argument(
+        "--airflow-boot-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the embedded Airflow may take to boot "
+        "(default $SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT or 1800; a busy machine needs minutes)",
+    )
     return parser
 
 
@@ -152,12 +164,15 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
         for flag in IGNORED_FLAGS
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None
     ]
+    if args.airflow_boot_timeout is not None and args.airflow_boot_timeout <= 0:
+        raise UsageError(f"--airflow-boot-timeout must be > 0 seconds, got {args.airflow_boot_timeout}")
     spec = JobSpec.from_params(conf_from_args(args))
     check_fits_dag(spec)
     project_dir = Path(args.project_dir).resolve() if args.project_dir else default_project_dir()
     options = RunOptions(
         project_dir=project_dir,
         airflow_home=Path(args.airflow_home).resolve() if args.airflow_home else None,
+        boot_timeout=args.airflow_boot_timeout,
         keep_ui=args.keep_ui,
         json_only=args.json_only,
         stop_ui=args.stop_ui,
@@ -281,7 +296,7 @@ class RunSession:
     def run(self) -> int:
         error = None
         try:
-            self.airflow.start(wait_for_dags=(DAG_ID,))
+            self.airflow.start(wait_for_dags=(DAG_ID,), timeout=self.options.boot_timeout)
             self.run_id = self.airflow.trigger(DAG_ID, self.conf)
             self.started = time.monotonic()  # progress and dag_run_seconds count from the trigger
             self.layout = RunLayout.for_run(self.conf["bucket_dir"], self.spec.job_name, self.run_id)
@@ -326,8 +341,34 @@ class RunSession:
             task_states.update(tasks)
             progress.update()
 
-        # A run that takes days is a user's choice; the wait fails early if Airflow itself dies.
-        state = self.airflow.wait(DAG_ID, self.run_id, timeout=7 * 24 * 3600.0, on_poll=on_poll)
+        restarts_seen: dict[str, dict] = {}
+
+        def on_poll_with_components(state: str, tasks: dict[str, str | None]) -> None:
+            for name, seen in self.airflow.component_restarts().items():
+                if restarts_seen.get(name) != seen:
+                    exit_code, count = seen["last_exit"], seen["restarts"]
+                    self.say(
+                        f"[{self._elapsed()}] embedded Airflow: the {name} stopped (exit {exit_code}) "
+                        f"and was restarted (restart {count})"
+                    )
+            restarts_seen.update(self.airflow.component_restarts())
+            on_poll(state, tasks)
+
+        # A run that takes days is a user's choice. If the embedded Airflow itself goes away, it is
+        # started again: the run's state is in its database and its training never stopped.
+        for attempt in range(_AIRFLOW_RESTARTS + 1):
+            try:
+                state = self.airflow.wait(
+                    DAG_ID, self.run_id, timeout=7 * 24 * 3600.0, on_poll=on_poll_with_components
+                )
+                break
+            except AirflowGone as exc:
+                if attempt == _AIRFLOW_RESTARTS:
+                    raise
+                reason = str(exc).splitlines()[0]
+                self.say(f"[{self._elapsed()}] {reason}; starting it again, run {self.run_id} continues")
+                self.airflow.start(wait_for_dags=(DAG_ID,), timeout=self.options.boot_timeout)
+                restarts_seen.clear()
         self.say(f"[{self._elapsed()}] run {state}")
         return state
 

@@ -49,6 +49,9 @@ PREFERRED_PORT = 8080
 TERMINAL_RUN_STATES = ("success", "failed")
 _HTTP_TIMEOUT_S = 30.0
 BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
+# Every process of one instance carries this marker; stop() kills by it. It starts with AIRFLOW so
+# that the cluster backends, which strip Airflow's variables from training processes, strip it too.
+INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
 # Booting takes 25-50 s on an idle 2-core machine and several minutes on a loaded one; the limit only
 # guards against waiting forever, and is configurable.
 DEFAULT_BOOT_TIMEOUT_S = 1800.0
@@ -149,6 +152,12 @@ class EmbeddedAirflow:
             # start() reserializes, so a fresh start always sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "10",
             "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
+            # A restarted triggerer takes over the deferred tasks of a dead one once that one has
+            # missed its heartbeats for this long (default 30 s); heartbeats come every 5 s.
+            "TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
+            # A task whose process died with a killed scheduler is failed (and retried) after this
+            # long without a heartbeat, rather than the default 5 minutes.
+            "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
             "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
@@ -162,6 +171,7 @@ class EmbeddedAirflow:
             del env[key]
         env.update({f"AIRFLOW__{key}": value for key, value in settings.items()})
         env["AIRFLOW_HOME"] = str(self.home)
+        env[INSTANCE_ENV] = instance_marker(record)
         # Components run as plain `airflow ...`: our interpreter's bin comes first.
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["PYTHONUNBUFFERED"] = "1"
@@ -237,7 +247,9 @@ class EmbeddedAirflow:
             record = InstanceRecord(**json.loads(self.pid_file.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        if record.home != str(self.home) or not procs.has_env(record.pid, "AIRFLOW_HOME", str(self.home)):
+        if record.home != str(self.home) or not procs.has_env(
+            record.pid, INSTANCE_ENV, instance_marker(record)
+        ):
             return None
         return record
 
@@ -245,11 +257,19 @@ class EmbeddedAirflow:
         return self.running_instance() is not None
 
     def _require_record(self) -> InstanceRecord:
-        if self._record is None:
-            self._record = self.running_instance()
+        if self._record is None or not procs.is_alive(self._record.pid):
+            self._adopt(self.running_instance())
         if self._record is None:
             raise AirflowError(f"no embedded Airflow is running in {self.home}")
         return self._record
+
+    def _adopt(self, record: InstanceRecord | None) -> None:
+        """Follow the instance that runs in our home now (another process may have restarted it)."""
+        if record != self._record:
+            self._record, self._token = record, None
+            if self._process is not None and (record is None or record.pid != self._process.pid):
+                self._process.poll()  # reap it if it was ours
+                self._process = None
 
     def health(self) -> dict[str, Any]:
         return self._get_json("/api/v2/monitor/health", auth=False)
@@ -317,9 +337,10 @@ class EmbeddedAirflow:
 
     def _check_alive(self) -> None:
         if self._process is not None and self._process.poll() is not None:
-            raise AirflowGone(
-                f"the embedded Airflow exited with {self._process.returncode}:\n{self.log_tail()}"
-            )
+            code = self._process.returncode
+            self._adopt(self.running_instance())  # someone else may have started it again
+            if self._record is None:
+                raise AirflowGone(f"the embedded Airflow exited with {code}:\n{self.log_tail()}")
         if self._process is None and not self.is_running():
             raise AirflowGone(f"the embedded Airflow in {self.home} is no longer running")
 
@@ -369,41 +390,46 @@ class EmbeddedAirflow:
             time.sleep(1.0)
         raise AirflowError(f"DAG {dag_id!r} did not appear in {self.dags_folder}; see {self.log_path}")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, wait, SIGKILL stragglers; fail if any process of this home is left."""
-        record = self._record or self.running_instance()
-        if record is None:
-            self._log.info("no embedded Airflow running in %s", self.home)
-        else:
-            self._log.info("stopping embedded Airflow pid %d", record.pid)
-            procs.signal_group(record.pid, signal.SIGTERM)
-            if not self._wait_group_gone(record.pid, timeout):
-                self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)
-                procs.signal_group(record.pid, signal.SIGKILL)
-                self._wait_group_gone(record.pid, 10.0)
-        if self._process is not None:
-            self._process.wait(timeout=10)
-            self._process = None
-        # Anything that left the group (a process that called setsid) still carries our AIRFLOW_HOME.
-        for pid in self._processes():
+    def stop(self, timeout: float = 45.0) -> None:
+        """SIGTERM the instance's process group, wait (the supervisor gives its components 30 s),
+        SIGKILL what is left; fail if any process of the instance survives. Holds the start lock, so a
+        start in another process waits for a stop under way instead of racing it."""
+        with self._start_lock():
+            record = self.running_instance() or self._record
+            if record is None:
+                self._log.info("no embedded Airflow running in %s", self.home)
+            else:
+                self._stop_instance(record, timeout)
+            if self._process is not None:
+                self._process.wait(timeout=10)
+                self._process = None
+            with contextlib.suppress(FileNotFoundError):
+                self.pid_file.unlink()
+            self._record = None
+            self._token = None
+
+    def _stop_instance(self, record: InstanceRecord, timeout: float) -> None:
+        self._log.info("stopping embedded Airflow pid %d", record.pid)
+        procs.signal_group(record.pid, signal.SIGTERM)
+        if not self._wait_group_gone(record.pid, timeout):
+            self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)
+            procs.signal_group(record.pid, signal.SIGKILL)
+            self._wait_group_gone(record.pid, 10.0)
+        # Anything that left the group (a process that called setsid) still carries the marker.
+        for pid in self._processes(record):
             self._log.info("killing leftover process %d of %s", pid, self.home)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        procs.wait_until(lambda: not self._processes(), 10.0)
-        left = self._processes()
+            procs.kill(pid)
+        procs.wait_until(lambda: not self._processes(record), 10.0)
+        left = self._processes(record)
         if left:
             raise AirflowError(f"processes of {self.home} survived SIGKILL: {left}")
-        with contextlib.suppress(FileNotFoundError):
-            self.pid_file.unlink()
-        self._record = None
-        self._token = None
-        if record is not None:
-            self._log.info("embedded Airflow stopped")
+        self._log.info("embedded Airflow stopped")
 
-    def _processes(self) -> list[int]:
-        """Every live process of this instance: they all run with AIRFLOW_HOME=<home>. Training
-        processes never do (the cluster backends strip Airflow's variables), so they survive."""
-        return [p.pid for p in procs.processes_with_env("AIRFLOW_HOME", str(self.home))]
+    def _processes(self, record: InstanceRecord) -> list[int]:
+        """Every live process of one instance: they all carry its marker (INSTANCE_ENV). Training
+        processes never do (the cluster backends strip Airflow's variables), so they survive, and
+        neither does an instance started in the same home after this one."""
+        return [p.pid for p in procs.processes_with_env(INSTANCE_ENV, instance_marker(record))]
 
     def _wait_group_gone(self, pgid: int, timeout: float) -> bool:
         def gone() -> bool:
@@ -454,6 +480,24 @@ class EmbeddedAirflow:
             f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances?limit=1000"
         )
         return {ti["task_id"]: ti.get("state") for ti in body.get("task_instances", [])}
+
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
+        """Mark one task instance by hand, as the UI's "Mark as" does."""
+        path = f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances/{_quote(task_id)}"
+        status, body = self._request("PATCH", path, {"new_state": new_state})
+        if status != 200:
+            raise AirflowError(f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
+        self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
+
+    def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[str]:
+        """Clear task instances of a run, as the UI's "Clear" does; returns what was cleared."""
+        payload = {"dag_run_id": run_id, "task_ids": task_ids, "dry_run": False, "only_failed": False}
+        status, body = self._request("POST", f"/api/v2/dags/{_quote(dag_id)}/clearTaskInstances", payload)
+        if status != 200:
+            raise AirflowError(f"clearing {task_ids} answered {status}: {_error_text(body)}")
+        cleared = sorted(ti["task_id"] for ti in body.get("task_instances", []))
+        self._log.info("cleared %s of run %s", ", ".join(cleared), run_id)
+        return cleared
 
     def mark_failed(self, dag_id: str, run_id: str) -> None:
         """Fail the run by hand; Airflow still runs its teardown tasks."""
@@ -560,6 +604,10 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
         if port not in exclude and port not in ports:
             ports.append(port)
     return ports
+
+
+def instance_marker(record: InstanceRecord) -> str:
+    return f"{record.home}@{record.started_at!r}"
 
 
 def boot_timeout() -> float:

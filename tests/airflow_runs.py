@@ -1,0 +1,93 @@
+"""Helpers for tests that drive DAG runs on the session's real embedded Airflow (real scheduler)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from proc_utils import wait_for
+from syncswitch import storage
+from syncswitch.events import read_events
+from syncswitch.layout import RunLayout
+from syncswitch.state import read_state
+from syncswitch_airflow.embedded import EmbeddedAirflow
+
+DAG_ID = "sync_switch"
+
+
+def trigger(airflow: EmbeddedAirflow, conf: dict[str, Any], dag_id: str = DAG_ID) -> tuple[str, RunLayout]:
+    """Trigger a run; returns its run id and run folder."""
+    run_id = airflow.trigger(dag_id, conf)
+    return run_id, RunLayout.for_run(conf["bucket_dir"], conf["job_name"], run_id)
+
+
+def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
+    steps = read_events(layout.segment_metrics(index, protocol), event="step")
+    return steps[-1]["global_step"] if steps else 0.0
+
+
+def wait_for_step(layout: RunLayout, index: int, protocol: str, step: float, timeout: float = 300) -> None:
+    wait_for(
+        lambda: latest_step(layout, index, protocol) >= step,
+        timeout=timeout,
+        what=f"segment {index} ({protocol}) at step {step}",
+        poll=0.5,
+    )
+
+
+def wait_for_task(
+    airflow: EmbeddedAirflow, run_id: str, task_id: str, states: tuple[str, ...], timeout: float = 300
+) -> str:
+    seen: dict[str, str | None] = {}
+
+    def reached() -> bool:
+        seen.update(airflow.task_states(DAG_ID, run_id))
+        return seen.get(task_id) in states
+
+    wait_for(reached, timeout=timeout, what=f"{task_id} in {states} (now {seen.get(task_id)})", poll=1.0)
+    return seen[task_id]
+
+
+def wait_run(airflow: EmbeddedAirflow, run_id: str, timeout: float = 900) -> str:
+    return airflow.wait(DAG_ID, run_id, timeout=timeout)
+
+
+def segment_starts(layout: RunLayout) -> dict[int, int]:
+    """How many times each segment was started (its segment_start events): 1 = never relaunched."""
+    counts: dict[int, int] = {}
+    for event in read_events(layout.metrics, event="segment_start"):
+        counts[event["segment"]] = counts.get(event["segment"], 0) + 1
+    return counts
+
+
+def checkpoint_names(layout: RunLayout) -> list[str]:
+    return storage.list_dirs(layout.checkpoints)
+
+
+def state_of(layout: RunLayout) -> dict[str, Any]:
+    state = read_state(layout)
+    assert state is not None, f"no state.json in {layout.root}"
+    return state
+
+
+def component_pid(airflow: EmbeddedAirflow, name: str) -> int:
+    from syncswitch_airflow.airflow_supervisor import read_status
+
+    status = read_status(Path(airflow.home))
+    assert status is not None and status["components"][name]["running"], status
+    return status["components"][name]["pid"]
+
+
+def wait_for_restart(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout: float = 60) -> int:
+    """Wait until the supervisor has replaced component ``name`` (pid ``old_pid``); the new pid."""
+    from syncswitch_airflow.airflow_supervisor import read_status
+
+    def replaced() -> bool:
+        status = read_status(Path(airflow.home)) or {}
+        component = status.get("components", {}).get(name, {})
+        return component.get("running") and component.get("pid") != old_pid
+
+    wait_for(replaced, timeout=timeout, what=f"the {name} restarted", poll=0.5)
+    time.sleep(1.0)
+    return component_pid(airflow, name)

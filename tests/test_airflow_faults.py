@@ -1,0 +1,162 @@
+"""Faults under the real scheduler (issue 7): Airflow components killed while a segment is deferred,
+a bucket outage mid-segment, manual "mark failed" and "clear", and a restart of the whole embedded
+Airflow under a running `syncswitch run`. Training keeps going through each; the tests check the
+final global step, that no segment was relaunched (one segment_start each), and the process table.
+
+All of them share the session's one embedded Airflow (conftest ``embedded_airflow``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from airflow_runs import (
+    DAG_ID,
+    checkpoint_names,
+    component_pid,
+    latest_step,
+    segment_starts,
+    state_of,
+    trigger,
+    wait_for_restart,
+    wait_for_step,
+    wait_for_task,
+    wait_run,
+)
+from proc_utils import assert_no_processes, wait_for
+from syncswitch import storage
+from syncswitch_airflow.embedded import EmbeddedAirflow
+
+pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
+
+SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
+
+
+def job(tmp_path: Path, name: str, **conf: object) -> dict:
+    """A digits job with checkpoints every 100 steps (so that a relaunch would show)."""
+    return {
+        "job_name": name,
+        "bucket_dir": str(tmp_path / "runs"),
+        "switch_order": "10",
+        "total_steps": 1600,
+        "bsp_fraction": 0.5,
+        "ckpt_frequency": [100],
+        **conf,
+    }
+
+
+def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retrain(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    airflow = embedded_airflow
+    run_id, layout = trigger(airflow, job(tmp_path, "kills"))
+    wait_for_task(airflow, run_id, "segment_0_bsp", ("deferred",))
+    wait_for_step(layout, 0, "bsp", 20)
+
+    triggerer = component_pid(airflow, "triggerer")
+    os.kill(triggerer, signal.SIGKILL)
+    wait_for_restart(airflow, "triggerer", triggerer)
+    before = latest_step(layout, 0, "bsp")
+    wait_for(lambda: latest_step(layout, 0, "bsp") > before, timeout=120, what="training goes on")
+
+    scheduler = component_pid(airflow, "scheduler")
+    os.kill(scheduler, signal.SIGKILL)
+    wait_for_restart(airflow, "scheduler", scheduler)
+
+    assert wait_run(airflow, run_id) == "success"
+    state = state_of(layout)
+    assert state["final"]["global_step"] == 1600
+    assert segment_starts(layout) == {0: 1, 1: 1}, "a segment was relaunched"
+    restarts = airflow.component_restarts()
+    assert restarts["triggerer"]["last_exit"] == restarts["scheduler"]["last_exit"] == -signal.SIGKILL
+    assert_no_processes(r"/kills-", timeout=30)
+
+    # "Clear" of a finished segment: Airflow reruns it (and its setup and teardown), and it finds
+    # its result instead of training again.
+    checkpoints = checkpoint_names(layout)
+    cleared = airflow.clear_tasks(DAG_ID, run_id, ["segment_0_bsp"])
+    assert "segment_0_bsp" in cleared
+    assert wait_run(airflow, run_id) == "success"
+    assert segment_starts(layout) == {0: 1, 1: 1}, "clear retrained a finished segment"
+    assert checkpoint_names(layout) == checkpoints
+    assert state_of(layout)["status"] == "success"
+
+
+def test_mark_failed_on_a_running_segment_tears_down_and_leaves_no_process(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    airflow = embedded_airflow
+    run_id, layout = trigger(airflow, job(tmp_path, "markfail", switch_order="1", total_steps=100000))
+    wait_for_task(airflow, run_id, "segment_0_bsp", ("deferred",))
+    wait_for_step(layout, 0, "bsp", 10)
+    airflow.set_task_state(DAG_ID, run_id, "segment_0_bsp", "failed")
+    assert wait_run(airflow, run_id) == "failed"
+    tasks = airflow.task_states(DAG_ID, run_id)
+    assert tasks["teardown_cluster"] == "success", tasks
+    # The watcher ended with its segment task, instead of waiting out a timeout.
+    assert tasks["watch_stragglers_0"] == "success", tasks
+    assert_no_processes(r"/markfail-", timeout=30)
+    assert state_of(layout)["status"] == "failed"
+
+
+def test_a_bucket_outage_mid_segment_under_the_scheduler(
+    embedded_airflow: EmbeddedAirflow, gcs_server, gcs_bucket: str, tmp_path: Path
+) -> None:
+    airflow = embedded_airflow
+    run_id, layout = trigger(airflow, job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs"))
+    wait_for_step(layout, 0, "bsp", 30)
+    gcs_server.outage(30.0).join()
+    assert wait_run(airflow, run_id) == "success"
+    state = state_of(layout)
+    assert state["final"]["global_step"] == 1600
+    assert segment_starts(layout) == {0: 1, 1: 1}
+    names = checkpoint_names(layout)
+    assert all(storage.exists(f"{layout.checkpoints}/{n}/manifest.json") for n in names), names
+    assert_no_processes(r"/outage-", timeout=30)
+
+
+def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airflow(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """Last in this file: the instance the session fixture started is replaced by the one the CLI
+    starts again (the fixture's handle follows it)."""
+    airflow = embedded_airflow
+    runs = tmp_path / "runs"
+    cli = subprocess.Popen(
+        [str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"]
+        + ["--bucket-dir", str(runs), "--job-name", "restart", "--total-steps", "1600"]
+        + ["--bsp-fraction", "0.5"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: any(runs.glob("restart/*/metrics/seg-00-bsp/worker-0.jsonl")),
+            timeout=300,
+            what="training",
+        )
+        EmbeddedAirflow(airflow.project_dir, home=airflow.home).stop()
+        out, err = cli.communicate(timeout=900)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["state"] == "success"
+    assert any("starting it again" in line for line in out.splitlines()), out
+    layout_root = Path(summary["run_dir"])
+    assert sorted(p.name for p in (layout_root / "metrics").iterdir()) == ["seg-00-bsp", "seg-01-asp"]
+    from syncswitch.layout import RunLayout
+
+    layout = RunLayout(str(layout_root))
+    assert segment_starts(layout) == {0: 1, 1: 1}
+    assert state_of(layout)["final"]["global_step"] == 1600
+    assert airflow.is_running()  # the fixture's handle follows the restarted instance
