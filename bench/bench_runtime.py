@@ -104,6 +104,9 @@ def configs(pin_cores: bool) -> list[Config]:
 # ---- the single-process baseline (runs in a child process) ---------------------------------------
 
 
+BASELINE_STEPS_PER_CALL = 16
+
+
 def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str, Any]:
     """Train in this process and return the measurement; run via --baseline-child by the parent."""
     launched = float(os.environ.get(LAUNCH_TIME_ENV, time.time()))
@@ -114,27 +117,36 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     imported = time.time()
 
     from syncswitch.hparams import get_hparams, learning_rate_at
-    from syncswitch.models import build_model
-    from syncswitch.optim import SwitchableSGD
+    from syncswitch.models import build_model, kernel_weights
+    from syncswitch.params import FlatModel
     from syncswitch.problems import get_problem
-    from syncswitch.trainer import loss_terms
+    from syncswitch.trainer import cross_entropy
 
     hp = get_hparams(HPARAM_SET).override(f"batch_size={BATCH_PER_WORKER}")
     problem = get_problem(PROBLEM)
     model = build_model(hp, problem)
-    optimizer = SwitchableSGD(nesterov=hp.optimizer_momentum_nesterov)
-    optimizer.build(model.trainable_variables)
+    # The training step of the clusters (flat weights, fused momentum update), in one process.
+    flat = FlatModel(
+        model,
+        groups=1,
+        nesterov=hp.optimizer_momentum_nesterov,
+        weight_decay=hp.weight_decay,
+        decayed=kernel_weights(model),
+    )
     dataset = problem.train_dataset("", batch_size=hp.batch_size, shard_index=0, num_shards=1, seed=0)
+    iterator = iter(dataset)
     built = time.time()
 
     @tf.function
-    def train_step(x: Any, y: Any, lr: Any, momentum: Any) -> Any:
-        with tf.GradientTape() as tape:
-            per_example, decay = loss_terms(model, x, y, hp.weight_decay)
-            loss = tf.reduce_mean(per_example) + decay
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.set_step_hparams(lr, momentum)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    def train_steps(lrs: Any, momentum: Any) -> Any:
+        # Several steps per call, as the clusters run them (steps_per_execution).
+        loss = tf.constant(0.0)
+        for j in tf.range(tf.shape(lrs)[0]):
+            x, y = next(iterator)
+            loss, grads, statistics = flat.loss_and_gradients(
+                x, y, lambda logits, labels: tf.reduce_mean(cross_entropy(logits, labels))
+            )
+            flat.apply(grads, statistics, lrs[j], momentum)
         return loss
 
     # The same examples as the clusters: `steps` global batches of WORKERS x 32, here 32 at a time.
@@ -142,12 +154,16 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     warm_batches = min(max(int(batches * warmup), 1), batches - 1)
     times: list[float] = []
     losses: list[float] = []
-    for i, (x, y) in enumerate(dataset.take(batches)):
+    done = 0
+    while done < batches:
+        # Calls end exactly at the warm-up boundary, where the steady-state timing starts.
+        count = min(BASELINE_STEPS_PER_CALL, (warm_batches if done < warm_batches else batches) - done)
         # Linear LR scaling for a 32-example step, as the configuration policy does for ASP.
-        lr = learning_rate_at(hp, i / WORKERS, steps) / WORKERS
-        loss = train_step(x, y, tf.constant(lr, tf.float32), tf.constant(hp.optimizer_momentum_momentum))
-        losses.append(float(loss))  # float() waits for the step, as the clusters' loops do
-        times.append(time.time())
+        lrs = [learning_rate_at(hp, (done + j) / WORKERS, steps) / WORKERS for j in range(count)]
+        loss = train_steps(tf.constant(lrs, tf.float32), tf.constant(hp.optimizer_momentum_momentum))
+        losses.append(float(loss))  # float() waits for the steps, as the clusters' loops do
+        done += count
+        times.extend([time.time()] * count)
     steady = (batches - warm_batches) * BATCH_PER_WORKER / (times[-1] - times[warm_batches - 1])
     seconds = times[-1] - times[0]
     return {

@@ -1,4 +1,5 @@
-"""AspLoop's bookkeeping: exact targets, drained checkpoints, early stops on whole BSP steps.
+"""AspLoop's bookkeeping: exact targets, drained checkpoints, early stops on whole BSP steps, closures
+of several updates sized to the boundaries, and lost closures rescheduled with their own updates.
 
 The loop only calls ``fetch()`` on what ClusterCoordinator.schedule returns, so a finished value
 stands in for TF's RemoteValue here; the real thing runs in test_runtime_cluster.py.
@@ -8,26 +9,34 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+from syncswitch.asp import AspLoop, Closure
 from syncswitch.spec import SegmentSpec
-from syncswitch.trainer import AspLoop
 
 
 class FinishedValue:
-    def fetch(self) -> tuple[float, int, float, float]:
-        return 0.1, 0, 0.01, 0.02
+    """A closure's packed output: worker 0, then [loss, own, step seconds] per update."""
+
+    def __init__(self, closure: Closure) -> None:
+        self.closure = closure
+
+    def fetch(self) -> np.ndarray:
+        return np.array([0.0] + [0.1, 0.01, 0.02] * self.closure.count, np.float32)
 
 
-def drive(loop: AspLoop, stop_after: int | None) -> list[int]:
-    """Run the loop like run_asp_chief does; returns the closure counts at each checkpoint."""
+def drive(loop: AspLoop, stop_after: int | None, size: int = 1, sizes: list[int] | None = None) -> list[int]:
+    """Run the loop like run_asp_chief does; returns the update counts at each checkpoint."""
     saved_at = []
     while True:
         if stop_after is not None and loop.done >= stop_after:
             loop.request_stop()
         if loop.finished:
             return saved_at
-        while loop.may_schedule():
-            loop.add(FinishedValue(), 0.1, 0.9)
+        while (closure := loop.next_closure(size)) is not None:
+            if sizes is not None:
+                sizes.append(closure.count)
+            loop.add(FinishedValue(closure), closure)
         loop.collect()
         if loop.at_checkpoint_boundary():
             saved_at.append(loop.done)
@@ -50,17 +59,30 @@ def spec(workers: int, until_step: int, ckpt_frequency: int) -> SegmentSpec:
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
-def test_reaches_the_target_exactly_with_drained_checkpoints(workers: int) -> None:
+@pytest.mark.parametrize("size", [1, 7, 64])
+def test_reaches_the_target_exactly_with_drained_checkpoints(workers: int, size: int) -> None:
     loop = AspLoop(spec(workers, 120, 50), 32, 32 * workers, 0)
-    saved_at = drive(loop, stop_after=None)
+    sizes: list[int] = []
+    saved_at = drive(loop, stop_after=None, size=size, sizes=sizes)
     assert loop.done == loop.scheduled == 120 * workers
     assert saved_at == [50 * workers, 100 * workers]
+    assert max(sizes) <= size and sum(sizes) == 120 * workers
+
+
+def test_the_last_closure_before_a_boundary_is_sized_to_it() -> None:
+    # 2 workers, a checkpoint every 5 steps = 10 updates, closures of 4: 4 + 4 + 2, then again.
+    loop = AspLoop(spec(2, 10, 5), 32, 64, 0)
+    sizes: list[int] = []
+    saved_at = drive(loop, stop_after=None, size=4, sizes=sizes)
+    assert sizes == [4, 4, 2, 4, 4, 2]
+    assert saved_at == [10]
 
 
 def test_resumes_mid_job_from_a_step_boundary() -> None:
     loop = AspLoop(spec(2, 120, 50), 32, 64, start_samples=40 * 64)
-    drive(loop, stop_after=None)
+    saved_at = drive(loop, stop_after=None, size=16)
     assert loop.done_samples == 120 * 64
+    assert saved_at == [(50 - 40) * 2, (100 - 40) * 2]  # on the job's absolute step boundaries
 
 
 def test_early_stops_land_on_whole_steps_randomised() -> None:
@@ -68,10 +90,18 @@ def test_early_stops_land_on_whole_steps_randomised() -> None:
     for _ in range(2000):
         workers = rng.choice([1, 2, 3, 4])
         loop = AspLoop(spec(workers, 300, rng.choice([0, 7, 50])), 32, 32 * workers, 0)
-        drive(loop, stop_after=rng.randint(0, 700))
+        size = rng.choice([1, 3, 16])
+        drive(loop, stop_after=rng.randint(0, 700), size=size)
         assert loop.done == loop.scheduled
         assert loop.done % workers == 0, "an early stop must end on a whole BSP-equivalent step"
         assert loop.done <= 300 * workers
+
+
+def test_a_graceful_stop_lands_within_one_closure_per_worker() -> None:
+    # What is in flight when the stop arrives still runs; nothing more than a whole step after it.
+    loop = AspLoop(spec(2, 1000, 0), 32, 64, 0)
+    drive(loop, stop_after=100, size=8)
+    assert 100 <= loop.done <= 100 + loop.window * 8
 
 
 def test_stop_exactly_at_a_drained_checkpoint_ends_there() -> None:
@@ -87,7 +117,7 @@ class LostValue:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def fetch(self) -> tuple[float, int, float, float]:
+    def fetch(self) -> np.ndarray:
         raise self.error
 
 
@@ -105,17 +135,25 @@ def lost_worker_errors() -> list[Exception]:
     ]
 
 
-def test_closures_lost_with_a_worker_are_rescheduled_and_the_target_stays_exact() -> None:
+def test_closures_lost_with_a_worker_are_rescheduled_with_their_own_updates() -> None:
     loop = AspLoop(spec(2, 120, 50), 32, 64, 0)
     pending_losses = lost_worker_errors() * 3
+    lost_ranges, rescheduled = [], []
     saved_at = []
     while not loop.finished:
-        while loop.may_schedule():
-            value = LostValue(pending_losses.pop()) if pending_losses else FinishedValue()
-            loop.add(value, 0.1, 0.9)
+        while (closure := loop.next_closure(6)) is not None:
+            if closure in lost_ranges:
+                rescheduled.append(closure)
+            if pending_losses:
+                lost_ranges.append(closure)
+                loop.add(LostValue(pending_losses.pop()), closure)
+            else:
+                loop.add(FinishedValue(closure), closure)
         if loop.collect() is not None and loop.at_checkpoint_boundary():
             saved_at.append(loop.done)
     assert loop.lost == 6
+    # The same updates (hence the same LR schedule positions) run again, and the target stays exact.
+    assert sorted(rescheduled, key=lambda c: c.first) == sorted(lost_ranges, key=lambda c: c.first)
     assert loop.done == loop.scheduled == 120 * 2
     assert saved_at == [100, 200]
 
@@ -126,6 +164,6 @@ def test_a_broken_step_is_not_mistaken_for_a_lost_worker() -> None:
     from_ps = tf.errors.UnavailableError(None, None, "GRPC error information from remote target /job:ps")
     for error in (tf.errors.InvalidArgumentError(None, None, "/job:worker/task:0: bad shape"), from_ps):
         loop = AspLoop(spec(2, 10, 0), 32, 64, 0)
-        loop.add(LostValue(error), 0.1, 0.9)
+        loop.add(LostValue(error), Closure(0, 1))
         with pytest.raises(type(error)):
             loop.collect()

@@ -14,8 +14,9 @@ from syncswitch.models import (
     ZeroPadShortcut,
     build_model,
     kernel_weights,
-    regularization_loss,
 )
+from syncswitch.optim import MomentumSGD
+from syncswitch.params import FlatModel
 from syncswitch.problems import get_problem
 
 CIFAR10 = get_problem("image_cifar10")
@@ -76,22 +77,42 @@ def test_bad_model_and_depth_name_the_field() -> None:
         build_model(get_hparams("resnet_cifar_20").override("resnet_depth=21"), CIFAR10)
 
 
-def test_regularization_loss_covers_kernels_only() -> None:
+def test_weight_decay_is_applied_to_kernels_only_by_the_optimizer() -> None:
+    """t2t's ``weight_decay * l2_loss(kernel)``: its gradient ``weight_decay * kernel`` is added in the
+    update, beside the variable; batch-norm scales and shifts and the dense bias are not decayed."""
     model = build_model(get_hparams("cnn_digits"), DIGITS)
     kernels = kernel_weights(model)
     assert {w.path.rsplit("/", 1)[0] for w in kernels} == {"conv1", "conv2", "conv3", "logits"}
-    expected = 1e-3 * sum(0.5 * np.sum(np.square(k.numpy())) for k in kernels)
-    assert float(regularization_loss(model, 1e-3)) == pytest.approx(expected, rel=1e-5)
+    before = {w.path: w.numpy().copy() for w in model.trainable_variables}
+    kernel_refs = {k.value.ref() for k in kernels}
+    masks = [1.0 if w.value.ref() in kernel_refs else 0.0 for w in model.trainable_variables]
+    optimizer = MomentumSGD(model.trainable_variables, nesterov=False, weight_decay=1e-2, decay_masks=masks)
+    zeros = [tf.zeros_like(w) for w in model.trainable_variables]
+    optimizer.apply(zeros, model.trainable_variables, tf.constant(0.5), tf.constant(0.0))
+    kernel_paths = {k.path for k in kernels}
+    for weight in model.trainable_variables:
+        if weight.path in kernel_paths:
+            np.testing.assert_allclose(weight.numpy(), before[weight.path] * (1 - 0.5 * 1e-2), rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(weight.numpy(), before[weight.path])
 
-    # Batch-norm scales and shifts and the dense bias do not count...
-    for weight in model.trainable_weights:
-        if weight.name != "kernel":
-            weight.assign(np.full(weight.shape, 5.0, dtype=np.float32))
-    assert float(regularization_loss(model, 1e-3)) == pytest.approx(expected, rel=1e-5)
-    # ...a kernel does.
-    model.get_layer("logits").kernel.assign(np.zeros(model.get_layer("logits").kernel.shape, np.float32))
-    assert float(regularization_loss(model, 1e-3)) < expected
-    assert float(regularization_loss(model, 0.0)) == 0.0
+
+def test_the_optimizer_is_keras_nesterov_momentum_sgd() -> None:
+    """Two steps of MomentumSGD equal two steps of Keras' SGD (same LR, momentum, Nesterov)."""
+    model = build_model(get_hparams("cnn_digits"), DIGITS)
+    twin = build_model(get_hparams("cnn_digits"), DIGITS)
+    twin.set_weights(model.get_weights())
+    ours = MomentumSGD(model.trainable_variables, nesterov=True)
+    keras_sgd = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        grads = [rng.normal(size=w.shape).astype(np.float32) for w in model.trainable_variables]
+        ours.apply(
+            [tf.constant(g) for g in grads], model.trainable_variables, tf.constant(0.05), tf.constant(0.9)
+        )
+        keras_sgd.apply_gradients(zip([tf.constant(g) for g in grads], twin.trainable_variables, strict=True))
+    for mine, theirs in zip(model.trainable_variables, twin.trainable_variables, strict=True):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_checkpoint_signature_round_trips_and_names_differences() -> None:
@@ -122,21 +143,23 @@ def test_digits_cnn_reaches_95_percent_in_200_steps() -> None:
     keras.utils.set_random_seed(0)
     hp = get_hparams("cnn_digits")
     model = build_model(hp, DIGITS)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
+    flat = FlatModel(
+        model, groups=2, nesterov=True, weight_decay=hp.weight_decay, decayed=kernel_weights(model)
+    )
+
+    def mean_loss(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
 
     @tf.function
     def train_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-        with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
-            loss = tf.reduce_mean(cross_entropy) + regularization_loss(model, hp.weight_decay)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        loss, grads, statistics = flat.loss_and_gradients(images, labels, mean_loss)
+        flat.apply(grads, statistics, tf.constant(0.1), tf.constant(0.9))
         return loss
 
     train = DIGITS.train_dataset("", batch_size=64, shard_index=0, num_shards=1, seed=0)
     losses = [float(train_step(images, labels)) for images, labels in train.take(200)]
 
+    flat.to_template()  # evaluation reads the canonical per-variable form, as from a checkpoint
     correct = 0
     for images, labels in DIGITS.test_dataset("", batch_size=128):
         predictions = tf.argmax(model(images, training=False), axis=-1, output_type=tf.int32)

@@ -70,8 +70,10 @@ def segment_events(run_dir: str, index: int, protocol: str, event: str) -> list[
 
 
 def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_processes) -> None:
-    """BSP -> ASP -> BSP through a gs:// run folder (GCS emulator): both protocols learn digits to
-    >= 0.95, every restore is bit-identical, the global step continues and the loss does not jump."""
+    """BSP -> ASP -> BSP through a gs:// run folder (GCS emulator), 6 optimizer steps per execution
+    (checkpoints every 40 steps fall inside executions, targets are not multiples of 6): both protocols
+    learn digits to >= 0.95, every restore is bit-identical, the global step continues and the loss
+    does not jump."""
     run_dir = f"{gcs_bucket}/handoff"
     no_leftover_processes("syncswitch.node.*handoff|handoff.*syncswitch.node")
     common = [
@@ -83,6 +85,8 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
         "300",
         "--ckpt-frequency",
         "40",
+        "--hparams",
+        "steps_per_execution=6",
         "--eval",
     ]
     results = []
@@ -116,6 +120,27 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
     assert storage.exists(layout.segment_result(2, "bsp"))
     # One TensorBoard event file per segment, uploaded through the emulator-aware storage layer.
     assert len(storage.list_files(layout.tensorboard)) == 3
+
+
+def test_one_asp_closure_of_k_steps_equals_k_closures_of_one_step(tmp_path: Path) -> None:
+    """One worker, same data: 8 optimizer steps per closure end with bit-identical weights and velocity
+    (the checkpoint digest) as 8 closures of one step each, also across a checkpoint boundary and a
+    target that are not multiples of 8."""
+    digests = []
+    for k in (1, 8):
+        run_dir = tmp_path / f"k{k}"
+        rc, result, stderr = train(
+            *("--protocol", "asp", "--workers", "1", "--run-dir", str(run_dir), "--until-step", "30"),
+            *("--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
+        )
+        assert rc == 0, stderr[-3000:]
+        assert result["global_step"] == 30 and result["updates"] == 30
+        manifest = checkpoints.latest(RunLayout(str(run_dir)))
+        assert manifest["global_step"] == 30
+        digests.append(manifest["digest"])
+        (start,) = segment_events(str(run_dir), 0, "asp", "segment_start")
+        assert start["steps_per_execution"] == k
+    assert digests[0] == digests[1], "a k-step closure must equal k one-step closures"
 
 
 # ---- faults ----------------------------------------------------------------------------------------

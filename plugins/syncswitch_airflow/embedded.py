@@ -96,10 +96,13 @@ class EmbeddedAirflow:
         project_dir: str | os.PathLike[str],
         home: str | os.PathLike[str] | None = None,
         port: int | None = None,
+        settings: dict[str, str] | None = None,
     ) -> None:
-        """``port``: the API port for a new instance; None = 8080 when free, else any; 0 = any free."""
+        """``port``: the API port for a new instance; None = 8080 when free, else any; 0 = any free.
+        ``settings``: ``SECTION__KEY`` -> value, over ours (benchmarks compare settings with it)."""
         self.project_dir = Path(project_dir).resolve()
         self.requested_port = port
+        self.settings_overrides = dict(settings or {})
         self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
         self.dags_folder = self.project_dir / "dags"
         self.plugins_folder = self.project_dir / "plugins"
@@ -143,14 +146,14 @@ class EmbeddedAirflow:
             "API__PORT": str(record.port),
             "API__BASE_URL": base_url,
             "API__WORKERS": "1",
-            # The scheduler's idle loop is most of an idle Airflow's CPU: 0.16 cores at a 0.1 s sleep,
-            # 0.025 at 1 s (bench/bench_airflow_cpu.py). Segments end from the triggerer (no task
-            # process to resume), which more than pays for the extra half second per hand-off.
-            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0",
-            # Look for new DAG files often (a cheap listing) but reparse a known file only every
-            # 10 minutes: each parse imports the operators, CPU that training needs on 2 cores.
-            # start() reserializes, so a fresh start always sees the current DAG files.
-            "DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+            # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24
+            # cores at a 0.1 s idle sleep, 0.04 at 1 s (bench/bench_airflow_cpu.py). Segments end
+            # from the triggerer (no task process to resume), which pays for the longer sleep.
+            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0",
+            # Look for new DAG files every minute but reparse a known file only every 10 minutes:
+            # each parse imports the operators, CPU that training needs on 2 cores. start()
+            # reserializes, so a fresh start (every `syncswitch run`) sees the current DAG files.
+            "DAG_PROCESSOR__REFRESH_INTERVAL": "60",
             "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
             # A restarted triggerer takes over the deferred tasks of a dead one once that one has
             # missed its heartbeats for this long (default 30 s); heartbeats come every 5 s.
@@ -164,6 +167,7 @@ class EmbeddedAirflow:
             # Every component signs and checks task and API tokens with the same key; Airflow's own
             # generated one is short enough to log an InsecureKeyLengthWarning on every request.
             "API_AUTH__JWT_SECRET": self._jwt_secret(),
+            **self.settings_overrides,
         }
         env = dict(os.environ)
         # A caller's own Airflow settings must not leak into the embedded instance.

@@ -72,31 +72,25 @@ def write(
     global_step: float,
     updates: int,
     signature: dict[str, Any],
-    is_writer: bool,
     extra: dict[str, Any] | None = None,
 ) -> tuple[str, float]:
-    """Write ``checkpoint`` (a tf.train.Checkpoint) and return (uri, seconds).
-
-    Under MultiWorkerMirroredStrategy every worker must call this (the save is collective); only the
-    ``is_writer`` process uploads, the others write to a temp folder that is deleted.
-    """
+    """Write ``checkpoint`` (a tf.train.Checkpoint of local variables) and return (uri, seconds)."""
     started = time.monotonic()
     uri = layout.checkpoint(samples)
     local = tempfile.mkdtemp(prefix="ckpt-")
     try:
         checkpoint.write(os.path.join(local, CKPT_PREFIX))
-        if is_writer:
-            files = storage.upload_dir(local, uri)
-            manifest = {
-                "samples": samples,
-                "global_step": global_step,
-                "updates": updates,
-                "signature": signature,
-                "files": files,
-                "written_at": time.time(),
-                **(extra or {}),
-            }
-            storage.write_json(paths.join(uri, MANIFEST), manifest)  # last: marks it complete
+        files = storage.upload_dir(local, uri)
+        manifest = {
+            "samples": samples,
+            "global_step": global_step,
+            "updates": updates,
+            "signature": signature,
+            "files": files,
+            "written_at": time.time(),
+            **(extra or {}),
+        }
+        storage.write_json(paths.join(uri, MANIFEST), manifest)  # last: marks it complete
     finally:
         shutil.rmtree(local, ignore_errors=True)
     return uri, time.monotonic() - started

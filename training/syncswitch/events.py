@@ -13,7 +13,8 @@ Every event is one JSON object per line with these common keys:
 Per event type, the extra keys are:
 
     segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
-                   momentum_rule, restored_from (checkpoint uri or None), checkpoint_digest (from its
+                   momentum_rule, weight_decay, steps_per_execution (0 = automatic), restored_from
+                   (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (the chief only: the ASP coordinator, BSP worker 0) global_step (BSP-equivalent
                    steps, float), samples, updates, loss, examples_per_sec, step_time, learning_rate, momentum
@@ -27,6 +28,8 @@ Per event type, the extra keys are:
     eval           global_step, test_accuracy, test_loss
     straggler      injected slowdown window: worker, slowdown, start, end (epoch seconds)
     watchdog       worker, reason (a stalled worker was killed)
+    steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
+                   step_seconds (the measured time of one step behind the choice)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
 """
 
@@ -53,6 +56,7 @@ EVENT_TYPES = (
     "eval",
     "straggler",
     "watchdog",
+    "steps_per_execution",
     "segment_end",
 )
 

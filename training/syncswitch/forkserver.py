@@ -89,7 +89,7 @@ def preload() -> None:
     import sklearn.model_selection  # noqa: F401
     import tensorflow  # noqa: F401
 
-    from syncswitch import models, node, problems, trainer  # noqa: F401
+    from syncswitch import asp, bsp, models, node, optim, problems, trainer  # noqa: F401
 
 
 @dataclass

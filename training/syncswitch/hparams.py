@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 class HParamsError(ValueError):
@@ -32,6 +33,9 @@ class HParams:
     optimizer_momentum_momentum: float = 0.9
     optimizer_momentum_nesterov: bool = True
     weight_decay: float = 1e-4
+    # Optimizer steps per tf.function execution (an ASP closure, a BSP call); 0 = automatic, about
+    # 250 ms of steps (syncswitch.trainer.steps_per_execution). Numerics do not depend on it.
+    steps_per_execution: int = 0
     # model shape
     resnet_depth: int = 20
     num_filters: int = 16
@@ -69,6 +73,8 @@ class HParams:
             raise HParamsError("hparams: optimizer_momentum_momentum must be in [0, 1)")
         if self.weight_decay < 0:
             raise HParamsError("hparams: weight_decay must be >= 0")
+        if not 0 <= self.steps_per_execution <= 1000:
+            raise HParamsError("hparams: steps_per_execution must be in 0..1000 (0 = automatic)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,21 +156,39 @@ def _parse_value(key: str, raw: str, current: object) -> object:
         raise HParamsError(f"hparams: {key}={raw!r} is not a valid {type(current).__name__}") from None
 
 
-def learning_rate_at(hp: HParams, step: float, total_steps: float) -> float:
+class PythonOps:
+    """The few operations the schedules need, on Python floats. ``syncswitch.trainer`` passes the
+    TensorFlow equivalents, so the training graph computes the very same formula per step."""
+
+    cos = staticmethod(math.cos)
+
+    @staticmethod
+    def clip(value: float, low: float, high: float) -> float:
+        return min(max(value, low), high)
+
+    @staticmethod
+    def where(condition: bool, if_true: float, if_false: float) -> float:
+        return if_true if condition else if_false
+
+
+def learning_rate_at(hp: HParams, step: Any, total_steps: float, ops: Any = PythonOps) -> Any:
     """LR for the BSP global batch at BSP-equivalent ``step`` of a job of ``total_steps``.
 
-    A pure function of progress, so the schedule continues smoothly across a protocol switch.
+    A pure function of progress, so the schedule continues smoothly across a protocol switch. With
+    TensorFlow ``ops`` and a float64 tensor ``step`` it builds the same computation in a graph.
     """
     base = hp.learning_rate
-    if hp.learning_rate_warmup_steps > 0 and step < hp.learning_rate_warmup_steps:
-        return base * (step + 1) / hp.learning_rate_warmup_steps
-    frac = min(max(step / max(total_steps, 1.0), 0.0), 1.0)
+    frac = ops.clip(step / max(total_steps, 1.0), 0.0, 1.0)
     if hp.learning_rate_decay_scheme == "cosine":
-        return base * 0.5 * (1.0 + math.cos(math.pi * frac))
-    if hp.learning_rate_decay_scheme == "piecewise":
-        multiple = 1.0
+        lr = base * 0.5 * (1.0 + ops.cos(math.pi * frac))
+    elif hp.learning_rate_decay_scheme == "piecewise":
+        multiple = 1.0 + 0.0 * frac
         for boundary, m in zip(hp.learning_rate_boundaries, hp.learning_rate_multiples, strict=True):
-            if frac >= boundary:
-                multiple = m
-        return base * multiple
-    return base
+            multiple = ops.where(frac >= boundary, m + 0.0 * frac, multiple)
+        lr = base * multiple
+    else:
+        lr = base + 0.0 * frac
+    if hp.learning_rate_warmup_steps > 0:
+        warmup = hp.learning_rate_warmup_steps
+        lr = ops.where(step < warmup, base * (step + 1.0) / warmup, lr)
+    return lr

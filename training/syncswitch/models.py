@@ -1,7 +1,7 @@
 """The models of the training runtime, named as in tensor2tensor (``--model resnet|cnn``).
 
     build_model(hp, problem)            -> keras.Model (Keras 3 functional) that outputs logits
-    regularization_loss(model, wd)      -> wd * sum of tf.nn.l2_loss over kernels (the loop adds it)
+    kernel_weights(model)               -> the conv and dense kernels: what weight decay applies to
 
 Checkpoint signatures (what a checkpoint must match to be restored) live in syncswitch.checkpoints,
 derived from the hparams and the problem so the launcher can check them without TensorFlow.
@@ -11,8 +11,8 @@ n basic blocks with ``num_filters`` x 1, 2, 4 filters, option-A (parameter-free)
 average pooling and a dense layer. ResNet-20 has 0.27M weights. ``cnn`` is a small CNN for the 8x8
 digits demo.
 
-Weight decay is not attached to layers: the training loop adds ``regularization_loss`` to the loss, so
-the same model serves the BSP and ASP strategies and the decay shows up in the logged loss.
+Weight decay is not attached to layers: the optimizer (syncswitch.optim) adds its gradient beside each
+kernel, so the same model serves the BSP and ASP strategies. The logged loss is the cross-entropy.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import layers
 
 from syncswitch.hparams import HParams
@@ -135,17 +134,9 @@ def _cnn(filters: int, image_shape: tuple[int, int, int], num_classes: int) -> k
     return keras.Model(inputs, logits, name="cnn")
 
 
-# --- loss and signature ------------------------------------------------------------------------------
+# --- weight decay ------------------------------------------------------------------------------
 
 
 def kernel_weights(model: keras.Model) -> list[keras.Variable]:
     """The conv and dense kernels: what weight decay applies to (not BN scales/shifts, not biases)."""
     return [w for w in model.trainable_weights if w.name == "kernel"]
-
-
-def regularization_loss(model: keras.Model, weight_decay: float) -> tf.Tensor:
-    """``weight_decay * sum(tf.nn.l2_loss(kernel))`` (l2_loss is half the squared norm, as in t2t)."""
-    kernels = kernel_weights(model)
-    if not kernels:
-        return tf.constant(0.0)
-    return tf.cast(weight_decay, tf.float32) * tf.add_n([tf.nn.l2_loss(k) for k in kernels])

@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         run_server(tf, tf_config, role, task, args.intra_op_threads, args.inter_op_threads)
         return 0
 
+    from syncswitch.asp import run_asp_chief
+    from syncswitch.bsp import run_bsp_worker
     from syncswitch.problems import get_problem
-    from syncswitch.trainer import NodeContext, run_asp_chief, run_bsp_worker
+    from syncswitch.trainer import NodeContext
 
     ctx = NodeContext(
         spec=spec,

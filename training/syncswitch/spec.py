@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import plan as plans
-from syncswitch.hparams import HParams, HParamsError, get_hparams
+from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 PROTOCOLS = {"1": "bsp", "0": "asp"}
@@ -148,11 +148,17 @@ class SwitchConfig:
 
 
 def switch_config(
-    protocol: str, hp: HParams, num_workers: int, rule: str, ramp_steps: int, steps_into_segment: float
+    protocol: str,
+    hp: HParams,
+    num_workers: int,
+    rule: str,
+    ramp_steps: int,
+    steps_into_segment: Any,
+    ops: Any = PythonOps,
 ) -> SwitchConfig:
     """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
     and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
-    over ``ramp_steps`` BSP-equivalent steps)."""
+    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at."""
     m = hp.optimizer_momentum_momentum
     if protocol == "bsp":
         return SwitchConfig(1.0, m)
@@ -164,7 +170,7 @@ def switch_config(
     elif rule == "scaled":
         momentum = m / num_workers
     elif rule == "ramped":
-        frac = 1.0 if ramp_steps <= 0 else min(max(steps_into_segment / ramp_steps, 0.0), 1.0)
+        frac = 1.0 if ramp_steps <= 0 else ops.clip(steps_into_segment / ramp_steps, 0.0, 1.0)
         momentum = m / num_workers + (m - m / num_workers) * frac
     else:
         raise SpecError("momentum_rule", f"{rule!r} is not one of {', '.join(MOMENTUM_RULES)}")

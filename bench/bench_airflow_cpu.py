@@ -1,0 +1,179 @@
+"""How much of the machine the embedded Airflow takes, and what that costs in switch gaps (issue 7).
+
+    .venv/bin/python bench/bench_airflow_cpu.py                 # ~15 minutes on 2 cores
+    .venv/bin/python bench/bench_airflow_cpu.py --sample-seconds 60 --first-segment-steps 8000
+
+For each setting, side by side in one run: a fresh embedded Airflow (its own home), its CPU use idle
+for ``--sample-seconds``, then a digits job on it ("101010": a long first BSP segment, then short
+ones), its CPU use while the BSP segment trains, and the job's five switch gaps. CPU use is
+user+system time from /proc of every process of the instance (they carry its marker), grouped by
+component (the supervisor; scheduler, dag-processor, triggerer, api-server with everything they
+started), in cores (1.0 = one core busy). Goal: at most 0.05 cores while a segment trains, without a
+longer switch gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import BenchError, fmt, log, machine_line, markdown_table
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+GOAL_CORES = 0.05
+SETTINGS = {
+    "scheduler idle sleep 0.1 s (the setting before)": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1"},
+    "scheduler idle sleep 1 s": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0"},
+    "scheduler idle sleep 2 s (now)": {},
+}
+# A long first BSP segment to sample in, then five short segments: five switch gaps per setting.
+SWITCH_ORDER = "101010"
+SHORT_SEGMENT_STEPS = 300
+COMPONENTS = ("supervisor", "scheduler", "dag-processor", "triggerer", "api-server")
+
+
+def component_of(pid: int, roots: dict[int, str]) -> str:
+    from syncswitch import procs
+
+    for _ in range(16):
+        if pid in roots:
+            return roots[pid]
+        stat = procs.read_stat(pid)
+        if stat is None or stat.ppid <= 1:
+            return "other"
+        pid = stat.ppid
+    return "other"
+
+
+def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
+    """Cores used by each component over ``seconds`` (processes that start or end meanwhile count
+    for the part they were seen in)."""
+    from syncswitch import procs
+    from syncswitch_airflow.airflow_supervisor import read_status
+    from syncswitch_airflow.embedded import INSTANCE_ENV, instance_marker
+
+    marker = instance_marker(airflow.running_instance())
+
+    def sample() -> dict[int, float]:
+        return {
+            p.pid: procs.cpu_seconds(p.pid) or 0.0 for p in procs.processes_with_env(INSTANCE_ENV, marker)
+        }
+
+    status = read_status(Path(airflow.home)) or {}
+    roots = {c["pid"]: name for name, c in status.get("components", {}).items() if c.get("pid")}
+    roots[status.get("pid", -1)] = "supervisor"
+    before, started = sample(), time.monotonic()
+    time.sleep(seconds)
+    after, elapsed = sample(), time.monotonic() - started
+    used: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
+    for pid, cpu in after.items():
+        name = component_of(pid, roots)
+        used[name] = used.get(name, 0.0) + (cpu - before.get(pid, 0.0)) / elapsed
+    return used
+
+
+def wait_for_bsp_step(layout: Any, step: float, timeout: float = 600) -> None:
+    from syncswitch.events import read_events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = read_events(layout.segment_metrics(0, "bsp"), event="step")
+        if steps and steps[-1]["global_step"] >= step:
+            return
+        time.sleep(0.5)
+    raise BenchError(f"the BSP segment did not reach step {step} in {timeout:.0f} s")
+
+
+def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from syncswitch.layout import RunLayout
+    from syncswitch_airflow.embedded import EmbeddedAirflow
+    from syncswitch_airflow.report import load_run, summarize
+
+    airflow = EmbeddedAirflow(PROJECT_DIR, home=work / "airflow", port=0, settings=settings)
+    try:
+        log(f"{name}: starting the embedded Airflow")
+        airflow.start(wait_for_dags=("sync_switch",))
+        time.sleep(10)  # let the start-up parse and reserialize settle
+        log(f"{name}: sampling idle CPU for {args.sample_seconds:.0f} s")
+        idle = cpu_by_component(airflow, args.sample_seconds)
+        conf = {
+            "job_name": "cpu",
+            "bucket_dir": str(work / "runs"),
+            "switch_order": SWITCH_ORDER,
+            "train_steps": [args.first_segment_steps] + [SHORT_SEGMENT_STEPS] * (len(SWITCH_ORDER) - 1),
+            "max_online_switches": 0,
+            "ckpt_frequency": [500],
+        }
+        run_id = airflow.trigger("sync_switch", conf)
+        layout = RunLayout.for_run(conf["bucket_dir"], "cpu", run_id)
+        wait_for_bsp_step(layout, 100)
+        log(f"{name}: sampling CPU for {args.sample_seconds:.0f} s while BSP trains")
+        training = cpu_by_component(airflow, args.sample_seconds)
+        sampled_until = time.time()
+        state = airflow.wait("sync_switch", run_id, timeout=3600)
+        if state != "success":
+            raise BenchError(f"{name}: the run ended {state}")
+        summary = summarize(load_run(layout.root))
+        bsp_end = summary["segments"][0].get("ended_at") or 0.0
+        if bsp_end < sampled_until:
+            raise BenchError(f"{name}: the BSP segment ended inside the sample; raise --first-segment-steps")
+        gaps = [g["seconds"] for g in summary["switch_gaps_seconds"] if g.get("seconds") is not None]
+        return {"idle": idle, "training": training, "gaps": gaps}
+    finally:
+        airflow.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sample-seconds", type=float, default=45.0)
+    p.add_argument("--first-segment-steps", type=int, default=6000, help="the BSP segment sampled in")
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args(argv)
+    machine = machine_line()
+    results: dict[str, dict[str, Any]] = {}
+    work_root = Path(tempfile.mkdtemp(prefix="bench-airflow-cpu-"))
+    try:
+        for index, (name, settings) in enumerate(SETTINGS.items()):
+            results[name] = measure(name, settings, args, work_root / str(index))
+    except BenchError as exc:
+        print(f"bench_airflow_cpu: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(work_root, ignore_errors=True)
+    print(f"# bench_airflow_cpu: embedded Airflow CPU use (cores), {args.sample_seconds:.0f} s samples")
+    print(f"machine: {machine}")
+    print()
+    headers = ["setting", "phase", *COMPONENTS, "total", f"<= {GOAL_CORES}"]
+    rows = []
+    for name, result in results.items():
+        for phase in ("idle", "training"):
+            used = result[phase]
+            total = sum(used.values())
+            label = "idle" if phase == "idle" else "while BSP trains"
+            rows.append(
+                [
+                    name,
+                    label,
+                    *(fmt(used.get(c, 0.0), 3) for c in COMPONENTS),
+                    fmt(total, 3),
+                    "yes" if total <= GOAL_CORES else "NO",
+                ]
+            )
+    print(markdown_table(headers, rows))
+    print()
+    print(
+        markdown_table(
+            ["setting", "switch gap BSP -> ASP (s)"], [[n, fmt(r["gap"], 1)] for n, r in results.items()]
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The ASP training loop: ParameterServerStrategy + ClusterCoordinator.
+
+The coordinator (the chief) schedules closures; a closure runs ``count`` optimizer steps on whichever
+worker takes it, in a graph loop (as TensorFlow's parameter-server tutorial and tf_keras'
+``steps_per_execution`` do). Each inner step reads the variables from the parameter servers afresh,
+computes its gradient and applies it there at once (the optimizer's update runs on the parameter
+server), so ASP semantics are those of one step per closure. A closure takes one packed input (its
+first global update number and its step count) and returns one packed output (the worker and, per
+step, loss, own seconds and step seconds), so a closure of k steps pays the coordinator's dispatch and
+fetch round trips once instead of k times.
+
+Book-keeping (AspLoop) is in optimizer updates: an update is one worker's batch, 1/N of a BSP-equivalent
+step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP).
+A closure is never scheduled past the segment target or the next checkpoint boundary, so segments end
+exactly on target and checkpoints capture a drained state; an early stop rounds up to a whole step.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from syncswitch import storage
+from syncswitch.events import EventWriter
+from syncswitch.spec import SegmentSpec
+from syncswitch.trainer import (
+    WARMUP_EXECUTIONS,
+    ChiefReporter,
+    NodeContext,
+    Schedule,
+    StopSignal,
+    WorkerTimer,
+    build_and_restore,
+    cross_entropy,
+    evaluate_if_asked,
+    save,
+    segment_start_event,
+    steps_per_execution,
+    steps_per_execution_event,
+)
+
+# A closure lost with its worker is rescheduled; this many in one segment means something else is
+# wrong (every worker keeps failing), and the error is raised instead.
+MAX_LOST_CLOSURES = 1000
+# The watchdog allows a stalled closure at least this many times its expected length.
+WATCHDOG_CLOSURE_MULTIPLE = 20
+
+
+def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
+    """The ParameterServerStrategy coordinator: schedules closures until the segment's target."""
+    import tensorflow as tf
+
+    # A worker killed mid-RPC can surface as an UnknownError "Graph execution error"; TF retries it
+    # as a worker failure only when asked to (b/216666282 in cluster_coordinator.py).
+    os.environ.setdefault("TF_PS_HANDLE_UNKNOWN_ERROR", "1")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    state, restored, signature = build_and_restore(ctx, strategy, problem)
+    spec, hp = ctx.spec, ctx.hp
+    batch, global_batch = hp.batch_size, spec.num_workers * hp.batch_size
+    flat = state["flat"]
+    start_samples, start_updates = restored["samples"], restored["updates"]
+    start_step = start_samples / global_batch
+    schedule = Schedule(spec, hp, start_step)
+
+    def dataset_fn() -> tf.data.Dataset:
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return problem.train_dataset(
+            ctx.data_dir,
+            batch_size=batch,
+            shard_index=worker,
+            num_shards=spec.num_workers,
+            seed=spec.seed + start_samples,
+        )
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def mean_loss(logits: Any, labels: Any) -> Any:
+        return tf.reduce_mean(cross_entropy(logits, labels))
+
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
+        loss, grads, statistics = flat.loss_and_gradients(x, y, mean_loss)
+        with tf.control_dependencies(grads):
+            computed = tf.timestamp()
+        flat.apply(grads, statistics, lr, momentum)
+        finished = tf.timestamp()  # automatic control deps: after the updates on the parameter servers
+        return loss, computed - started, finished - started
+
+    @tf.function
+    def worker_steps(iterator: Any, closure: Any) -> Any:
+        """``closure`` = [first update (segment-relative), count]; returns [worker, then per step:
+        loss, own seconds (input and forward/backward), step seconds (with the parameter-server
+        round trips)]."""
+        first, count = closure[0], tf.cast(closure[1], tf.int32)
+        records = tf.TensorArray(tf.float32, size=count)
+        for j in tf.range(count):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            started = tf.timestamp()
+            with tf.control_dependencies([started]):
+                x, y = next(iterator)
+            update = tf.cast(first + tf.cast(j, tf.int64), tf.float64)
+            step = (start_samples + update * batch) / global_batch
+            lr, momentum = schedule.tensors(step)
+            loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+            records = records.write(j, tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)]))
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records.stack(), [-1])], 0)
+
+    events = ctx.events()
+    stop_signal = StopSignal(ctx.layout.stop_request(spec.index))
+    reporter = ChiefReporter(ctx, events, global_batch, start_samples)
+    watchdog = Watchdog(ctx, events)
+    segment_start_event(ctx, events, start_step, schedule, restored)
+    loop = AspLoop(spec, batch, global_batch, start_samples)
+    checkpoint_uri = restored["uri"]
+    timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
+    sizer = ClosureSizer(ctx, events, watchdog)
+
+    def checkpoint_now() -> str:  # only the coordinator writes under PSS
+        return save(
+            ctx,
+            state,
+            signature,
+            samples=loop.done_samples,
+            updates=start_updates + loop.done,
+            global_batch=global_batch,
+            events=events,
+        )
+
+    try:
+        while True:
+            if stop_signal.requested:
+                loop.request_stop()  # may finish the loop at once, when nothing is in flight
+            if loop.finished:
+                break
+            while (closure := loop.next_closure(sizer.size())) is not None:
+                packed = tf.constant([closure.first, closure.count], tf.int64)
+                loop.add(schedule_closure(coordinator, worker_steps, (iterator, packed)), closure)
+            done = loop.collect()
+            if done is None:
+                if loop.lost == 1:
+                    print(f"[{spec.run_id}] worker lost mid-closure; rescheduling its closures", flush=True)
+                continue
+            worker, records = done
+            for j, (_loss, own, took) in enumerate(records):
+                timers[worker].record(
+                    global_step=(loop.done_samples - (len(records) - 1 - j) * batch) / global_batch,
+                    step_time=float(took),
+                    compute_time=float(own),
+                )
+            sizer.observe(records[:, 2])
+            watchdog.seen(worker)
+            loss = float(records[-1, 0])
+            lr, momentum = schedule.at(loop.done_samples / global_batch)
+            reporter.step(
+                samples=loop.done_samples,
+                updates=start_updates + loop.done,
+                loss=loss,
+                lr=lr,
+                momentum=momentum,
+                step_time=float(records[-1, 2]),
+            )
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {loop.done_samples / global_batch:g}")
+            if loop.at_checkpoint_boundary():
+                checkpoint_uri = checkpoint_now()
+        coordinator.join()
+        if loop.done or checkpoint_uri is None:
+            checkpoint_uri = checkpoint_now()
+        for timer in timers.values():
+            timer.flush()
+        ctx.finished_objects.extend([iterator, coordinator, strategy, state, worker_steps])
+        stopped_early = loop.stopping and loop.done_samples < loop.until_samples
+        reason = (stop_signal.reason or "stop requested") if stopped_early else "reached until_step"
+        return reporter.finish(
+            samples=loop.done_samples,
+            updates=start_updates + loop.done,
+            stopped_early=stopped_early,
+            reason=reason,
+            checkpoint_uri=checkpoint_uri,
+            start_step=start_step,
+            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
+        )
+    finally:
+        stop_signal.close()
+        watchdog.close()
+        events.close()
+
+
+class ClosureSizer:
+    """Steps per closure: 1 while the first closures of every worker time a step, then the size
+    ``steps_per_execution`` picks for that step time (or the hparam, if set)."""
+
+    def __init__(self, ctx: NodeContext, events: EventWriter, watchdog: Watchdog) -> None:
+        self.ctx, self.events, self.watchdog = ctx, events, watchdog
+        self.warmup = WARMUP_EXECUTIONS * ctx.spec.num_workers
+        self.step_times: collections.deque[float] = collections.deque(maxlen=64)
+        self.seen = 0
+        self.chosen: int | None = ctx.hp.steps_per_execution or None
+
+    def observe(self, step_seconds: np.ndarray) -> None:
+        self.seen += 1
+        if self.seen > self.ctx.spec.num_workers:  # each worker's first closure traces the graph
+            self.step_times.extend(float(t) for t in step_seconds)
+        if self.chosen is None and self.seen > self.warmup and self.step_times:
+            step = statistics.median(self.step_times)
+            self.chosen = steps_per_execution(self.ctx.hp, step)
+            steps_per_execution_event(self.ctx, self.events, self.chosen, step)
+        if self.chosen and self.step_times:
+            self.watchdog.allow(WATCHDOG_CLOSURE_MULTIPLE * self.chosen * statistics.median(self.step_times))
+
+    def size(self) -> int:
+        return self.chosen or 1
+
+
+@dataclass(frozen=True)
+class Closure:
+    first: int  # first update of the closure, counted from the segment's start
+    count: int
+
+
+class AspLoop:
+    """Book-keeping of scheduled and completed ASP closures, in optimizer updates."""
+
+    def __init__(self, spec: SegmentSpec, batch: int, global_batch: int, start_samples: int) -> None:
+        self.batch, self.global_batch = batch, global_batch
+        self.start_samples = start_samples
+        self.until_samples = spec.until_step * global_batch
+        self.limit = max((self.until_samples - start_samples) // batch, 0)
+        self.ckpt_updates = spec.ckpt_frequency * spec.num_workers  # updates per checkpoint interval
+        self.window = 2 * spec.num_workers  # closures in flight: one running and one queued per worker
+        self.scheduled = 0  # updates handed out (the high-water mark)
+        self.done = 0
+        self.lost = 0  # closures handed back after their worker was lost
+        self.stopping = False
+        self._inflight: collections.deque = collections.deque()
+        self._retry: collections.deque[Closure] = collections.deque()
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.limit
+
+    @property
+    def done_samples(self) -> int:
+        return self.start_samples + self.done * self.batch
+
+    def _next_boundary(self) -> int:
+        """The update count no closure may cross: the target, or the next checkpoint."""
+        if self.ckpt_updates <= 0:
+            return self.limit
+        interval = self.ckpt_updates * self.batch  # samples between checkpoints
+        next_ckpt_samples = (self.done_samples // interval + 1) * interval
+        return min(self.limit, (next_ckpt_samples - self.start_samples) // self.batch)
+
+    def next_closure(self, size: int) -> Closure | None:
+        """The next closure to schedule (a lost one first, with its own updates), or None."""
+        if len(self._inflight) >= self.window:
+            return None
+        if self._retry:
+            return self._retry.popleft()
+        count = min(size, self._next_boundary() - self.scheduled)
+        if count <= 0:
+            return None
+        closure = Closure(self.scheduled, count)
+        self.scheduled += count
+        return closure
+
+    def add(self, remote_value: Any, closure: Closure) -> None:
+        self._inflight.append((remote_value, closure))
+
+    def collect(self) -> tuple[int, np.ndarray] | None:
+        """Fetch a finished closure: (worker, per-step records [count, 3]), preferring any that is
+        ready so a straggler's closure at the head of the queue does not stall the others.
+
+        Returns None when the closure was lost with a worker: its updates are handed back to be
+        scheduled again, so the segment still ends exactly on target.
+        """
+        index = next((i for i, (rv, _) in enumerate(self._inflight) if _is_ready(rv)), 0)
+        remote_value, closure = self._inflight[index]
+        del self._inflight[index]
+        try:
+            packed = np.asarray(remote_value.fetch())
+        except Exception as exc:
+            if not is_lost_worker_error(exc) or self.lost >= MAX_LOST_CLOSURES:
+                raise
+            self.lost += 1
+            self._retry.append(closure)
+            return None
+        self.done += closure.count
+        return int(packed[0]), packed[1:].reshape(closure.count, 3)
+
+    def request_stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        # Closures already scheduled will run; round up to a whole BSP-equivalent step. Segments start
+        # on step boundaries, so counting updates from the segment start is enough.
+        per_step = self.global_batch // self.batch
+        self.limit = min(self.limit, -(-self.scheduled // per_step) * per_step)
+
+    def at_checkpoint_boundary(self) -> bool:
+        if self.ckpt_updates <= 0 or self.finished or self._inflight or self._retry:
+            return False
+        return (self.done_samples // self.batch) % self.ckpt_updates == 0
+
+
+def is_lost_worker_error(exc: BaseException) -> bool:
+    """An error that says a closure died with its worker (connection reset, worker gone, closure
+    cancelled because of it), not that the step itself is broken.
+
+    ClusterCoordinator retries most of these itself, but a worker killed mid-RPC can surface as an
+    UnknownError it does not classify, which would otherwise fail the whole segment; the closures it
+    then cancels come back as CancelledError.
+    """
+    import tensorflow as tf
+
+    message = str(exc)
+    if isinstance(exc, tf.errors.CancelledError):
+        return True
+    if not isinstance(exc, tf.errors.UnknownError | tf.errors.UnavailableError | tf.errors.AbortedError):
+        return False
+    return "/job:worker" in message and "/job:ps" not in message
+
+
+def schedule_closure(coordinator: Any, fn: Any, args: tuple) -> Any:
+    """coordinator.schedule, once more if it raises the error a lost worker left behind (schedule
+    re-raises a failed closure's error once, then clears it)."""
+    try:
+        return coordinator.schedule(fn, args=args)
+    except Exception as exc:
+        if not is_lost_worker_error(exc):
+            raise
+        return coordinator.schedule(fn, args=args)
+
+
+def _is_ready(remote_value: Any) -> bool:
+    # RemoteValue has no public non-blocking readiness check; this event is set when its value (or
+    # error) arrives. Without it we fall back to fetching in order.
+    event = getattr(remote_value, "_status_available_event", None)
+    return event.is_set() if event is not None else True
+
+
+class Watchdog:
+    """Kills ASP workers that make no progress: a frozen worker would hang ``join()`` forever, while a
+    dead one is something ParameterServerStrategy handles (its closures re-run elsewhere).
+
+    The coordinator cannot kill processes on other hosts, so it files a kill request in the work
+    folder; the node supervisor (the local launcher, or the node agent on a VM) acts on it. The limit
+    is the spec's ``watchdog_seconds``, or longer when closures are long (``allow``).
+    """
+
+    def __init__(self, ctx: NodeContext, events: EventWriter) -> None:
+        self.ctx, self.events = ctx, events
+        self.timeout = ctx.spec.watchdog_seconds
+        now = time.monotonic()
+        self.last_seen = dict.fromkeys(range(ctx.spec.num_workers), now)
+        self.killed: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def seen(self, worker: int) -> None:
+        self.last_seen[worker] = time.monotonic()
+
+    def allow(self, seconds: float) -> None:
+        """Closures now take long enough that a worker may go ``seconds`` without finishing one."""
+        self.timeout = max(self.ctx.spec.watchdog_seconds, seconds)
+
+    def _watch(self) -> None:
+        while not self._done.wait(1.0):
+            now = time.monotonic()
+            latest = max(self.last_seen.values())
+            for worker, seen in self.last_seen.items():
+                # Only while others progress: a cluster-wide stall is not one worker's fault.
+                if worker in self.killed or now - seen < self.timeout or now - latest > self.timeout / 2:
+                    continue
+                self.killed.add(worker)
+                reason = f"no completed closure for {now - seen:.0f}s while other workers progressed"
+                storage.write_text(os.path.join(self.ctx.work_dir, f"kill-worker-{worker}"), reason)
+                self.events.emit("watchdog", worker=worker, reason=reason)
+                print(
+                    f"[{self.ctx.spec.run_id}] watchdog: worker {worker} stalled, asking for kill: {reason}",
+                    flush=True,
+                )
+
+    def close(self) -> None:
+        self._done.set()

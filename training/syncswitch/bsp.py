@@ -1,0 +1,190 @@
+"""The BSP training loop: MultiWorkerMirroredStrategy, every worker in lockstep; worker 0 is the chief.
+
+Each call of ``train_steps`` runs ``count`` optimizer steps in a graph loop. Per step: the batch, the
+LR and momentum of that step (the schedule, in the graph), forward and backward, one gradient
+all-reduce inside the optimizer, the update. Per call (not per step): one host sync and one small
+all-reduce carrying the per-step losses, the graceful-stop vote and the workers' step time, so every
+worker agrees on when to stop and on the next call's size. Every worker also times each step of its
+own: from the step's start to the end of its backward pass is its own share; the rest is waiting for
+its peers in the all-reduce, which singles out a straggler in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from syncswitch.trainer import (
+    WARMUP_EXECUTIONS,
+    ChiefReporter,
+    NodeContext,
+    Schedule,
+    StopSignal,
+    WorkerTimer,
+    build_and_restore,
+    cross_entropy,
+    evaluate_if_asked,
+    save,
+    segment_start_event,
+    steps_per_execution,
+    steps_per_execution_event,
+)
+
+
+def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
+    """One MultiWorkerMirroredStrategy worker. Returns the segment result on the chief."""
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING
+    )
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    state, restored, signature = build_and_restore(ctx, strategy, problem)
+    spec, hp = ctx.spec, ctx.hp
+    global_batch = spec.num_workers * hp.batch_size
+    flat = state["flat"]
+    samples, updates = restored["samples"], restored["updates"]
+    until_samples = spec.until_step * global_batch
+    start_step = samples / global_batch
+    schedule = Schedule(spec, hp, start_step)
+
+    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return problem.train_dataset(
+            ctx.data_dir,
+            batch_size=hp.batch_size,
+            shard_index=input_context.input_pipeline_id,
+            num_shards=input_context.num_input_pipelines,
+            seed=spec.seed + samples,
+        )
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def average_loss(logits: Any, labels: Any) -> Any:
+        return tf.nn.compute_average_loss(cross_entropy(logits, labels), global_batch_size=global_batch)
+
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
+        loss, grads, statistics = flat.loss_and_gradients(x, y, average_loss)
+        with tf.control_dependencies(grads):
+            computed = tf.timestamp()
+        flat.apply(grads, statistics, lr, momentum)
+        applied = tf.timestamp()  # automatic control deps: after the all-reduce and the updates
+        return loss, computed - started, applied - started
+
+    def local(value: Any) -> Any:
+        return strategy.experimental_local_results(value)[0]
+
+    @tf.function
+    def train_steps(iterator: Any, first_step: Any, count: Any, stop_vote: Any) -> tuple[Any, Any]:
+        """``count`` steps from BSP step ``first_step``; returns (this worker's per-step [loss, own
+        seconds, step seconds], all-reduced [per-step losses..., stop votes, step seconds of all])."""
+        records = tf.TensorArray(tf.float32, size=count)
+        for j in tf.range(count):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            started = tf.timestamp()
+            with tf.control_dependencies([started]):
+                x, y = next(iterator)
+            lr, momentum = schedule.tensors(first_step + tf.cast(j, tf.float64))
+            loss, own, step = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+            records = records.write(
+                j, tf.stack([local(loss), tf.cast(local(own), tf.float32), tf.cast(local(step), tf.float32)])
+            )
+        mine = records.stack()
+        votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, 2])])
+        totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.concat([mine[:, 0], votes], 0), axis=None)
+        return mine, totals
+
+    events = ctx.events()
+    stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
+    reporter = ChiefReporter(ctx, events, global_batch, samples) if ctx.is_chief else None
+    if ctx.is_chief:
+        segment_start_event(ctx, events, start_step, schedule, restored)
+    worker_timer = WorkerTimer(events, ctx.task)
+    stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
+    executions, step_seconds = 0, None
+
+    def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
+        if not ctx.is_chief:
+            return None
+        return save(
+            ctx, state, signature, samples=samples, updates=updates, global_batch=global_batch, events=events
+        )
+
+    try:
+        while samples < until_samples:
+            step = samples // global_batch
+            k = 1 if executions < WARMUP_EXECUTIONS + 1 else steps_per_execution(hp, step_seconds)
+            count = min(k, spec.until_step - step, _steps_to_checkpoint(spec.ckpt_frequency, step))
+            vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
+            mine, totals = train_steps(
+                iterator,
+                tf.constant(float(step), tf.float64),
+                tf.constant(count, tf.int32),
+                tf.constant(vote, tf.float32),
+            )
+            mine, totals = mine.numpy(), totals.numpy()
+            executions += 1
+            losses, stop, all_seconds = totals[:count], totals[count], float(totals[count + 1])
+            for j in range(count):
+                # In lockstep every worker's step time is equal; its own share (the step minus the
+                # wait for peers) is what singles out a straggler, whatever slows it.
+                worker_timer.record(
+                    global_step=step + j + 1, step_time=float(mine[j, 2]), compute_time=float(mine[j, 1])
+                )
+            samples += count * global_batch
+            updates += count
+            if executions > 1:  # the first call traces the graph
+                measured = all_seconds / (count * spec.num_workers)
+                if step_seconds is None and not hp.steps_per_execution and reporter is not None:
+                    steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
+                step_seconds = measured
+            loss = float(losses[-1])
+            if reporter is not None:
+                lr, momentum = schedule.at(step + count - 1)
+                reporter.step(
+                    samples=samples,
+                    updates=updates,
+                    loss=loss,
+                    lr=lr,
+                    momentum=momentum,
+                    step_time=float(mine[-1, 2]),
+                )
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {samples / global_batch:g}")
+            if stop > 0:
+                stopped_early = samples < until_samples
+                reason = stop_signal.reason if stop_signal and stop_signal.reason else "stop requested"
+                break
+            if _checkpoint_due(spec.ckpt_frequency, samples // global_batch) and samples < until_samples:
+                checkpoint_uri = checkpoint_now()
+        if samples != restored["samples"] or checkpoint_uri is None:
+            checkpoint_uri = checkpoint_now()
+        worker_timer.flush()
+        ctx.finished_objects.extend([iterator, strategy, state, train_steps])
+        if reporter is None:
+            return None
+        if not stopped_early:
+            reason = "reached until_step"
+        return reporter.finish(
+            samples=samples,
+            updates=updates,
+            stopped_early=stopped_early,
+            reason=reason,
+            checkpoint_uri=checkpoint_uri,
+            start_step=start_step,
+            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
+        )
+    finally:
+        if stop_signal is not None:
+            stop_signal.close()
+        events.close()
+
+
+def _steps_to_checkpoint(frequency: int, step: int) -> int:
+    """Steps from ``step`` to the next checkpoint boundary (a call never crosses one)."""
+    if frequency <= 0:
+        return 1 << 30
+    return frequency - step % frequency
+
+
+def _checkpoint_due(frequency: int, step: int) -> bool:
+    return frequency > 0 and step % frequency == 0

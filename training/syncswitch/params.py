@@ -1,0 +1,162 @@
+"""The model's weights as a few flat variables: what both training loops read and update every step.
+
+Under ParameterServerStrategy every variable is a separate remote tensor: a ResNet-20 step read about
+60 weights and 38 batch-norm statistics from the parameter servers, sent 60 gradients back and wrote
+the statistics, about 220 transfers per optimizer step, each with a fixed cost on both ends. Here the
+trainable weights are one flat vector per parameter-server group and the batch-norm statistics one
+more: a step reads ``groups + 1`` tensors and writes ``groups + 1``. The Keras model computes on
+slices of them through ``stateless_call``; its own variables are a local *template* that holds the
+canonical form for checkpoints and evaluation. Under MultiWorkerMirroredStrategy the same layout
+means one gradient all-reduce per step instead of one per variable.
+
+Both loops use this same code, so BSP and ASP apply identical numerics, and checkpoints stay in the
+per-variable form (``tf.train.Checkpoint(model=template, optimizer=velocities)``): a checkpoint
+written under either strategy restores bit-identically under the other, and evaluation reads it
+into a plain model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from syncswitch.optim import MomentumSGD
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each variable lives in a flat vector, and how the vector splits into groups (at
+    variable boundaries, balanced by size)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, variables: list[Any], groups: int) -> FlatLayout:
+        shapes = tuple(tuple(int(d) for d in v.shape) for v in variables)
+        sizes = tuple(int(np.prod(s)) for s in shapes)
+        return cls(shapes, sizes, _balanced_groups(sizes, groups))
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def flatten(self, tensors: list[Any]) -> Any:
+        return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0) if tensors else tf.zeros([0])
+
+    def unflatten(self, flat: Any) -> list[Any]:
+        return [tf.reshape(p, s) for p, s in zip(tf.split(flat, self.sizes), self.shapes, strict=True)]
+
+    def split_groups(self, flat: Any) -> list[Any]:
+        return tf.split(flat, self.group_sizes) if len(self.group_sizes) > 1 else [flat]
+
+
+def _balanced_groups(sizes: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """Contiguous groups of whole variables, about total/groups elements each."""
+    groups = max(1, min(groups, len(sizes)))
+    target = sum(sizes) / groups
+    bounds, current = [], 0
+    for size in sizes:
+        current += size
+        if current >= target * (len(bounds) + 1) and len(bounds) < groups - 1:
+            bounds.append(current)
+    edges = [0, *bounds, sum(sizes)]
+    return tuple(b - a for a, b in zip(edges, edges[1:], strict=False) if b > a)
+
+
+class FlatModel(tf.Module):
+    """Flat weights, their velocities and the batch-norm statistics, placed by the strategy in scope.
+
+    ``template`` is the Keras model built outside any strategy (local variables): its structure is
+    the checkpoint's, its initial values start the flat variables.
+    """
+
+    def __init__(
+        self, template: Any, *, groups: int, nesterov: bool, weight_decay: float, decayed: list[Any]
+    ):
+        super().__init__(name="flat_model")
+        self._template = template
+        trainable, statistics = template.trainable_variables, template.non_trainable_variables
+        self.weights_layout = FlatLayout.of(trainable, groups)
+        self.stats_layout = FlatLayout.of(statistics, 1)
+        initial = self.weights_layout.split_groups(self.weights_layout.flatten([v.value for v in trainable]))
+        self.params = [tf.Variable(chunk, name=f"weights_{i}") for i, chunk in enumerate(initial)]
+        # Batch-norm moving statistics: averaged over the replicas of a synchronous step (each
+        # replica saw its own batch), simply overwritten by an asynchronous worker's step.
+        self.stats = tf.Variable(
+            self.stats_layout.flatten([v.value for v in statistics]),
+            trainable=False,
+            name="batch_norm_statistics",
+            aggregation=tf.VariableAggregation.MEAN,
+        )
+        decayed_refs = {v.value.ref() for v in decayed}
+        mask = self.weights_layout.flatten(
+            [tf.fill(v.shape, 1.0 if v.value.ref() in decayed_refs else 0.0) for v in trainable]
+        )
+        masks = [m.numpy() for m in self.weights_layout.split_groups(mask)]
+        self.optimizer = MomentumSGD(
+            self.params, nesterov=nesterov, weight_decay=weight_decay, decay_masks=masks
+        )
+
+    # ---- one step (call inside strategy.run) ----------------------------------------------------
+
+    def loss_and_gradients(self, x: Any, y: Any, loss_of: Any) -> tuple[Any, list[Any], Any]:
+        """(loss, gradient per weight group, new batch-norm statistics) of one batch. Reads every
+        weight group and the statistics once. ``loss_of(logits, labels)`` is the scalar loss."""
+        weights = self.weights_layout.unflatten(tf.concat([p.read_value() for p in self.params], 0))
+        statistics = self.stats_layout.unflatten(self.stats.read_value())
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            logits, new_statistics = self._template.stateless_call(weights, statistics, x, training=True)
+            loss = loss_of(logits, y)
+        grads = self.weights_layout.split_groups(self.weights_layout.flatten(tape.gradient(loss, weights)))
+        return loss, grads, self.stats_layout.flatten(new_statistics)
+
+    def apply(self, grads: list[Any], new_statistics: Any, learning_rate: Any, momentum: Any) -> None:
+        self.optimizer.apply(grads, self.params, learning_rate, momentum)
+        self.stats.assign(new_statistics)
+
+    # ---- the canonical (per-variable) form, for checkpoints ---------------------------------------
+
+    def velocity_template(self) -> list[Any]:
+        """Local per-variable velocity variables, as a Keras optimizer's slots would be."""
+        if not hasattr(self, "_velocity_template"):
+            self._velocity_template = [
+                tf.Variable(tf.zeros(s), trainable=False) for s in self.weights_layout.shapes
+            ]
+        return self._velocity_template
+
+    def to_template(self) -> None:
+        """Copy the flat state into the template model and per-variable velocities."""
+        weights = self.weights_layout.unflatten(tf.concat([p.read_value() for p in self.params], 0))
+        velocities = self.weights_layout.unflatten(
+            tf.concat([v.read_value() for v in self.optimizer.velocities], 0)
+        )
+        for variable, value in zip(self._template.trainable_variables, weights, strict=True):
+            variable.assign(value)
+        for variable, value in zip(
+            self._template.non_trainable_variables,
+            self.stats_layout.unflatten(self.stats.read_value()),
+            strict=True,
+        ):
+            variable.assign(value)
+        for variable, value in zip(self.velocity_template(), velocities, strict=True):
+            variable.assign(value)
+
+    def from_template(self) -> None:
+        """Copy the template model and per-variable velocities (just restored) into the flat state."""
+        weights = self.weights_layout.flatten([v.value for v in self._template.trainable_variables])
+        velocities = self.weights_layout.flatten(self.velocity_template())
+        for param, chunk in zip(self.params, self.weights_layout.split_groups(weights), strict=True):
+            param.assign(chunk)
+        for slot, chunk in zip(
+            self.optimizer.velocities, self.weights_layout.split_groups(velocities), strict=True
+        ):
+            slot.assign(chunk)
+        self.stats.assign(
+            self.stats_layout.flatten([v.value for v in self._template.non_trainable_variables])
+        )
