@@ -178,12 +178,11 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
     """The flat model (syncswitch.params: weights, velocities and batch-norm statistics placed by
     ``strategy``; every variable exists before PSS's first schedule) and the checkpoint, which holds
     the canonical per-variable form: a local template model, its velocities, and the progress."""
+    import keras
     import tensorflow as tf
 
     from syncswitch.models import build_model, kernel_weights
     from syncswitch.params import FlatModel
-
-    import keras
 
     # The same seed gives the same initial weights, so that runs are comparable and repeatable.
     keras.utils.set_random_seed(ctx.spec.seed)
