@@ -2,6 +2,8 @@
 
     syncswitch train ...   run one segment on a local process cluster (this module; no Airflow needed)
     syncswitch run ...     run a whole sync_switch DAG run on an embedded Airflow (syncswitch_airflow.cli)
+    syncswitch history ... a recurring job's history and timing search state (syncswitch_airflow.history_cli)
+    syncswitch policy ...  the offline timing policy's next decision from a .jsonl history (same module)
 
 `train` prints progress on stderr and, as the last line of stdout, one JSON object with the result.
 """
@@ -184,9 +186,12 @@ def summary_line(result: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "run": _run_main}
+    commands = {"train": train_main, "run": _run_main, "history": _history_main, "policy": _policy_main}
     if not argv or argv[0] not in commands:
-        print("usage: syncswitch {train,run} [options]   (syncswitch <command> --help)", file=sys.stderr)
+        print(
+            "usage: syncswitch {train,run,history,policy} [options]   (syncswitch <command> --help)",
+            file=sys.stderr,
+        )
         return 2
     return commands[argv[0]](argv[1:])
 
@@ -197,6 +202,19 @@ def _run_main(argv: list[str]) -> int:
     from syncswitch_airflow.cli import main as run_main
 
     return run_main(argv)
+
+
+def _history_main(argv: list[str]) -> int:
+    # Airflow-side bookkeeping, imported lazily like `run`: cluster nodes never load it.
+    from syncswitch_airflow.history_cli import history_main
+
+    return history_main(argv)
+
+
+def _policy_main(argv: list[str]) -> int:
+    from syncswitch_airflow.history_cli import policy_main
+
+    return policy_main(argv)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,17 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
     report/                             summary.json, index.html, *.png
 
+A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job_name>/``
+(:class:`JobHistoryLayout`)::
+
+    runs/<run_id>.json                  one immutable record per finished run (syncswitch_airflow.history)
+    claims/<run_id>.json                one immutable claim per started run: the BSP fraction it took
+
+Job names are lowercase letters, digits and '-', so ``_history`` can never be a job's folder.
+
 ``bucket_dir`` is a local folder or a ``gs://bucket/prefix`` URI; all access goes through
-``syncswitch.storage`` so the same paths work for both.
+``syncswitch.storage`` so the same paths work for both. Run ids become path segments through
+:func:`safe_run_id`.
 """
 
 from __future__ import annotations
@@ -93,6 +102,34 @@ class RunLayout:
     @property
     def report(self) -> str:
         return join(self.root, "report")
+
+
+HISTORY_DIR = "_history"
+
+
+@dataclass(frozen=True)
+class JobHistoryLayout:
+    """Paths of one job's history. ``root`` is ``<bucket_dir>/_history/<job_name>``."""
+
+    root: str
+
+    @classmethod
+    def for_job(cls, bucket_dir: str, job_name: str) -> JobHistoryLayout:
+        return cls(join(bucket_dir, HISTORY_DIR, job_name))
+
+    @property
+    def records(self) -> str:
+        return join(self.root, "runs")
+
+    def record(self, run_id: str) -> str:
+        return join(self.records, f"{safe_run_id(run_id)}.json")
+
+    @property
+    def claims(self) -> str:
+        return join(self.root, "claims")
+
+    def claim(self, run_id: str) -> str:
+        return join(self.claims, f"{safe_run_id(run_id)}.json")
 
 
 def safe_run_id(run_id: str) -> str:

@@ -1,0 +1,438 @@
+"""A recurring job's history: one immutable record per finished DAG run, one claim per started run.
+
+Where (``syncswitch.layout.JobHistoryLayout``)::
+
+    <bucket_dir>/_history/<job_name>/runs/<safe_run_id>.json     record, written when the run finishes
+    <bucket_dir>/_history/<job_name>/claims/<safe_run_id>.json   claim, written when the run has decided
+
+``bucket_dir`` is a local folder or a ``gs://`` URI (``syncswitch.storage``). The timing policy
+(``syncswitch_airflow.timing``) reads both; ``syncswitch history`` shows them. The record format is
+also the import format (one JSON object per line of a ``.jsonl`` file); docs/history.md describes
+every field and the fingerprint.
+
+Immutability: a record or claim, once written, is never replaced. Writing the same content again is
+a no-op (a retried task), different content for the same run id raises :class:`RecordConflict`. The
+check reads before it writes; that is enough because the only writer of a run's files is that run. A
+reprocessed logical date is a new DAG run with a new run id, so it gets its own record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from syncswitch import storage
+from syncswitch.layout import JobHistoryLayout, safe_run_id
+from syncswitch.spec import _JOB_NAME_RE, JobSpec  # the one job-name rule, owned by the job spec
+
+from syncswitch_airflow.timing import PHASES as DECISION_PHASES
+from syncswitch_airflow.timing import completion_key
+
+SCHEMA_VERSION = 1
+STATUSES = ("success", "failed")
+POLICY_PHASES = (*DECISION_PHASES, "fixed", "imported")
+CLAIM_PHASES = (*DECISION_PHASES, "fixed")
+REQUIRED_FIELDS = (
+    "job_name",
+    "run_id",
+    "logical_date",
+    "status",
+    "bsp_fraction",
+    "final_accuracy",
+    "total_seconds",
+    "training_seconds",
+    "fingerprint",
+    "policy_phase",
+)
+OPTIONAL_FIELDS = (
+    "finished_at",
+    "started_at",
+    "switch_order",
+    "dag_id",
+    "workload_steps",
+    "policy",
+    "cost",
+    "schema_version",
+)
+CLAIM_FIELDS = ("run_id", "fingerprint", "bsp_fraction", "phase", "claimed_at")
+# The job settings that change what accuracy a BSP fraction reaches (docs/history.md). Left out on
+# purpose: switch_order, bsp_fraction and train_steps (what the policy varies; train_steps only counts
+# through the workload), data_dir (may be templated per date), seed, bucket_dir, job_name and the
+# online policy settings.
+FINGERPRINT_FIELDS = (
+    "model",
+    "hparam_set",
+    "problem",
+    "num_workers",
+    "workload_steps",
+    "hparams",
+    "momentum_rule",
+    "momentum_ramp_steps",
+)
+FINGERPRINT_VERSION = 1
+IMPORTED_PHASE = "imported"
+
+
+class RecordError(ValueError):
+    """A bad record, claim or import line. ``field`` names the field; ``line`` the import line, if any."""
+
+    def __init__(self, field_name: str, message: str, line: int | None = None) -> None:
+        prefix = f"line {line}: " if line is not None else ""
+        super().__init__(f"{prefix}{field_name}: {message}")
+        self.field = field_name
+        self.line = line
+
+
+class RecordConflict(ValueError):
+    """A different record or claim already exists for this run id: history is immutable."""
+
+
+# ---- fingerprint -----------------------------------------------------------------------------------
+
+
+def job_fingerprint(params: Mapping[str, Any]) -> str:
+    """sha256 (first 16 hex digits) of the canonical JSON of :func:`fingerprint_settings`."""
+    canonical = json.dumps(fingerprint_settings(params), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def fingerprint_settings(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings the fingerprint hashes, from a plain dict of JobSpec params (``JobSpec.to_params()``).
+
+    Absent or empty settings take JobSpec's defaults, so a conf that leaves a default out and one that
+    spells it out have the same fingerprint. The workload is ``sum(train_steps)`` when train_steps is
+    given, else ``total_steps`` (``JobSpec.workload``).
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(JobSpec)}
+
+    def setting(name: str) -> Any:
+        value = params.get(name)
+        return defaults[name] if value is None or value == "" or value == [] or value == () else value
+
+    train_steps = _as_list(setting("train_steps"))
+    hparams = [str(h) for h in _as_list(setting("hparams"))] or [""]
+    try:
+        workload = sum(int(s) for s in train_steps) if train_steps else int(setting("total_steps"))
+        num_workers = int(setting("num_workers"))
+        ramp_steps = int(setting("momentum_ramp_steps"))
+    except (TypeError, ValueError) as exc:
+        raise RecordError(
+            "fingerprint", f"job settings must be integers where JobSpec has them: {exc}"
+        ) from None
+    return {
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "model": str(setting("model")),
+        "hparam_set": str(setting("hparam_set")),
+        "problem": str(setting("problem")),
+        "num_workers": num_workers,
+        "workload_steps": workload,
+        "hparams": hparams,
+        "momentum_rule": str(setting("momentum_rule")),
+        "momentum_ramp_steps": ramp_steps,
+    }
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, str):
+        return value.split() if value.strip() else []
+    return [value]
+
+
+# ---- validation ------------------------------------------------------------------------------------
+
+
+def check_job_name(job_name: Any) -> str:
+    """The job name, if it is one; raises RecordError("job_name", ...) otherwise."""
+    if not isinstance(job_name, str) or not _JOB_NAME_RE.match(job_name):
+        raise RecordError(
+            "job_name",
+            f"{job_name!r} must be 1-63 lowercase letters, digits or '-', "
+            "starting and ending with a letter or digit",
+        )
+    return job_name
+
+
+def validate_record(record: Any) -> dict[str, Any]:
+    """A checked copy of a history record; raises RecordError naming the first bad field.
+
+    A record without ``finished_at`` gets 0 (it sorts before every timed record); one without
+    ``schema_version`` gets 1.
+    """
+    if not isinstance(record, dict):
+        raise RecordError("record", f"must be a JSON object, got {type(record).__name__}")
+    _check_field_names(record, REQUIRED_FIELDS, OPTIONAL_FIELDS)
+    out = dict(record)
+    check_job_name(out["job_name"])
+    for name, check in _RECORD_CHECKS.items():
+        if name in out:
+            out[name] = check(name, out[name])
+    out.setdefault("finished_at", 0.0)
+    out.setdefault("schema_version", SCHEMA_VERSION)
+    return out
+
+
+def validate_claim(claim: Any) -> dict[str, Any]:
+    """A checked copy of a claim ``{run_id, fingerprint, bsp_fraction, phase, claimed_at}``."""
+    if not isinstance(claim, dict):
+        raise RecordError("claim", f"must be a JSON object, got {type(claim).__name__}")
+    _check_field_names(claim, CLAIM_FIELDS, ())
+    return {
+        "run_id": _text("run_id", claim["run_id"]),
+        "fingerprint": _text("fingerprint", claim["fingerprint"]),
+        "bsp_fraction": _fraction("bsp_fraction", claim["bsp_fraction"]),
+        "phase": _choice(CLAIM_PHASES)("phase", claim["phase"]),
+        "claimed_at": _seconds("claimed_at", claim["claimed_at"]),
+    }
+
+
+def _check_field_names(data: dict, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    accepted = (*required, *optional)
+    unknown = sorted(set(data) - set(accepted))
+    if unknown:
+        raise RecordError(unknown[0], f"unknown field; accepted: {', '.join(accepted)}")
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise RecordError(missing[0], f"missing; required fields: {', '.join(required)}")
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordError(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _fraction(name: str, value: Any) -> float:
+    number = _number(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise RecordError(name, f"must be a number in [0, 1], got {value!r}")
+    return number
+
+
+def _seconds(name: str, value: Any) -> float:
+    number = _number(name, value)
+    if number < 0:
+        raise RecordError(name, f"must be a number of seconds >= 0, got {value!r}")
+    return number
+
+
+def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise RecordError(name, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(accepted: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if value not in accepted:
+            raise RecordError(name, f"{value!r} is not one of: {', '.join(accepted)}")
+        return value
+
+    return check
+
+
+def _iso_date(name: str, value: Any) -> str:
+    try:
+        datetime.datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise RecordError(name, f"must be an ISO 8601 date-time string or null, got {value!r}") from None
+    return value
+
+
+def _training_seconds(name: str, value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or set(value) != {"bsp", "asp"}:
+        raise RecordError(name, f'must be {{"bsp": seconds, "asp": seconds}}, got {value!r}')
+    return {key: _seconds(f"{name}.{key}", value[key]) for key in ("bsp", "asp")}
+
+
+def _switch_order(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or set(value) - {"0", "1"}:
+        raise RecordError(name, f"must be a string of 1 (BSP) and 0 (ASP), got {value!r}")
+    return value
+
+
+def _steps(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecordError(name, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _object(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise RecordError(name, f"must be a JSON object or null, got {value!r}")
+    return value
+
+
+def _schema_version(name: str, value: Any) -> int:
+    if value != SCHEMA_VERSION or isinstance(value, bool):
+        raise RecordError(name, f"must be {SCHEMA_VERSION}, got {value!r}")
+    return SCHEMA_VERSION
+
+
+_RECORD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "run_id": _text,
+    "logical_date": _optional(_iso_date),
+    "status": _choice(STATUSES),
+    "bsp_fraction": _fraction,
+    "final_accuracy": _optional(_fraction),
+    "total_seconds": _optional(_seconds),
+    "training_seconds": _training_seconds,
+    "fingerprint": _text,
+    "policy_phase": _choice(POLICY_PHASES),
+    "finished_at": _seconds,
+    "started_at": _optional(_seconds),
+    "switch_order": _optional(_switch_order),
+    "dag_id": _optional(_text),
+    "workload_steps": _optional(_steps),
+    "policy": _optional(_object),
+    "cost": _optional(_object),
+    "schema_version": _schema_version,
+}
+
+
+# ---- records and claims in the bucket ------------------------------------------------------------
+
+
+def write_record(bucket_dir: str, job_name: str, record: dict[str, Any]) -> bool:
+    """Write a finished run's record; True if written, False if the same record was already there."""
+    record = validate_record(record)
+    _check_same_job(job_name, record)
+    return _write_once(JobHistoryLayout.for_job(bucket_dir, job_name).record(record["run_id"]), record)
+
+
+def write_claim(bucket_dir: str, job_name: str, claim: dict[str, Any]) -> bool:
+    """Write a started run's claim; True if written, False if the same claim was already there."""
+    claim = validate_claim(claim)
+    check_job_name(job_name)
+    return _write_once(JobHistoryLayout.for_job(bucket_dir, job_name).claim(claim["run_id"]), claim)
+
+
+def read_claim(bucket_dir: str, job_name: str, run_id: str) -> dict[str, Any] | None:
+    """This run's claim, if it wrote one (a retried task reuses its decision rather than deciding again)."""
+    check_job_name(job_name)
+    claim = storage.read_json(JobHistoryLayout.for_job(bucket_dir, job_name).claim(run_id), default=None)
+    return None if claim is None else validate_claim(claim)
+
+
+def read_records(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
+    """Every record of the job, checked, in completion order (finished_at, then run_id)."""
+    check_job_name(job_name)
+    folder = JobHistoryLayout.for_job(bucket_dir, job_name).records
+    return sorted(_read_all(folder, validate_record), key=completion_key)
+
+
+def read_claims(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
+    """Every claim of the job, checked, oldest first."""
+    check_job_name(job_name)
+    folder = JobHistoryLayout.for_job(bucket_dir, job_name).claims
+    claims = _read_all(folder, validate_claim)
+    return sorted(claims, key=lambda c: (c["claimed_at"], c["run_id"]))
+
+
+def _read_all(folder: str, validate: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    items = []
+    for uri in storage.list_files(folder, suffix=".json"):
+        try:
+            items.append(validate(storage.read_json(uri)))
+        except (RecordError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{uri}: {exc}") from None
+    return items
+
+
+def _check_same_job(job_name: str, record: dict[str, Any]) -> None:
+    check_job_name(job_name)
+    if record["job_name"] != job_name:
+        raise RecordError("job_name", f"the record is of job {record['job_name']!r}, not {job_name!r}")
+
+
+def _write_once(uri: str, content: dict[str, Any]) -> bool:
+    # Compare as the stored JSON reads back (tuples become lists), so a retried write is a no-op.
+    content = json.loads(json.dumps(content, default=str))
+    existing = storage.read_json(uri, default=None)
+    if existing is not None:
+        if existing == content:
+            return False
+        raise RecordConflict(
+            f"run_id: a different entry for run {content['run_id']!r} already exists at {uri}; history is "
+            "immutable (a reprocessed date is a new DAG run with its own run id)"
+        )
+    storage.write_json(uri, content)
+    return True
+
+
+# ---- JSON lines: import and export -------------------------------------------------------------------
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Checked records of a .jsonl file (local or gs://), in file order; errors name the line and field.
+
+    Blank lines are skipped. A line without ``policy_phase`` gets "imported"; one without
+    ``finished_at`` gets 0 (see :func:`validate_record`).
+    """
+    return [record for _number, record in _numbered_records(path)]
+
+
+def _numbered_records(path: str) -> list[tuple[int, dict[str, Any]]]:
+    records = []
+    for number, line in enumerate(storage.read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RecordError(
+                "json", f"not valid JSON ({exc.msg}, column {exc.colno})", line=number
+            ) from None
+        if isinstance(data, dict):
+            data.setdefault("policy_phase", IMPORTED_PHASE)
+        try:
+            records.append((number, validate_record(data)))
+        except RecordError as exc:
+            raise RecordError(exc.field, str(exc).split(": ", 1)[1], line=number) from None
+    return records
+
+
+def write_jsonl(path: str, records: Iterable[dict[str, Any]]) -> None:
+    """Write records as JSON lines (local or gs://), one compact object per line with sorted keys."""
+    lines = [json.dumps(r, sort_keys=True, separators=(",", ":"), default=str) for r in records]
+    storage.write_text(path, "".join(f"{line}\n" for line in lines))
+
+
+def import_records(bucket_dir: str, job_name: str, jsonl_path: str) -> dict[str, int]:
+    """Import a .jsonl history into the job: each line becomes its own immutable record.
+
+    Every line is checked before anything is written, so a bad file imports nothing. Returns
+    ``{"written": n, "unchanged": m}`` (unchanged: the identical record was already there).
+    """
+    check_job_name(job_name)
+    numbered = _numbered_records(jsonl_path)
+    _check_importable(job_name, numbered)
+    written = sum(write_record(bucket_dir, job_name, record) for _number, record in numbered)
+    return {"written": written, "unchanged": len(numbered) - written}
+
+
+def _check_importable(job_name: str, numbered: list[tuple[int, dict[str, Any]]]) -> None:
+    """Every record belongs to this job, and no run id comes twice with different content."""
+    seen: dict[str, tuple[int, dict[str, Any]]] = {}
+    for number, record in numbered:
+        if record["job_name"] != job_name:
+            raise RecordError("job_name", f"{record['job_name']!r} is not the job {job_name!r}", line=number)
+        key = safe_run_id(record["run_id"])  # run ids that share a file name would overwrite each other
+        if key in seen and seen[key][1] != record:
+            raise RecordError(
+                "run_id",
+                f"{record['run_id']!r} differs from line {seen[key][0]}, which has the same run id "
+                f"(file name {key}.json)",
+                line=number,
+            )
+        seen.setdefault(key, (number, record))
