@@ -52,6 +52,10 @@ GOAL_RATIO = 0.8
 STRAGGLER_FOREVER_SECONDS = 86_400
 LAUNCH_TIME_ENV = "BENCH_LAUNCH_TIME"
 STARTUP_PARTS = ("process_start", "cluster_connect", "restore", "first_step")
+DIGITS_STEPS_MULTIPLE = 20
+TARGET_ACCURACY = 0.97
+TTA_STEPS = 300  # digits from scratch, evaluated every TTA_CHECKPOINT_STEPS steps
+TTA_CHECKPOINT_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Config:
     protocol: str | None  # None: the single-process baseline
     straggler: bool = False
     pin_cores: bool = False
+    model: str = "resnet"  # "resnet": ResNet-20 on synthetic CIFAR; "digits": the digits CNN
+    time_to_accuracy: bool = False  # evaluate every few steps and time the way to TARGET_ACCURACY
 
     @property
     def is_baseline(self) -> bool:
@@ -78,6 +84,8 @@ class Measurement:
     after_end: float | None = None  # segment end -> command exited (process exit, cluster stop)
     load_at_start: float = 0.0
     error: str | None = None
+    closure_timing: dict[str, float] = field(default_factory=dict)  # ASP only
+    seconds_to_target: float | None = None  # time_to_accuracy configs: training seconds to the target
 
     @property
     def startup_seconds(self) -> float | None:
@@ -93,6 +101,10 @@ def configs(pin_cores: bool) -> list[Config]:
         Config("ASP 1 PS + 2 workers", "asp"),
         Config("BSP 2 workers, straggler", "bsp", straggler=True),
         Config("ASP 1 PS + 2 workers, straggler", "asp", straggler=True),
+        Config("digits BSP 2 workers", "bsp", model="digits"),
+        Config("digits ASP 1 PS + 2 workers", "asp", model="digits"),
+        Config("digits BSP 2 workers, to 0.97", "bsp", model="digits", time_to_accuracy=True),
+        Config("digits ASP 1 PS + 2 workers, to 0.97", "asp", model="digits", time_to_accuracy=True),
     ]
     if pin_cores:
         clusters += [
@@ -212,19 +224,30 @@ def measure_baseline(config: Config, args: argparse.Namespace, work_dir: str) ->
 
 
 def cluster_argv(config: Config, args: argparse.Namespace, run_dir: str) -> list[str]:
+    if config.time_to_accuracy:
+        steps = TTA_STEPS
+        model = ["--problem=digits", "--model=cnn", "--hparam-set=cnn_digits"]
+    elif config.model == "digits":
+        # The demo job's model: the same number of examples as ResNet-20's runs take seconds here.
+        steps = args.steps * DIGITS_STEPS_MULTIPLE
+        model = ["--problem=digits", "--model=cnn", "--hparam-set=cnn_digits"]
+    else:
+        steps = args.steps
+        model = [f"--problem={PROBLEM}", "--model=resnet", f"--hparam-set={HPARAM_SET}"]
     argv = syncswitch_command(
         "train",
         f"--protocol={config.protocol}",
         f"--workers={WORKERS}",
         "--ps=1",
-        f"--problem={PROBLEM}",
-        "--model=resnet",
-        f"--hparam-set={HPARAM_SET}",
+        *model,
         f"--hparams=batch_size={BATCH_PER_WORKER}",
         f"--run-dir={run_dir}",
-        f"--until-step={args.steps}",
-        f"--total-steps={args.steps}",
-        "--ckpt-frequency=0",  # a checkpoint at the end only: the benchmark times training
+        f"--until-step={steps}",
+        f"--total-steps={steps}",
+        # A checkpoint at the end only: the benchmark times training. Time-to-accuracy configs
+        # evaluate every checkpoint instead (the evaluations' own seconds are subtracted).
+        f"--ckpt-frequency={TTA_CHECKPOINT_STEPS if config.time_to_accuracy else 0}",
+        *(["--eval-checkpoints"] if config.time_to_accuracy else []),
         "--quiet",
     )
     if config.straggler:
@@ -254,7 +277,27 @@ def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> 
         startup=s.get("startup") or {},
         before_launch=segment["started_at"] - started,
         after_end=exited - segment["ended_at"],
+        closure_timing=segment.get("closure_timing") or {},
+        seconds_to_target=seconds_to_target(run_dir, config.protocol, segment)
+        if config.time_to_accuracy
+        else None,
     )
+
+
+def seconds_to_target(run_dir: str, protocol: str, segment: dict[str, Any]) -> float | None:
+    """Training seconds from the first step to the first evaluation at TARGET_ACCURACY or better, the
+    evaluations' own seconds taken out; None if it was never reached."""
+    from syncswitch.events import read_events
+    from syncswitch.layout import RunLayout
+
+    spent_evaluating = 0.0
+    for event in read_events(RunLayout(run_dir).segment_metrics(0, protocol), event="eval"):
+        if "seconds" not in event:  # the segment-end evaluation
+            continue
+        if event["test_accuracy"] >= TARGET_ACCURACY:
+            return event["wall_time"] - event["seconds"] - spent_evaluating - segment["first_step_at"]
+        spent_evaluating += event["seconds"]
+    return None
 
 
 def segment_result(run_dir: str, protocol: str) -> dict[str, Any]:
@@ -300,7 +343,10 @@ def results_table(measurements: list[Measurement]) -> str:
     base = baseline_rate(measurements)
     rows = []
     for m in measurements:
-        ratio = m.examples_per_sec / base if base and m.examples_per_sec else None
+        if m.config.time_to_accuracy:
+            continue
+        comparable = m.config.model == "resnet"  # the baseline trains ResNet-20
+        ratio = m.examples_per_sec / base if base and m.examples_per_sec and comparable else None
         rows.append(
             [
                 m.config.name,
@@ -358,7 +404,8 @@ def goal_lines(measurements: list[Measurement]) -> list[str]:
     base = baseline_rate(measurements)
     lines = []
     for m in measurements:
-        if m.config.is_baseline or m.config.straggler or not m.examples_per_sec or not base:
+        skip = m.config.is_baseline or m.config.straggler or m.config.model != "resnet"
+        if skip or not m.examples_per_sec or not base:
             continue
         ratio = m.examples_per_sec / base
         verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
@@ -366,6 +413,80 @@ def goal_lines(measurements: list[Measurement]) -> list[str]:
             f"goal >= {GOAL_RATIO} x baseline without stragglers: {m.config.name}: {ratio:.2f} ({verdict})"
         )
     return lines
+
+
+def asp_over_bsp_table(measurements: list[Measurement]) -> str:
+    """ASP examples/s / BSP examples/s of the same model and straggler setting, measured side by side."""
+    rows = []
+    for model, straggler, goal in (("digits", False, 1.0), ("resnet", False, 1.0), ("resnet", True, 1.5)):
+        pair = {
+            m.config.protocol: m
+            for m in measurements
+            if m.config.model == model
+            and m.config.straggler == straggler
+            and not m.config.pin_cores
+            and not m.config.time_to_accuracy
+            and m.config.protocol
+        }
+        bsp, asp = pair.get("bsp"), pair.get("asp")
+        if not (bsp and asp and bsp.examples_per_sec and asp.examples_per_sec):
+            continue
+        ratio = asp.examples_per_sec / bsp.examples_per_sec
+        label = {"digits": "digits CNN", "resnet": "ResNet-20, synthetic CIFAR"}[model]
+        rows.append(
+            [
+                label + (", worker 1 slowed" if straggler else ""),
+                fmt(bsp.examples_per_sec, 0),
+                fmt(asp.examples_per_sec, 0),
+                fmt(ratio, 2),
+                f">= {goal:g}: {'met' if ratio >= goal else 'NOT met'}",
+            ]
+        )
+    return markdown_table(["workload", "BSP examples/s", "ASP examples/s", "ASP / BSP", "goal"], rows)
+
+
+def accuracy_table(measurements: list[Measurement]) -> str:
+    rows = [
+        [
+            m.config.name,
+            fmt(m.seconds_to_target, 1) if m.seconds_to_target else "not reached",
+            fmt(m.training_seconds, 1),
+        ]
+        for m in measurements
+        if m.config.time_to_accuracy
+    ]
+    return markdown_table(
+        ["config (digits from scratch)", f"training s to {TARGET_ACCURACY}", "training s (300 steps)"], rows
+    )
+
+
+def closure_table(measurements: list[Measurement]) -> str:
+    """Where an ASP closure's time goes (ClusterCoordinator's timers and the in-function step time)."""
+    rows = []
+    for m in measurements:
+        t = m.closure_timing
+        if not t or not t.get("closures"):
+            continue
+        closures = t["closures"]
+        rows.append(
+            [
+                m.config.name,
+                closures,
+                fmt(t["steps"] / closures, 1),
+                fmt(1000 * t["in_function_seconds"] / closures, 1),
+                fmt(1000 * t["closure_execution_seconds"] / closures, 1),
+                fmt(1000 * t["remote_value_fetch_seconds"] / closures, 1),
+            ]
+        )
+    headers = [
+        "config",
+        "closures",
+        "steps per closure",
+        "in function ms",
+        "closure_execution ms",
+        "remote_value_fetch ms",
+    ]
+    return markdown_table(headers, rows)
 
 
 def print_report(measurements: list[Measurement], args: argparse.Namespace, machine: str) -> None:
@@ -385,6 +506,19 @@ def print_report(measurements: list[Measurement], args: argparse.Namespace, mach
     )
     print()
     print(wall_table(measurements))
+    print()
+    print("ASP vs BSP, same workers, measured side by side:")
+    print()
+    print(asp_over_bsp_table(measurements))
+    print()
+    print(f"time to {TARGET_ACCURACY} test accuracy (evaluated every {TTA_CHECKPOINT_STEPS} steps):")
+    print()
+    print(accuracy_table(measurements))
+    print()
+    print("ASP closures, per closure (in function = the steps on the worker; closure_execution and")
+    print("remote_value_fetch are ClusterCoordinator's timers on the coordinator):")
+    print()
+    print(closure_table(measurements))
     print()
     for line in goal_lines(measurements):
         print(line)

@@ -6,6 +6,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # shellcheck source=scripts/_uv.sh
 source scripts/_uv.sh
+# shellcheck source=scripts/_system_deps.sh
+source scripts/_system_deps.sh
 uv run --frozen ruff check .
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
 exec uv run --frozen pytest -q -p no:cacheprovider --durations=15 "$@"

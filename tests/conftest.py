@@ -175,6 +175,23 @@ def no_leftover_processes() -> Iterator[Callable[[str], None]]:
         assert_no_processes(pattern)
 
 
+# A recurring job for the backfill tests (tests/test_recurring_jobs.py): daily, a short digits job whose
+# timing policy searches with one run per candidate, and a data_dir that is a template of the date.
+BACKFILL_JOB = """\
+schedule: "@daily"
+start_date: 2026-01-01
+tags: [test]
+params:
+  job_name: backfill-search
+  bucket_dir: {bucket}
+  total_steps: 120
+  ckpt_frequency: [60]
+  data_dir: "dates/{{{{ ds }}}}"
+  timing_policy: search
+  timing_repeats: 1
+"""
+
+
 @pytest.fixture(scope="session")
 def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
@@ -183,12 +200,27 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     from syncswitch import procs
     from syncswitch_airflow.embedded import EmbeddedAirflow
 
+    # Runs triggered with the DAG's defaults (the Trigger form) go to a throwaway bucket folder, not
+    # to <project>/runs: the DAG file reads SYNCSWITCH_BUCKET_DIR when Airflow parses it.
+    bucket = tmp_path_factory.mktemp("default-bucket")
+    # The recurring-job DAGs of the session: the project's example and the tests' own (job files).
+    jobs = tmp_path_factory.mktemp("jobs")
+    shutil.copy(PROJECT_DIR / "jobs" / "digits-nightly.yaml", jobs)
+    (jobs / "backfill-search.yaml").write_text(BACKFILL_JOB.format(bucket=bucket))
+    saved = {name: os.environ.get(name) for name in ("SYNCSWITCH_BUCKET_DIR", "SYNCSWITCH_JOBS_DIR")}
+    os.environ["SYNCSWITCH_BUCKET_DIR"] = str(bucket)
+    os.environ["SYNCSWITCH_JOBS_DIR"] = str(jobs)
     # Any free port: 8080 is left to a demo or another test session on the same machine.
     instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0)
     try:
         instance.start(wait_for_dags=("sync_switch",), timeout=600)
         yield instance
     finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         record = instance.running_instance()
         instance.stop()
         assert not procs.processes_with_env("AIRFLOW_HOME", str(instance.home)), "Airflow processes left"

@@ -56,7 +56,7 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
 ) -> None:
     airflow = embedded_airflow
     run_id, layout = trigger(airflow, job(tmp_path, "kills"))
-    wait_for_task(airflow, run_id, "segment_0_bsp", ("deferred",))
+    wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 20)
 
     triggerer = component_pid(airflow, "triggerer")
@@ -80,8 +80,8 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     # "Clear" of a finished segment: Airflow reruns it (and its setup and teardown), and it finds
     # its result instead of training again.
     checkpoints = checkpoint_names(layout)
-    cleared = airflow.clear_tasks(DAG_ID, run_id, ["segment_0_bsp"])
-    assert "segment_0_bsp" in cleared
+    cleared = airflow.clear_tasks(DAG_ID, run_id, ["segment_0.bsp"])
+    assert "segment_0.bsp" in cleared
     assert wait_run(airflow, run_id) == "success"
     assert segment_starts(layout) == {0: 1, 1: 1}, "clear retrained a finished segment"
     assert checkpoint_names(layout) == checkpoints
@@ -93,14 +93,14 @@ def test_mark_failed_on_a_running_segment_tears_down_and_leaves_no_process(
 ) -> None:
     airflow = embedded_airflow
     run_id, layout = trigger(airflow, job(tmp_path, "markfail", switch_order="1", total_steps=100000))
-    wait_for_task(airflow, run_id, "segment_0_bsp", ("deferred",))
+    wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 10)
-    airflow.set_task_state(DAG_ID, run_id, "segment_0_bsp", "failed")
+    airflow.set_task_state(DAG_ID, run_id, "segment_0.bsp", "failed")
     assert wait_run(airflow, run_id) == "failed"
     tasks = airflow.task_states(DAG_ID, run_id)
     assert tasks["teardown_cluster"] == "success", tasks
     # The watcher ended with its segment task, instead of waiting out a timeout.
-    assert tasks["watch_stragglers_0"] == "success", tasks
+    assert tasks["segment_0.watch_stragglers"] == "success", tasks
     assert_no_processes(r"/markfail-", timeout=30)
     assert state_of(layout)["status"] == "failed"
 

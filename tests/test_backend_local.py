@@ -77,7 +77,9 @@ def test_provision_refuses_a_cluster_that_does_not_fit_in_memory(tmp_path: Path)
     # chief + 2 workers + 1 PS, and the fork server
     with pytest.raises(ClusterError, match=r"needs about .* GB \(5 TensorFlow processes"):
         greedy.provision(JobSpec(job_name="demo"), layout)
-    assert not (tmp_path / "work").exists()
+    # No cluster folder, and its cluster slot was given back.
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["leases"]
+    assert greedy.capacity().holders() == []
 
 
 def test_status_follows_the_launcher_to_its_exit_code(backend: LocalBackend, handle: dict) -> None:
@@ -131,8 +133,9 @@ def test_stop_segment_lets_the_launcher_stop_gracefully(
 
 
 def test_teardown_kills_every_process_of_the_run_and_nothing_else(
-    backend: LocalBackend, handle: dict, tmp_path: Path
+    backend: LocalBackend, handle: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("SYNCSWITCH_LOCAL_CLUSTERS", "2")  # two runs' clusters side by side
     tag = str(tmp_path / "family")
     other_tag = str(tmp_path / "other-run")
     other_layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "another-run")
@@ -160,3 +163,54 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
     finally:
         backend.teardown(other)
     assert_no_processes(re.escape(other_tag), timeout=0)
+
+
+# ---- cluster capacity ------------------------------------------------------------------------------
+
+
+def test_cluster_capacity_hands_out_slots_once_and_takes_them_back(tmp_path: Path) -> None:
+    from syncswitch_airflow.backends import ClusterCapacity
+
+    capacity = ClusterCapacity(tmp_path / "leases", 2)
+    clusters = {run: tmp_path / run for run in ("a", "b", "c")}
+    for folder in clusters.values():
+        folder.mkdir()
+    assert capacity.acquire("a", str(clusters["a"])) and capacity.acquire("a", str(clusters["a"]))
+    assert capacity.acquire("b", str(clusters["b"]))
+    assert not capacity.acquire("c", str(clusters["c"])) and not capacity.has_free_slot()
+    assert sorted(capacity.holders()) == ["a", "b"]
+    capacity.release("a")
+    assert capacity.has_free_slot() and capacity.acquire("c", str(clusters["c"]))
+    assert sorted(capacity.holders()) == ["b", "c"]
+
+
+def test_a_lease_whose_cluster_is_gone_frees_its_slot_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from syncswitch_airflow.backends import ClusterCapacity
+
+    capacity = ClusterCapacity(tmp_path / "leases", 1)
+    assert capacity.acquire("crashed", str(tmp_path / "never-made"))
+    assert not capacity.acquire("next", str(tmp_path / "next"))  # young: provisioning may be under way
+    monkeypatch.setattr(ClusterCapacity, "STALE_SECONDS", 0.0)
+    assert capacity.acquire("next", str(tmp_path / "next"))
+    assert capacity.holders() == ["next"]
+
+
+def test_provisioning_a_second_local_cluster_waits_for_the_first(tmp_path: Path) -> None:
+    from syncswitch.layout import RunLayout
+    from syncswitch.spec import JobSpec
+    from syncswitch_airflow.backends import ClusterBusy
+    from syncswitch_airflow.backends.local import LocalBackend
+
+    backend = LocalBackend(str(tmp_path / "work"))
+    job = JobSpec(job_name="cap")
+    first = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r1")))
+    try:
+        with pytest.raises(ClusterBusy, match="taken \\(by r1\\)"):
+            backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
+    finally:
+        backend.teardown(first)
+    second = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
+    backend.teardown(second)
+    assert backend.capacity().holders() == []

@@ -1,4 +1,5 @@
-"""The sync_switch DAG file: it imports cleanly, has the documented shape, and its params schema works.
+"""The DAG files: sync_switch and the recurring jobs' DAGs import cleanly, have the documented shape, and
+their params schema works; bad job files name the file and the field and break no other DAG.
 
 Fast: parses the DAG (no database, no training).
 """
@@ -6,6 +7,7 @@ Fast: parses the DAG (no database, no training).
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 
 import pytest
@@ -18,14 +20,19 @@ from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 
-SLOT_TASKS = ("segment_{}_bsp", "segment_{}_asp", "watch_stragglers_{}")
+SLOT_TASKS = ("segment_{}.bsp", "segment_{}.asp", "segment_{}.watch_stragglers")
 
 
 @pytest.fixture(scope="module")
-def dag():  # noqa: ANN201 - airflow DAG
+def bag() -> DagBag:
     bag = DagBag(dag_folder=str(REPO / "dags"))
     assert bag.import_errors == {}
-    assert list(bag.dag_ids) == ["sync_switch"]
+    return bag
+
+
+@pytest.fixture(scope="module")
+def dag(bag: DagBag):  # noqa: ANN201 - airflow DAG
+    assert {"sync_switch", "job_digits_nightly"} <= set(bag.dag_ids)
     return bag.dags["sync_switch"]
 
 
@@ -41,14 +48,24 @@ def test_dag_settings(dag) -> None:  # noqa: ANN001
 
 
 def test_task_ids(dag) -> None:  # noqa: ANN001
-    expected = {"validate", "provision_cluster", "plan", "evaluate", "report", "teardown_cluster"}
+    expected = {
+        "validate",
+        "timing_policy",
+        "provision_cluster",
+        "plan",
+        "evaluate",
+        "report",
+        "teardown_cluster",
+        "finalize",
+    }
     for slot in range(MAX_SEGMENT_SLOTS):
         expected |= slot_ids(slot)
     assert set(dag.task_ids) == expected
 
 
 def test_pipeline_order(dag) -> None:  # noqa: ANN001
-    assert dag.get_task("validate").downstream_task_ids == {"provision_cluster"}
+    assert dag.get_task("validate").downstream_task_ids == {"timing_policy"}
+    assert dag.get_task("timing_policy").downstream_task_ids == {"provision_cluster", "plan"}
     assert dag.get_task("provision_cluster").downstream_task_ids == {"plan", "teardown_cluster"}
     assert dag.get_task("plan").downstream_task_ids == slot_ids(0)
     for slot in range(1, MAX_SEGMENT_SLOTS):
@@ -62,6 +79,10 @@ def test_pipeline_order(dag) -> None:  # noqa: ANN001
     assert evaluate.trigger_rule == TriggerRule.NONE_FAILED
     assert dag.get_task("report").upstream_task_ids == {"evaluate"}
     assert dag.get_task("teardown_cluster").upstream_task_ids == {"report", "provision_cluster"}
+    # The outcome is recorded after teardown, whatever happened before.
+    finalize = dag.get_task("finalize")
+    assert finalize.upstream_task_ids == {"teardown_cluster"} and not finalize.downstream_task_ids
+    assert finalize.trigger_rule == TriggerRule.ALL_DONE
 
 
 def test_setup_and_teardown(dag) -> None:  # noqa: ANN001
@@ -72,13 +93,14 @@ def test_setup_and_teardown(dag) -> None:  # noqa: ANN001
     assert teardown.trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS
     # Every work task lies between the setup and the teardown.
     in_scope = provision.get_flat_relative_ids(upstream=False)
-    assert set(dag.task_ids) - {"validate", "provision_cluster"} <= in_scope
+    assert set(dag.task_ids) - {"validate", "timing_policy", "provision_cluster"} <= in_scope
 
 
 def test_segment_tasks(dag) -> None:  # noqa: ANN001
     for slot in range(MAX_SEGMENT_SLOTS):
-        bsp, asp = dag.get_task(f"segment_{slot}_bsp"), dag.get_task(f"segment_{slot}_asp")
-        sensor = dag.get_task(f"watch_stragglers_{slot}")
+        bsp, asp = dag.get_task(f"segment_{slot}.bsp"), dag.get_task(f"segment_{slot}.asp")
+        sensor = dag.get_task(f"segment_{slot}.watch_stragglers")
+        assert sensor.segment_tasks == {"bsp": bsp.task_id, "asp": asp.task_id}
         assert (bsp.slot, bsp.protocol, asp.slot, asp.protocol) == (slot, "bsp", slot, "asp")
         assert bsp.retries == 1 and asp.retries == 1
         assert sensor.priority_weight < bsp.priority_weight
@@ -124,6 +146,8 @@ def test_params_render_as_typed_form_fields(dag) -> None:  # noqa: ANN001
         ("job_name", "Bad_Name"),
         ("stragglers", ["worker=1"]),
         ("bsp_fraction", 1.5),
+        ("timing_policy", "guess"),
+        ("timing_floor", 0),
     ],
 )
 def test_params_reject_bad_values(dag, name: str, value: object) -> None:  # noqa: ANN001
@@ -191,3 +215,54 @@ def test_a_result_ends_its_entry_at_the_target_or_when_stopped_on_purpose() -> N
     assert is_finished({"end_step": 30.0, "stopped_early": False}, entry)
     assert is_finished({"end_step": 17.5, "stopped_early": True}, entry)
     assert not is_finished({"end_step": 17.5, "stopped_early": False}, entry)
+
+
+def test_every_param_of_every_dag_accepts_its_default(bag: DagBag) -> None:
+    """What the Trigger form submits unchanged must validate: no required field left empty."""
+    for dag_id, dag in bag.dags.items():
+        values = copy.deepcopy(dag.params).validate()
+        JobSpec.from_params(values)  # and the job it describes is valid
+        assert values["data_dir"] is None or values["data_dir"], dag_id
+
+
+# ---- recurring jobs from files -----------------------------------------------------------------
+
+
+def test_the_example_job_file_is_a_scheduled_dag_with_its_defaults(bag: DagBag) -> None:
+    dag = bag.dags["job_digits_nightly"]
+    assert dag.schedule == "@daily" and dag.catchup is False and dag.start_date.year == 2026
+    assert {"syncswitch", "recurring", "digits"} <= set(dag.tags)
+    defaults = JobSpec.from_params(copy.deepcopy(dag.params).validate())
+    assert (defaults.job_name, defaults.timing_policy, defaults.timing_repeats) == (
+        "digits-nightly",
+        "search",
+        2,
+    )
+    assert set(dag.task_ids) == set(bag.dags["sync_switch"].task_ids)
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        ("params:\n  total_steps: lots\n", "bad.yaml: params.total_steps: must be an integer"),
+        ("params:\n  timing_policy: search\n  switch_order: '101'\n", "bad.yaml: params.switch_order:"),
+        ('schedule: "every tuesday"\nstart_date: 2026-11-01\n', "bad.yaml: schedule:"),
+        ('schedule: "@daily"\n', "bad.yaml: start_date: is needed with a schedule"),
+        ("schedule: {every: soon}\nstart_date: 2026-11-01\n", "bad.yaml: schedule.every:"),
+        ("owner: me\n", "bad.yaml: owner: unknown key"),
+        ("params: [1, 2]\n", "bad.yaml: params: must be a mapping"),
+    ],
+)
+def test_a_bad_job_file_is_an_import_error_naming_it_and_breaks_no_other_dag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str, named: str
+) -> None:
+    (tmp_path / "good.yaml").write_text(
+        "schedule: {every: 6h}\nstart_date: 2026-11-01\nparams:\n  total_steps: 200\n"
+    )
+    (tmp_path / "bad.yaml").write_text(content)
+    monkeypatch.setenv("SYNCSWITCH_JOBS_DIR", str(tmp_path))
+    bag = DagBag(dag_folder=str(REPO / "dags" / "recurring_jobs.py"))
+    [(path, message)] = bag.import_errors.items()
+    assert path.endswith("recurring_jobs.py") and named in message, message
+    assert set(bag.dag_ids) == {"job_good"}
+    assert bag.dags["job_good"].schedule == datetime.timedelta(hours=6)

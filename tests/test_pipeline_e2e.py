@@ -208,8 +208,8 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
 
     assert dag_run.state == "success", task_states(dag_run)
     states = task_states(dag_run)
-    assert states["segment_0_bsp"] == "success" and states["segment_0_asp"] == "skipped"
-    assert states["segment_1_asp"] == "success" and states["segment_1_bsp"] == "skipped"
+    assert states["segment_0.bsp"] == "success" and states["segment_0.asp"] == "skipped"
+    assert states["segment_1.asp"] == "success" and states["segment_1.bsp"] == "skipped"
     assert states["teardown_cluster"] == "success"
     layout = layout_of(bucket, dag_run)
     assert layout.root == f"{bucket}/e2e/{safe_run_id(dag_run.run_id)}"
@@ -299,7 +299,7 @@ def test_a_failing_segment_fails_the_run_and_teardown_cleans_up(
     assert len(killer.killed) == 2
     assert dag_run.state == "failed"
     states = task_states(dag_run)
-    assert states["segment_0_bsp"] == "failed"
+    assert states["segment_0.bsp"] == "failed"
     assert states["evaluate"] == "upstream_failed" and states["report"] == "upstream_failed"
     assert states["teardown_cluster"] == "success"
     state = read_state(layout_of(bucket, dag_run))

@@ -29,7 +29,7 @@ from syncswitch_airflow.triggers.straggler import CLASSPATH, StragglerTrigger
 
 DETECTOR = {"window_seconds": 0.5, "threshold": 1.5, "raise_after": 2, "clear_after": 2, "lateness": 0.1}
 TICK = 0.05
-SEGMENT_TASK = {"dag_id": "sync_switch", "run_id": "r", "task_id": "segment_0_bsp"}
+SEGMENT_TASK = {"dag_id": "sync_switch", "run_id": "r", "task_id": "segment_0.bsp"}
 # What a sensor's execute() gets from Airflow, as far as the sensor reads it.
 CONTEXT = {"ti": SimpleNamespace(dag_id="sync_switch", run_id="r")}
 Slowdown = Callable[[int, float], float]
@@ -275,10 +275,10 @@ def start_run(layout: RunLayout, policy: str, max_online_switches: int = 2) -> N
 
 def sensor(layout: RunLayout, slot: int = 0) -> StragglerSensor:
     return StragglerSensor(
-        task_id=f"watch_stragglers_{slot}",
+        task_id=f"segment_{slot}.watch_stragglers",
         run_dir=layout.root,
         slot=slot,
-        segment_tasks={"bsp": f"segment_{slot}_bsp", "asp": f"segment_{slot}_asp"},
+        segment_tasks={"bsp": f"segment_{slot}.bsp", "asp": f"segment_{slot}.asp"},
         poll_interval=0.05,
         detector=DETECTOR,
         recheck_seconds=5.0,

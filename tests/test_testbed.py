@@ -86,16 +86,29 @@ def bed(prerequisites: None) -> Iterator[tb.Testbed]:
         testbed.down()
 
 
-def _in_host(bed: tb.Testbed, host: tb.TestHost | tb.OutsideNamespace | str, script: str, *args: object,
-             timeout: float = 60) -> str:
-    proc = bed.exec(host, [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
-                    timeout=timeout)
+def _in_host(
+    bed: tb.Testbed,
+    host: tb.TestHost | tb.OutsideNamespace | str,
+    script: str,
+    *args: object,
+    timeout: float = 60,
+) -> str:
+    proc = bed.exec(
+        host, [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
 
-def _connect(bed: tb.Testbed, from_host: tb.TestHost | tb.OutsideNamespace | str, address: str, port: int, *,
-             count: int = 1, timeout: float = 2.0) -> float | str:
+def _connect(
+    bed: tb.Testbed,
+    from_host: tb.TestHost | tb.OutsideNamespace | str,
+    address: str,
+    port: int,
+    *,
+    count: int = 1,
+    timeout: float = 2.0,
+) -> float | str:
     """Fastest of `count` TCP connects from a host, in ms; the error's name when one fails."""
     result = _in_host(bed, from_host, _CONNECT_SCRIPT, address, port, count, timeout)
     try:
@@ -163,8 +176,15 @@ def test_ssh_login_runs_commands_in_the_hosts_namespace(bed: tb.Testbed) -> None
     client = paramiko.SSHClient()
     client.load_host_keys(bed.known_hosts_path)  # and reject any other key: the file must be right
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    client.connect(host.address, port=host.ssh_port, username=host.user, key_filename=host.key_path,
-                   look_for_keys=False, allow_agent=False, timeout=10)
+    client.connect(
+        host.address,
+        port=host.ssh_port,
+        username=host.user,
+        key_filename=host.key_path,
+        look_for_keys=False,
+        allow_agent=False,
+        timeout=10,
+    )
     try:
         _, stdout, _ = client.exec_command("hostname -I; stat -L -c %i /proc/self/ns/net", timeout=10)
         addresses, netns_inode = stdout.read().decode().split("\n")[:2]

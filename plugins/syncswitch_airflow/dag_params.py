@@ -21,6 +21,7 @@ from syncswitch.spec import (
     MOMENTUM_RULES,
     ONLINE_POLICIES,
     PROBLEMS,
+    TIMING_POLICIES,
     JobSpec,
     SpecError,
 )
@@ -68,9 +69,10 @@ def _int_array(value: tuple[int, ...], title: str, description: str, minimum: in
     )
 
 
-def build_params(bucket_dir: str) -> dict[str, Param]:
-    """One Param per JobSpec field, defaulting to JobSpec() (the embedded digits demo)."""
-    d = JobSpec()
+def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, Param]:
+    """One Param per JobSpec field, defaulting to ``defaults`` (a recurring job's settings) or to
+    JobSpec() (the embedded digits demo), with ``bucket_dir`` as the bucket folder."""
+    d = defaults or JobSpec()
     params = {
         "job_name": Param(
             d.job_name,
@@ -132,10 +134,12 @@ def build_params(bucket_dir: str) -> dict[str, Param]:
         ),
         "problem": _enum(d.problem, PROBLEMS, "Problem", "The dataset."),
         "data_dir": Param(
-            d.data_dir,
-            type="string",
+            # Optional: an empty required string would keep the Trigger form from submitting.
+            d.data_dir or None,
+            type=["null", "string"],
             title="Data folder",
-            description="Local folder or gs:// URI with the dataset (needed by image_cifar10/100).",
+            description="Local folder or gs:// URI with the dataset (needed by image_cifar10/100; "
+            "may be a template, e.g. gs://bucket/cifar/{{ ds }}). Empty for the bundled digits.",
         ),
         "bucket_dir": Param(
             bucket_dir,
@@ -182,6 +186,13 @@ def build_params(bucket_dir: str) -> dict[str, Param]:
         "pin_cores": Param(
             d.pin_cores, type="boolean", title="Pin cores", description="Pin each process to one core."
         ),
+        "evaluate_checkpoints": Param(
+            d.evaluate_checkpoints,
+            type="boolean",
+            title="Evaluate every checkpoint",
+            description="Test accuracy at every checkpoint: an accuracy-over-time curve, and time to a "
+            "target accuracy in comparisons (its seconds are subtracted from training time).",
+        ),
         "stall_seconds": Param(
             d.stall_seconds,
             type="number",
@@ -189,6 +200,33 @@ def build_params(bucket_dir: str) -> dict[str, Param]:
             title="Stall limit (s)",
             description="A segment whose global step does not move for this long (or for 20x its usual "
             "time between steps, if longer) is stopped and retried from its last checkpoint.",
+        ),
+        "timing_policy": _enum(
+            d.timing_policy,
+            TIMING_POLICIES,
+            "Timing policy",
+            "fixed: train bsp_fraction as given. search: the job's history chooses it (BSP baseline runs, "
+            "then a halving search 0.5, 0.25, ... accepted while accuracy holds, then the smallest "
+            "accepted fraction); needs switch_order '10'.",
+        ),
+        "timing_repeats": _int(d.timing_repeats, "Timing: runs per candidate", "k runs of each fraction.", 1),
+        "timing_tolerance": Param(
+            d.timing_tolerance,
+            type="number",
+            minimum=0,
+            title="Timing: accuracy tolerance",
+            description="A fraction is accepted while its mean accuracy >= the BSP baseline's mean - this.",
+        ),
+        "timing_floor": Param(
+            d.timing_floor,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=0.5,
+            title="Timing: smallest fraction",
+            description="The search stops below this BSP fraction.",
+        ),
+        "timing_refine": _int(
+            d.timing_refine, "Timing: refinement steps", "Bisections after the first rejection (0 = off).", 0
         ),
         "evaluate_segments": Param(
             d.evaluate_segments,

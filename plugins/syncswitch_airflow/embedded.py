@@ -358,15 +358,7 @@ class EmbeddedAirflow:
         """Parse the dags folder now instead of waiting for the dag-processor's next refresh."""
         self._log.info("reserializing DAGs from %s", self.dags_folder)
         try:
-            result = subprocess.run(
-                [str(Path(sys.executable).parent / "airflow"), "dags", "reserialize"],
-                cwd=self.project_dir,
-                env=self.env(),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=max(deadline - time.monotonic(), 1.0),
-            )
+            result = self.command("dags", "reserialize", timeout=max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
             raise AirflowError("`airflow dags reserialize` did not finish in time") from None
         if result.returncode != 0:
@@ -484,6 +476,48 @@ class EmbeddedAirflow:
             f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances?limit=1000"
         )
         return {ti["task_id"]: ti.get("state") for ti in body.get("task_instances", [])}
+
+    def dag_runs(self, dag_id: str) -> list[dict[str, Any]]:
+        """Every run of ``dag_id`` (run id, state, conf, logical date, run type)."""
+        return self._get_json(f"/api/v2/dags/{_quote(dag_id)}/dagRuns?limit=1000").get("dag_runs", [])
+
+    def create_backfill(
+        self,
+        dag_id: str,
+        from_date: str,
+        to_date: str,
+        *,
+        reprocess_behavior: str = "none",
+        max_active_runs: int = 10,
+    ) -> dict[str, Any]:
+        """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to]."""
+        status, body = self._request(
+            "POST",
+            "/api/v2/backfills",
+            {
+                "dag_id": dag_id,
+                "from_date": from_date,
+                "to_date": to_date,
+                "reprocess_behavior": reprocess_behavior,
+                "max_active_runs": max_active_runs,
+            },
+        )
+        if status != 200:
+            raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
+        self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
+        return body
+
+    def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """An ``airflow`` CLI command against this instance (its home, database and settings)."""
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "airflow"), *args],
+            cwd=self.project_dir,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
         """Mark one task instance by hand, as the UI's "Mark as" does."""

@@ -179,17 +179,21 @@ def validate_record(record: Any) -> dict[str, Any]:
 
 
 def validate_claim(claim: Any) -> dict[str, Any]:
-    """A checked copy of a claim ``{run_id, fingerprint, bsp_fraction, phase, claimed_at}``."""
+    """A checked copy of a claim ``{run_id, fingerprint, bsp_fraction, phase, claimed_at}`` (and,
+    optionally, ``decision``: the whole TimingDecision, so that a retried task reuses it)."""
     if not isinstance(claim, dict):
         raise RecordError("claim", f"must be a JSON object, got {type(claim).__name__}")
-    _check_field_names(claim, CLAIM_FIELDS, ())
-    return {
+    _check_field_names(claim, CLAIM_FIELDS, ("decision",))
+    checked = {
         "run_id": _text("run_id", claim["run_id"]),
         "fingerprint": _text("fingerprint", claim["fingerprint"]),
         "bsp_fraction": _fraction("bsp_fraction", claim["bsp_fraction"]),
         "phase": _choice(CLAIM_PHASES)("phase", claim["phase"]),
         "claimed_at": _seconds("claimed_at", claim["claimed_at"]),
     }
+    if "decision" in claim:
+        checked["decision"] = _object("decision", claim["decision"])
+    return checked
 
 
 def _check_field_names(data: dict, required: tuple[str, ...], optional: tuple[str, ...]) -> None:

@@ -61,6 +61,7 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     # A worker killed mid-RPC can surface as an UnknownError "Graph execution error"; TF retries it
     # as a worker failure only when asked to (b/216666282 in cluster_coordinator.py).
     os.environ.setdefault("TF_PS_HANDLE_UNKNOWN_ERROR", "1")
+    closure_timing = ClosureTiming()
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -158,6 +159,7 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
                     compute_time=float(own),
                 )
             sizer.observe(records[:, 2])
+            closure_timing.add(records[:, 2])
             watchdog.seen(worker)
             loss = float(records[-1, 0])
             lr, momentum = schedule.at(loop.done_samples / global_batch)
@@ -194,6 +196,39 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
         stop_signal.close()
         watchdog.close()
         events.close()
+
+
+class ClosureTiming:
+    """Where a closure's time goes: the steps inside the function (timed on the workers) and
+    ClusterCoordinator's own timers, ``closure_execution`` (dispatching and running it from the
+    coordinator's worker thread) and ``remote_value_fetch`` (copying its output back)."""
+
+    def __init__(self) -> None:
+        from tensorflow.python.distribute.coordinator import metric_utils
+
+        metric_utils.enable_metrics = True  # off by default; a few timers per closure
+        self.closures, self.steps, self.in_function = 0, 0, 0.0
+
+    def add(self, step_seconds: np.ndarray) -> None:
+        self.closures += 1
+        self.steps += len(step_seconds)
+        self.in_function += float(step_seconds.sum())
+
+    def summary(self) -> dict[str, float]:
+        from tensorflow.python.distribute.coordinator import metric_utils
+
+        timers = {}
+        for name in ("closure_execution", "remote_value_fetch"):
+            try:
+                timers[f"{name}_seconds"] = float(metric_utils.get_metric_summary(name)["sum"])
+            except (KeyError, TypeError):
+                timers[f"{name}_seconds"] = 0.0
+        return {
+            "closures": self.closures,
+            "steps": self.steps,
+            "in_function_seconds": self.in_function,
+            **timers,
+        }
 
 
 class ClosureSizer:

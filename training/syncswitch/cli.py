@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -67,6 +68,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-cores", action="store_true", help="pin each process to one core")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", action="store_true", help="report test accuracy of the final checkpoint")
+    p.add_argument(
+        "--eval-checkpoints", action="store_true", help="test accuracy at every checkpoint (eval events)"
+    )
     p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
     p.add_argument(
         "--stall-seconds",
@@ -125,6 +129,7 @@ def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
         momentum_ramp_steps=args.momentum_ramp_steps,
         seed=args.seed,
         evaluate=args.eval,
+        evaluate_checkpoints=args.eval_checkpoints,
         pin_cores=args.pin_cores,
         watchdog_seconds=args.watchdog_seconds,
         stragglers=tuple(StragglerSpec.parse(s) for s in args.straggler),
@@ -184,37 +189,29 @@ def summary_line(result: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
     return line
 
 
+# The pipeline-side commands live with the Airflow code and are imported only when used, so cluster
+# nodes, which run `train` alone, never load Airflow.
+PIPELINE_COMMANDS = {
+    "run": "syncswitch_airflow.cli:main",
+    "sweep": "syncswitch_airflow.sweep:main",
+    "history": "syncswitch_airflow.history_cli:history_main",
+    "policy": "syncswitch_airflow.history_cli:policy_main",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "run": _run_main, "history": _history_main, "policy": _policy_main}
-    if not argv or argv[0] not in commands:
+    names = ["train", *PIPELINE_COMMANDS]
+    if not argv or argv[0] not in names:
         print(
-            "usage: syncswitch {train,run,history,policy} [options]   (syncswitch <command> --help)",
+            f"usage: syncswitch {{{','.join(names)}}} [options]   (syncswitch <command> --help)",
             file=sys.stderr,
         )
         return 2
-    return commands[argv[0]](argv[1:])
-
-
-def _run_main(argv: list[str]) -> int:
-    # The pipeline command lives with the Airflow side; imported lazily so that cluster nodes, which
-    # only run `train`, need no Airflow.
-    from syncswitch_airflow.cli import main as run_main
-
-    return run_main(argv)
-
-
-def _history_main(argv: list[str]) -> int:
-    # Airflow-side bookkeeping, imported lazily like `run`: cluster nodes never load it.
-    from syncswitch_airflow.history_cli import history_main
-
-    return history_main(argv)
-
-
-def _policy_main(argv: list[str]) -> int:
-    from syncswitch_airflow.history_cli import policy_main
-
-    return policy_main(argv)
+    if argv[0] == "train":
+        return train_main(argv[1:])
+    module, _, function = PIPELINE_COMMANDS[argv[0]].partition(":")
+    return getattr(importlib.import_module(module), function)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ EVAL_BATCH = 256
 def evaluate_checkpoint_uri(
     uri: str, hp: HParams, problem_name: str, data_dir: str, scratch_dir: str
 ) -> dict[str, float]:
-    """{test_accuracy, test_loss} of the checkpoint at ``uri`` (a ckpt-<samples> folder)."""
-    import keras
+    """{test_accuracy, test_loss, global_step} of the checkpoint at ``uri`` (a ckpt-<samples> folder)."""
     import tensorflow as tf
 
     from syncswitch.models import build_model
@@ -33,6 +32,14 @@ def evaluate_checkpoint_uri(
     prefix = checkpoints.fetch(manifest, scratch_dir)
     # Only the model is needed: expect_partial() skips the optimizer slots and counters.
     tf.train.Checkpoint(model=model).read(prefix).expect_partial()
+    return {**evaluate_model(model, problem, data_dir), "global_step": float(manifest["global_step"])}
+
+
+def evaluate_model(model: Any, problem: Any, data_dir: str) -> dict[str, float]:
+    """{test_accuracy, test_loss} of a Keras model on ``problem``'s test set (inference mode)."""
+    import keras
+    import tensorflow as tf
+
     correct, total, loss_sum = 0, 0, 0.0
     for x, y in problem.test_dataset(data_dir, batch_size=EVAL_BATCH):
         logits = model(x, training=False)
@@ -43,11 +50,7 @@ def evaluate_checkpoint_uri(
             tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=y.dtype), y), tf.int32))
         )
         total += int(tf.shape(y)[0])
-    return {
-        "test_accuracy": correct / max(total, 1),
-        "test_loss": loss_sum / max(total, 1),
-        "global_step": float(manifest["global_step"]),
-    }
+    return {"test_accuracy": correct / max(total, 1), "test_loss": loss_sum / max(total, 1)}
 
 
 def evaluate_latest(run_dir: str, hp: HParams, problem_name: str, data_dir: str) -> dict[str, Any]:

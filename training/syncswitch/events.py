@@ -25,7 +25,8 @@ Per event type, the extra keys are:
                    closure's forward and backward pass on the worker), wait_time (BSP: waiting for
                    peers; ASP: the rest of the closure, i.e. the PS round trip)
     checkpoint     global_step, samples, uri, seconds
-    eval           global_step, test_accuracy, test_loss
+    eval           global_step, test_accuracy, test_loss (and seconds: how long it took, for an
+                   evaluation at a checkpoint during training)
     straggler      injected slowdown window: worker, slowdown, start, end (epoch seconds)
     watchdog       worker, reason (a stalled worker was killed)
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),

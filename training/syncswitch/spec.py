@@ -27,6 +27,7 @@ from syncswitch.stall import DEFAULT_STALL_SECONDS
 PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
+TIMING_POLICIES = ("fixed", "search")
 CLUSTER_BACKENDS = ("local",)  # gce: planned, see README "Not exercised"
 MODELS = ("resnet", "cnn")
 PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
@@ -113,6 +114,7 @@ class SegmentSpec:
     momentum_ramp_steps: int = 50
     seed: int = 0
     evaluate: bool = False
+    evaluate_checkpoints: bool = False  # test accuracy at every checkpoint (an accuracy-over-time curve)
     pin_cores: bool = False
     watchdog_seconds: float = 60.0
     stall_seconds: float = DEFAULT_STALL_SECONDS  # the floor of syncswitch.stall's rule
@@ -204,7 +206,15 @@ class JobSpec:
     seed: int = 0
     pin_cores: bool = False
     evaluate_segments: bool = True
+    evaluate_checkpoints: bool = False
     stall_seconds: float = DEFAULT_STALL_SECONDS
+    # The offline timing policy (syncswitch_airflow.timing): "fixed" runs bsp_fraction as given;
+    # "search" lets the job's history choose it (halving search, then the smallest accepted fraction).
+    timing_policy: str = "fixed"
+    timing_repeats: int = 3
+    timing_tolerance: float = 0.005
+    timing_floor: float = 1 / 32
+    timing_refine: int = 0
 
     # ---- parsing ---------------------------------------------------------------------------
 
@@ -232,11 +242,13 @@ class JobSpec:
             "momentum_ramp_steps",
             "max_online_switches",
             "seed",
+            "timing_repeats",
+            "timing_refine",
         ):
             values[name] = _int(name, values[name])
-        for name in ("bsp_fraction", "stall_seconds"):
+        for name in ("bsp_fraction", "stall_seconds", "timing_tolerance", "timing_floor"):
             values[name] = _float(name, values[name])
-        for name in ("pin_cores", "evaluate_segments"):
+        for name in ("pin_cores", "evaluate_segments", "evaluate_checkpoints"):
             values[name] = _bool(name, values[name])
         spec = cls(**values)
         spec.validate()
@@ -284,6 +296,7 @@ class JobSpec:
         _choice("cluster_backend", self.cluster_backend, CLUSTER_BACKENDS)
         _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
         _choice("online_policy", self.online_policy, ONLINE_POLICIES)
+        self._validate_timing()
         if self.problem in ("image_cifar10", "image_cifar100") and not self.data_dir:
             raise SpecError("data_dir", f"problem {self.problem!r} needs a data_dir (local path or gs://)")
         if self.model == "cnn" and self.problem != "digits":
@@ -318,6 +331,40 @@ class JobSpec:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
             ) from None
+
+    def _validate_timing(self) -> None:
+        _choice("timing_policy", self.timing_policy, TIMING_POLICIES)
+        if self.timing_repeats < 1:
+            raise SpecError("timing_repeats", f"must be an integer >= 1, got {self.timing_repeats}")
+        if not self.timing_tolerance >= 0:
+            raise SpecError("timing_tolerance", f"must be a number >= 0, got {self.timing_tolerance}")
+        if not 0 < self.timing_floor <= 0.5:
+            raise SpecError("timing_floor", f"must be a number in (0, 0.5], got {self.timing_floor}")
+        if self.timing_refine < 0:
+            raise SpecError("timing_refine", f"must be an integer >= 0, got {self.timing_refine}")
+        if self.timing_policy == "search":
+            # The policy chooses the BSP share of one BSP-then-ASP job, as the paper's search did.
+            if self.switch_order != "10":
+                raise SpecError(
+                    "switch_order",
+                    f"timing_policy 'search' needs switch_order '10', got {self.switch_order!r}",
+                )
+            if self.train_steps:
+                raise SpecError(
+                    "train_steps", "timing_policy 'search' splits total_steps itself; leave it empty"
+                )
+
+    def with_bsp_fraction(self, fraction: float) -> JobSpec:
+        """This run's plan once a timing policy chose its BSP share: all BSP at 1.0, else BSP then
+        ASP; the choice is now fixed for this run (the decision itself is kept in state.json)."""
+        return dataclasses.replace(
+            self, bsp_fraction=fraction, switch_order="1" if fraction >= 1.0 else "10", timing_policy="fixed"
+        )
+
+    def planned_bsp_fraction(self) -> float:
+        """The share of the workload planned as BSP (before any online switch)."""
+        steps = self.segment_steps()
+        return sum(s for s, d in zip(steps, self.switch_order, strict=True) if d == "1") / sum(steps)
 
     # ---- planning --------------------------------------------------------------------------
 
@@ -406,6 +453,7 @@ class JobSpec:
             momentum_ramp_steps=self.momentum_ramp_steps,
             seed=self.seed,
             evaluate=self.evaluate_segments,
+            evaluate_checkpoints=self.evaluate_checkpoints,
             pin_cores=self.pin_cores,
             stall_seconds=self.stall_seconds,
             stragglers=self.stragglers,

@@ -7,6 +7,8 @@
       "segments":  {"<index>": SegmentResult dict (below)},
       "decisions": [{"time", "segment", "action", "reason", ...numbers behind it}, ...],
       "cluster":   {"backend", ...backend-specific handle},
+      "timing":    the timing policy's decision: {"bsp_fraction", "phase", "reason", "numbers"},
+      "final":     the final checkpoint's evaluation,
       "timings":   {"created", "first_bsp_start", "finished"},
     }
 
@@ -121,11 +123,17 @@ def _update_gcs_once(uri: str, mutate: Callable[[State], None]) -> State:
 
 
 def create_run(
-    layout: RunLayout, run_id: str, job_params: dict[str, Any], plan: list[dict], cluster: dict
+    layout: RunLayout,
+    run_id: str,
+    job_params: dict[str, Any],
+    plan: list[dict],
+    cluster: dict,
+    timing: dict[str, Any] | None = None,
 ) -> tuple[State, bool]:
-    """The run's state with its offline plan; (state, created). A retried or cleared run of the same
-    run id keeps its state (the plan may already have changed online and segments may have ended):
-    only the cluster handle is refreshed and the status is running again."""
+    """The run's state with its offline plan and the timing policy's decision; (state, created). A
+    retried or cleared run of the same run id keeps its state (the plan may already have changed
+    online and segments may have ended): only the cluster handle is refreshed and the status is
+    running again."""
     created: list[bool] = []
 
     def write(state: State) -> None:
@@ -134,7 +142,7 @@ def create_run(
             state["status"] = "running"
             return
         state.clear()
-        state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster)
+        state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster, timing=timing or {})
         created.append(True)
 
     return update_state(layout, write), bool(created)

@@ -359,6 +359,7 @@ class ChiefReporter:
         checkpoint_uri: str,
         start_step: float,
         evaluation: dict[str, float] | None,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         ended = time.time()
         seconds = ended - (self.first_step_at or ended)
@@ -382,6 +383,7 @@ class ChiefReporter:
             "reason": reason,
             "checkpoint": checkpoint_uri,
             "startup": self._startup_split(),
+            **(extra or {}),
             **(evaluation or {}),
         }
         self.events.emit(
@@ -455,6 +457,22 @@ def steps_per_execution_event(ctx: NodeContext, events: EventWriter, k: int, ste
         f"execution (one step takes {step_seconds * 1000:.1f} ms)",
         flush=True,
     )
+
+
+def evaluate_checkpointed(
+    ctx: NodeContext, state: dict[str, Any], events: EventWriter, samples: int, global_batch: int
+) -> None:
+    """With ``evaluate_checkpoints``: the test accuracy of what was just checkpointed (the template
+    model holds it), as an ``eval`` event, so runs have an accuracy-over-time curve. Its seconds are
+    in the event: time-to-accuracy figures subtract them."""
+    if not ctx.spec.evaluate_checkpoints:
+        return
+    from syncswitch.evaluate import evaluate_model
+    from syncswitch.problems import get_problem
+
+    started = time.monotonic()
+    scores = evaluate_model(state["template"], get_problem(ctx.spec.problem), ctx.data_dir)
+    events.emit("eval", global_step=samples / global_batch, seconds=time.monotonic() - started, **scores)
 
 
 def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, float] | None:

@@ -8,7 +8,11 @@ all act on the same cluster.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from syncswitch.layout import RunLayout
@@ -23,6 +27,10 @@ UNKNOWN = "unknown"
 
 class ClusterError(RuntimeError):
     """The backend could not provision, launch or tear down; the message says what and why."""
+
+
+class ClusterBusy(ClusterError):
+    """Every cluster slot of the backend is taken; provisioning waits (deferred) for one."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +50,86 @@ class SegmentStatus:
         return self.state == RUNNING
 
 
+class ClusterCapacity:
+    """At most ``capacity`` clusters of a backend at once, whoever asks: scheduled runs, UI triggers and
+    a backfill's many active runs alike (a backfill's own max_active_runs is not capped by the DAG's).
+
+    One lease file per slot in ``folder``; a run holds one from provisioning to teardown. Creating the
+    file exclusively is the lock, so two provisioning tasks never take one slot. A lease whose
+    cluster folder no longer exists (the holder tore down, or was never provisioned, but died before
+    releasing) is free again after ``STALE_SECONDS``.
+    """
+
+    STALE_SECONDS = 120.0
+
+    def __init__(self, folder: str | os.PathLike[str], capacity: int) -> None:
+        self.folder = Path(folder)
+        self.capacity = max(int(capacity), 1)
+
+    def acquire(self, run: str, cluster_dir: str) -> bool:
+        """Take a free slot for ``run`` (True; also when it holds one already), or False if all are taken."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.held_by(run) is not None:
+            return True
+        for slot in range(self.capacity):
+            path = self.folder / f"slot-{slot}.json"
+            self._drop_if_stale(path)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"run": run, "cluster_dir": cluster_dir, "acquired_at": time.time()}, f)
+            return True
+        return False
+
+    def release(self, run: str) -> None:
+        path = self.held_by(run)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def held_by(self, run: str) -> Path | None:
+        for path, lease in self._leases():
+            if lease.get("run") == run:
+                return path
+        return None
+
+    def has_free_slot(self) -> bool:
+        for slot in range(self.capacity):
+            path = self.folder / f"slot-{slot}.json"
+            self._drop_if_stale(path)
+            if not path.exists():
+                return True
+        return False
+
+    def holders(self) -> list[str]:
+        return [lease.get("run", "?") for _path, lease in self._leases()]
+
+    def _leases(self) -> list[tuple[Path, dict[str, Any]]]:
+        leases = []
+        for path in sorted(self.folder.glob("slot-*.json")):
+            try:
+                leases.append((path, json.loads(path.read_text())))
+            except (OSError, ValueError):
+                continue
+        return leases
+
+    def _drop_if_stale(self, path: Path) -> None:
+        try:
+            lease = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        old = time.time() - float(lease.get("acquired_at", 0)) > self.STALE_SECONDS
+        if old and not os.path.isdir(lease.get("cluster_dir", "")):
+            path.unlink(missing_ok=True)
+
+
 class ClusterBackend(Protocol):
     name: str
+
+    def capacity(self) -> ClusterCapacity:
+        """How many clusters of this backend may exist at once, and who holds them."""
+        ...
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
         """Reserve the cluster for one run; idempotent for the same run."""

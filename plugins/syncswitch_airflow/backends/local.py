@@ -48,12 +48,16 @@ from syncswitch_airflow.backends.base import (
     EXITED,
     RUNNING,
     UNKNOWN,
+    ClusterBusy,
+    ClusterCapacity,
     ClusterError,
     Handle,
     SegmentStatus,
 )
 
 WORK_DIR_ENV = "SYNCSWITCH_WORK_DIR"
+# How many local clusters may run at once. Each takes every core of a small machine, so one.
+CAPACITY_ENV = "SYNCSWITCH_LOCAL_CLUSTERS"
 CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
 SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
@@ -89,9 +93,28 @@ class LocalBackend:
 
     # ---- cluster ---------------------------------------------------------------------------------
 
+    def capacity(self) -> ClusterCapacity:
+        return ClusterCapacity(os.path.join(self.work_root, "leases"), int(os.environ.get(CAPACITY_ENV, "1")))
+
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
+        """Take a cluster slot (ClusterBusy when none is free), then the cluster's folder and its fork
+        server. Idempotent for the same run."""
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
+        capacity = self.capacity()
+        if not capacity.acquire(run, work_dir):
+            holders = ", ".join(capacity.holders())
+            raise ClusterBusy(
+                f"all {capacity.capacity} local cluster slot(s) are taken (by {holders}); "
+                f"${CAPACITY_ENV} sets how many run at once"
+            )
+        try:
+            return self._provision(job, layout, run, work_dir)
+        except BaseException:
+            capacity.release(run)
+            raise
+
+    def _provision(self, job: JobSpec, layout: RunLayout, run: str, work_dir: str) -> Handle:
         # The chief plus every worker and parameter server runs TensorFlow (forked from the fork
         # server, which holds one more copy of the imported libraries).
         processes = 1 + job.num_workers + job.num_ps
@@ -139,6 +162,7 @@ class LocalBackend:
         if leftovers:
             raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {leftovers}")
         shutil.rmtree(work_dir, ignore_errors=True)
+        self.capacity().release(handle.get("run", ""))
         log.info(
             "run %s: teardown stopped %d process(es), removed %s",
             handle.get("run"),

@@ -1,6 +1,7 @@
-"""Operators of the ``sync_switch`` DAG."""
+"""Operators of the Sync-Switch DAGs (syncswitch_airflow.dag_factory)."""
 
 from syncswitch_airflow.operators.cluster import ProvisionClusterOperator, TeardownClusterOperator
+from syncswitch_airflow.operators.finalize import FinalizeRunOperator
 from syncswitch_airflow.operators.job import (
     EvaluateRunOperator,
     PlanRunOperator,
@@ -8,13 +9,16 @@ from syncswitch_airflow.operators.job import (
     ValidateJobOperator,
 )
 from syncswitch_airflow.operators.segment import SegmentOperator
+from syncswitch_airflow.operators.timing import TimingPolicyOperator
 
 __all__ = [
     "EvaluateRunOperator",
+    "FinalizeRunOperator",
     "PlanRunOperator",
     "ProvisionClusterOperator",
     "ReportRunOperator",
     "SegmentOperator",
     "TeardownClusterOperator",
+    "TimingPolicyOperator",
     "ValidateJobOperator",
 ]

@@ -6,13 +6,10 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException
-from syncswitch.layout import RunLayout
-from syncswitch.state import finish_run, read_state
 
-from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.backends import ClusterBusy, ClusterError, get_backend
 from syncswitch_airflow.operators.common import job_from_params, run_layout
-
-_FAILED_STATES = ("failed", "upstream_failed")
+from syncswitch_airflow.triggers.capacity import ClusterCapacityTrigger
 
 
 class ProvisionClusterOperator(BaseOperator):
@@ -20,11 +17,15 @@ class ProvisionClusterOperator(BaseOperator):
 
     ui_color = "#fff4e0"
 
-    def execute(self, context: Context) -> dict[str, Any]:
-        job = job_from_params(context["params"])
+    def execute(self, context: Context, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Provision; while every cluster slot is taken, wait deferred for one and try again."""
+        job = job_from_params(context)
         backend = get_backend(job.cluster_backend)
         try:
             handle = backend.provision(job, run_layout(job, context["run_id"]))
+        except ClusterBusy as busy:
+            self.log.info("run %s: %s; waiting for a free slot", context["run_id"], busy)
+            self.defer(trigger=ClusterCapacityTrigger(backend.name), method_name="execute")
         except ClusterError as err:
             raise AirflowException(f"cannot provision the {backend.name} cluster: {err}") from None
         self.log.info(
@@ -34,9 +35,10 @@ class ProvisionClusterOperator(BaseOperator):
 
 
 class TeardownClusterOperator(BaseOperator):
-    """Kill every process of the run and free its work folder; marks state.json success or failed.
+    """Kill every process of the run and free its work folder.
 
-    Runs as the DAG's teardown task: after success, after a failure and after a manual fail.
+    Runs as the DAG's teardown task: after success, after a failure and after a manual fail. The
+    run's outcome is recorded after it, by the finalize task.
     """
 
     ui_color = "#fff4e0"
@@ -55,30 +57,10 @@ class TeardownClusterOperator(BaseOperator):
             released = get_backend(handle["backend"]).teardown(handle)
         except ClusterError as err:
             raise AirflowException(f"teardown incomplete: {err}") from None
-        outcome = self._run_outcome(context)
-        self._record(handle.get("run_dir"), outcome, released)
         self.log.info(
-            "run %s: teardown done: %d process(es) stopped, %s removed; run %s",
+            "run %s: teardown done: %d process(es) stopped, %s removed",
             run_id,
             len(released.get("stopped_pids", [])),
             released.get("work_dir"),
-            outcome or "outcome unknown",
         )
         return released
-
-    def _run_outcome(self, context: Context) -> str | None:
-        """``failed`` if any other task of this run failed, else ``success``; None if unknown."""
-        ti = context["ti"]
-        try:
-            states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
-        except Exception as err:  # the execution API is optional here: the teardown itself matters
-            self.log.warning("run %s: cannot read task states (%s)", ti.run_id, err)
-            return None
-        others = {task: state for task, state in states.items() if task != ti.task_id}
-        return "failed" if any(s in _FAILED_STATES for s in others.values()) else "success"
-
-    def _record(self, run_dir: str | None, outcome: str | None, released: dict[str, Any]) -> None:
-        if not run_dir or read_state(RunLayout(run_dir)) is None:
-            return
-
-        finish_run(RunLayout(run_dir), outcome)

@@ -13,12 +13,27 @@ from syncswitch.spec import JobSpec, SpecError
 from syncswitch.state import State, read_state
 
 
-def job_from_params(params: Mapping[str, Any]) -> JobSpec:
-    """The validated JobSpec of a DAG run; bad params fail the task (no retry) naming the field."""
+def job_from_params(context: Mapping[str, Any]) -> JobSpec:
+    """The validated JobSpec of a DAG run; bad params fail the task (no retry) naming the field.
+
+    String params may be templates (a job file's ``data_dir: gs://data/{{ ds }}``): they are rendered
+    with the run's context first, so a backfilled date reads its own data. A manual run without a
+    logical date renders ``ds`` as empty."""
+    task = context["task"]
+    params = {
+        name: task.render_template(value, context) if _is_template(value) else value
+        for name, value in dict(context["params"]).items()
+    }
     try:
-        return JobSpec.from_params(dict(params))
+        return JobSpec.from_params(params)
     except SpecError as err:
         raise AirflowFailException(f"invalid job params: {err}") from None
+
+
+def _is_template(value: Any) -> bool:
+    if isinstance(value, str):
+        return "{{" in value
+    return isinstance(value, list) and any(isinstance(v, str) and "{{" in v for v in value)
 
 
 def absolute_bucket_dir(bucket_dir: str) -> str:

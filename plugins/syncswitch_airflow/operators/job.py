@@ -36,7 +36,7 @@ class ValidateJobOperator(BaseOperator):
         self.max_segment_slots = max_segment_slots
 
     def execute(self, context: Context) -> dict[str, Any]:
-        job = job_from_params(context["params"])
+        job = job_from_params(context)
         try:
             check_slot_budget(job, self.max_segment_slots)
         except SpecError as err:
@@ -66,19 +66,22 @@ class PlanRunOperator(BaseOperator):
     have been changed online and segments may have completed); only the cluster handle is refreshed.
     """
 
-    template_fields = ("cluster",)
+    template_fields = ("cluster", "timing")
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, cluster: Any, **kwargs: Any) -> None:
+    def __init__(self, *, cluster: Any, timing: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cluster = cluster
+        self.timing = timing
 
     def execute(self, context: Context) -> str:
-        job = job_from_params(context["params"])
+        job = job_from_params(context)
+        if job.timing_policy != "fixed":
+            job = job.with_bsp_fraction(self.timing["bsp_fraction"])
         run_id = context["run_id"]
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
-        state, created = create_run(layout, run_id, params, job.plan_entries(), self.cluster)
+        state, created = create_run(layout, run_id, params, job.plan_entries(), self.cluster, self.timing)
         self.log.info(
             "run %s: %s plan in %s: %s",
             run_id,

@@ -1,4 +1,4 @@
-"""StragglerSensor (``watch_stragglers_<i>``): watches segment slot ``i`` and applies the online policy.
+"""StragglerSensor (``segment_<i>.watch_stragglers``): watches slot ``i`` and applies the online policy.
 
 execute()
     reads state.json; no plan entry for the slot -> skipped; the segment already ended -> returns at

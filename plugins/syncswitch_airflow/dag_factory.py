@@ -1,0 +1,109 @@
+"""The one builder of Sync-Switch DAGs: the ad-hoc ``sync_switch`` DAG and every recurring job's DAG.
+
+    validate -> timing_policy -> provision_cluster (setup) -> plan -> segment_0 ... segment_<N-1>
+      -> evaluate -> report -> teardown_cluster (teardown of provision_cluster) -> finalize
+
+Each ``segment_<i>`` task group holds ``bsp`` and ``asp`` (the one matching plan entry ``i`` runs, the
+other skips) and ``watch_stragglers`` beside them; groups past the end of the plan skip. finalize runs
+after teardown whatever happened (ALL_DONE): it records the run's outcome in state.json, the report and
+the job's history. The run's state is decided by report and finalize (teardown tasks do not count).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from airflow.sdk import DAG, Param, TaskGroup, TriggerRule, cross_downstream
+
+from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
+from syncswitch_airflow.operators import (
+    EvaluateRunOperator,
+    FinalizeRunOperator,
+    PlanRunOperator,
+    ProvisionClusterOperator,
+    ReportRunOperator,
+    SegmentOperator,
+    TeardownClusterOperator,
+    TimingPolicyOperator,
+    ValidateJobOperator,
+)
+from syncswitch_airflow.sensors.straggler import StragglerSensor
+
+PROTOCOLS = ("bsp", "asp")
+# A template rather than plan.output: an XComArg would wire plan directly to every task below.
+RUN_DIR = "{{ ti.xcom_pull(task_ids='plan') }}"
+
+
+def build_sync_switch_dag(
+    dag_id: str,
+    params: dict[str, Param],
+    *,
+    schedule: Any = None,
+    start_date: datetime.datetime | None = None,
+    catchup: bool = False,
+    max_active_runs: int = 1,
+    tags: list[str] | None = None,
+    description: str = "Sync-Switch training: BSP then ASP segments with checkpoint handoff",
+    doc_md: str | None = None,
+) -> DAG:
+    with DAG(
+        dag_id=dag_id,
+        description=description,
+        doc_md=doc_md or __doc__,
+        schedule=schedule,
+        start_date=start_date,
+        catchup=catchup,
+        max_active_runs=max_active_runs,
+        params=params,
+        tags=sorted({"syncswitch", *(tags or [])}),
+        default_args={"owner": "syncswitch"},
+    ) as dag:
+        validate = ValidateJobOperator(task_id="validate")
+        timing = TimingPolicyOperator(task_id="timing_policy")
+        provision = ProvisionClusterOperator(task_id="provision_cluster").as_setup()
+        plan = PlanRunOperator(task_id="plan", cluster=provision.output, timing=timing.output)
+        validate >> timing >> provision >> plan
+        last_slot = _segment_slots(plan)
+        # Skipped (unused) slots at the end must not skip evaluation; a failed segment still stops it.
+        evaluate = EvaluateRunOperator(
+            task_id="evaluate", run_dir=RUN_DIR, trigger_rule=TriggerRule.NONE_FAILED
+        )
+        report = ReportRunOperator(task_id="report", run_dir=RUN_DIR)
+        teardown = TeardownClusterOperator(task_id="teardown_cluster")
+        finalize = FinalizeRunOperator(task_id="finalize", trigger_rule=TriggerRule.ALL_DONE)
+        cross_downstream(last_slot, [evaluate])
+        evaluate >> report >> teardown >> finalize
+        teardown.as_teardown(setups=provision)
+    return dag
+
+
+def _segment_slots(plan: Any) -> list[Any]:
+    """MAX_SEGMENT_SLOTS task groups after ``plan``, each after the one before; the last group's tasks."""
+    previous: list[Any] = [plan]
+    for slot in range(MAX_SEGMENT_SLOTS):
+        after_previous = {"trigger_rule": TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS}
+        with TaskGroup(group_id=f"segment_{slot}", tooltip=f"plan entry {slot}: BSP or ASP, and its watcher"):
+            segments = [
+                SegmentOperator(
+                    task_id=protocol,
+                    slot=slot,
+                    protocol=protocol,
+                    run_dir=RUN_DIR,
+                    priority_weight=10,
+                    **after_previous,
+                )
+                for protocol in PROTOCOLS
+            ]
+            watcher = StragglerSensor(
+                task_id="watch_stragglers",
+                run_dir=RUN_DIR,
+                slot=slot,
+                segment_tasks={t.protocol: t.task_id for t in segments},
+                priority_weight=1,  # the segment task is picked first when slots are scarce
+                **after_previous,
+            )
+        current = [*segments, watcher]
+        cross_downstream(previous, current)
+        previous = current
+    return previous

@@ -1,0 +1,108 @@
+"""The last task of a run: its outcome, in state.json and in the job's history.
+
+It runs after teardown_cluster whatever happened (trigger rule ALL_DONE), so it sees the run's true
+outcome, which the report task (before teardown) cannot: it marks state.json, corrects the report's
+status, and writes the run's one immutable history record (syncswitch_airflow.history), failed runs
+included (they never count as evidence for the timing policy, but they are part of the job's story).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch.state import finish_run, read_state
+
+from syncswitch_airflow import history
+from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_layout
+
+FAILED_STATES = ("failed", "upstream_failed")
+
+
+class FinalizeRunOperator(BaseOperator):
+    """Record the run's outcome; returns the history record."""
+
+    ui_color = "#e8f4fd"
+
+    def __init__(self, *, timing_task_id: str = "timing_policy", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timing_task_id = timing_task_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        job = job_from_params(context)
+        run_id = context["run_id"]
+        outcome = self._outcome(context)
+        layout = run_layout(job, run_id)
+        state = read_state(layout)
+        if state is not None:
+            state = finish_run(layout, outcome)
+            self._refresh_report(layout, outcome)
+        decision = context["ti"].xcom_pull(task_ids=self.timing_task_id) or {}
+        record = history_record(job, run_id, context, outcome, state, decision)
+        written = history.write_record(absolute_bucket_dir(job.bucket_dir), job.job_name, record)
+        self.log.info(
+            "run %s: %s; history record %s (BSP fraction %s, accuracy %s, %s s)",
+            run_id,
+            outcome,
+            "written" if written else "already there",
+            record["bsp_fraction"],
+            record["final_accuracy"],
+            record["total_seconds"],
+        )
+        return record
+
+    def _outcome(self, context: Context) -> str:
+        """``failed`` if any other task of this run failed (or could not run because one did)."""
+        ti = context["ti"]
+        states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
+        others = {task: state for task, state in states.items() if task != ti.task_id}
+        return "failed" if any(state in FAILED_STATES for state in others.values()) else "success"
+
+    def _refresh_report(self, layout: RunLayout, outcome: str) -> None:
+        from syncswitch_airflow.report import refresh_status
+
+        refresh_status(layout.root, outcome)
+
+
+def history_record(
+    job: JobSpec,
+    run_id: str,
+    context: Context,
+    outcome: str,
+    state: dict[str, Any] | None,
+    decision: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's history record (docs/history.md)."""
+    planned = JobSpec.from_params(state["job"]) if state else job
+    segments = (state or {}).get("segments", {}).values()
+    timings = (state or {}).get("timings", {})
+    logical_date = context.get("logical_date")
+    started = timings.get("created")
+    finished = timings.get("finished") or time.time()
+    final = (state or {}).get("final") or {}
+    return {
+        "schema_version": 1,
+        "job_name": job.job_name,
+        "run_id": run_id,
+        "dag_id": context["ti"].dag_id,
+        "logical_date": logical_date.isoformat() if logical_date else None,
+        "status": outcome,
+        "bsp_fraction": decision.get("bsp_fraction", planned.planned_bsp_fraction()),
+        "switch_order": planned.switch_order,
+        "workload_steps": planned.workload,
+        "final_accuracy": final.get("test_accuracy") if outcome == "success" else None,
+        "total_seconds": finished - started if started else None,
+        "training_seconds": {
+            protocol: sum(float(s.get("seconds") or 0.0) for s in segments if s.get("protocol") == protocol)
+            for protocol in ("bsp", "asp")
+        },
+        "fingerprint": history.job_fingerprint(job.to_params()),
+        "policy_phase": decision.get("phase", "fixed"),
+        "policy": decision or None,
+        "started_at": started,
+        "finished_at": finished,
+        "cost": None,
+    }

@@ -1,0 +1,49 @@
+"""ClusterCapacityTrigger: a provisioning task waits on the triggerer for a free cluster slot.
+
+Holding no worker slot while it waits matters: a backfill's waiting runs would otherwise take every
+executor slot, and the run that holds the cluster could not start its next segment task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from syncswitch_airflow.backends import get_backend
+
+
+class ClusterCapacityTrigger(BaseTrigger):
+    """Fires ``{"status": "free"}`` once backend ``backend`` has a free cluster slot."""
+
+    def __init__(self, backend: str, poll_seconds: float = 5.0, log_seconds: float = 60.0) -> None:
+        super().__init__()
+        self.backend = backend
+        self.poll_seconds = poll_seconds
+        self.log_seconds = log_seconds
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"backend": self.backend, "poll_seconds": self.poll_seconds, "log_seconds": self.log_seconds},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        capacity = get_backend(self.backend).capacity()
+        started, next_log = time.monotonic(), 0.0
+        while not await asyncio.to_thread(capacity.has_free_slot):
+            if time.monotonic() >= next_log:
+                next_log = time.monotonic() + self.log_seconds
+                holders = await asyncio.to_thread(capacity.holders)
+                self.log.info(
+                    "waiting %.0f s for one of %d %s cluster slot(s), held by %s",
+                    time.monotonic() - started,
+                    capacity.capacity,
+                    self.backend,
+                    ", ".join(holders),
+                )
+            await asyncio.sleep(self.poll_seconds)
+        yield TriggerEvent({"status": "free"})

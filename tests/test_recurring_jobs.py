@@ -1,0 +1,103 @@
+"""Recurring jobs under the real scheduler: a job file's DAG backfilled through Airflow's own
+interfaces (the `airflow backfill create` CLI, then the REST API reprocessing a date), with the
+offline timing policy searching (k = 1) while the backfill's runs overlap.
+
+The job (conftest BACKFILL_JOB, `job_backfill_search`) is a daily digits job whose data_dir is a
+template of the date. The backfill's three runs are active at once (a backfill's max_active_runs is
+10 and not capped by the DAG's), so each claims its decision before provisioning: the first takes
+the BSP baseline, the next ones the search's next candidates (0.5, 0.25). Only one local cluster
+exists at a time (the backend's capacity): the others wait for it, deferred.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from proc_utils import wait_for
+from syncswitch.layout import RunLayout
+from syncswitch.state import read_state
+from syncswitch_airflow import history
+from syncswitch_airflow.embedded import EmbeddedAirflow
+
+pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
+
+DAG_ID = "job_backfill_search"
+JOB = "backfill-search"
+SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
+
+
+def finished_runs(airflow: EmbeddedAirflow, count: int, timeout: float = 900) -> list[dict]:
+    runs: list[dict] = []
+
+    def done() -> bool:
+        runs[:] = airflow.dag_runs(DAG_ID)
+        return len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs)
+
+    wait_for(done, timeout=timeout, what=f"{count} finished runs of {DAG_ID}", poll=3.0)
+    return runs
+
+
+def training_windows(bucket: str, run_id: str) -> list[tuple[float, float]]:
+    state = read_state(RunLayout.for_run(bucket, JOB, run_id)) or {}
+    return [(s["started_at"], s["ended_at"]) for s in state.get("segments", {}).values()]
+
+
+def test_a_backfill_over_three_dates_searches_the_switch_point_and_a_reprocessed_date_gets_its_own_run(
+    embedded_airflow: EmbeddedAirflow,
+) -> None:
+    # The session's bucket folder: the job file's bucket_dir (conftest BACKFILL_JOB).
+    airflow, bucket = embedded_airflow, os.environ["SYNCSWITCH_BUCKET_DIR"]
+    created = airflow.command(
+        "backfill", "create", "--dag-id", DAG_ID, "--from-date", "2026-01-01", "--to-date", "2026-01-03"
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
+    runs = finished_runs(airflow, 3)
+    assert [r["state"] for r in runs] == ["success"] * 3, runs
+    assert {r["run_type"] for r in runs} == {"backfill"}
+
+    records = {r["run_id"]: r for r in history.read_records(bucket, JOB)}
+    assert set(records) == {r["dag_run_id"] for r in runs}, "one history record per run"
+    # Overlapping runs claimed distinct items of the search: the baseline and the next two candidates.
+    assert sorted(r["bsp_fraction"] for r in records.values()) == [0.25, 0.5, 1.0]
+    assert {r["policy_phase"] for r in records.values()} == {"baseline", "search"}
+    for run in runs:
+        layout = RunLayout.for_run(bucket, JOB, run["dag_run_id"])
+        state = read_state(layout)
+        assert state["status"] == "success" and Path(layout.root).is_dir()
+        # The logical date reached the job through the template in its data_dir.
+        assert state["job"]["data_dir"] == f"dates/{run['logical_date'][:10]}"
+        assert state["timing"]["bsp_fraction"] == records[run["dag_run_id"]]["bsp_fraction"]
+        summary = json.loads(Path(layout.report, "summary.json").read_text())
+        assert summary["status"] == "success"
+    # One cluster at a time: no two runs trained at once.
+    windows = sorted(w for run in runs for w in training_windows(bucket, run["dag_run_id"]))
+    assert all(earlier[1] <= later[0] for earlier, later in zip(windows, windows[1:], strict=False)), windows
+
+    # The REST API reprocessing one date: a new run with its own folder and its own record.
+    airflow.create_backfill(DAG_ID, "2026-01-02", "2026-01-02", reprocess_behavior="completed")
+    runs = finished_runs(airflow, 4)
+    [again] = [r for r in runs if r["dag_run_id"] not in records]
+    assert again["state"] == "success" and again["logical_date"][:10] == "2026-01-02"
+    records = {r["run_id"]: r for r in history.read_records(bucket, JOB)}
+    assert len(records) == 4 and Path(RunLayout.for_run(bucket, JOB, again["dag_run_id"]).root).is_dir()
+
+    # What the policy decides next from this history is what `syncswitch policy next` prints.
+    jsonl = Path(bucket) / "history.jsonl"
+    history.write_jsonl(str(jsonl), list(records.values()))
+    decided = subprocess.run(
+        [str(SYNCSWITCH), "policy", "next", "--history", str(jsonl), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    decision = json.loads(decided.stdout.strip().splitlines()[-1])
+    assert decision["phase"] in ("search", "exploit") and decision["bsp_fraction"] < 1.0
+    shown = subprocess.run(
+        [str(SYNCSWITCH), "history", JOB, "--bucket-dir", bucket], capture_output=True, text=True, check=True
+    )
+    assert all(run_id[:20] in shown.stdout for run_id in records)

@@ -1,0 +1,79 @@
+"""The Trigger form of the sync_switch DAG, driven as a new user would: the real Airflow UI in a real
+browser (Debian's Chromium, driven by Playwright pointed at the system browser), on the session's
+embedded Airflow. It triggers with the defaults and the run succeeds; a bad value is refused with a
+message naming the field, and no run is created.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+from airflow_runs import DAG_ID, wait_run
+from proc_utils import wait_for
+from syncswitch_airflow.embedded import ADMIN_PASSWORD, ADMIN_USER, EmbeddedAirflow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    pytest.mark.airflow,
+    pytest.mark.cluster,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (scripts/test.sh installs it as root)"),
+]
+
+
+@pytest.fixture
+def page(embedded_airflow: EmbeddedAirflow) -> Iterator:  # noqa: ANN201 - playwright Page
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(embedded_airflow.url + "/")
+            page.get_by_label("Username").fill(ADMIN_USER)
+            page.get_by_label("Password").fill(ADMIN_PASSWORD)
+            page.get_by_role("button", name="Sign in").click()
+            page.wait_for_url("**/")
+            yield page
+        finally:
+            browser.close()
+
+
+def open_trigger_form(page, airflow: EmbeddedAirflow):  # noqa: ANN001, ANN201 - playwright types
+    page.goto(f"{airflow.url}/dags/{DAG_ID}")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_role("button", name="Trigger").wait_for()
+    return dialog
+
+
+def run_ids(airflow: EmbeddedAirflow) -> set[str]:
+    body = airflow._get_json(f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")  # noqa: SLF001 - test helper
+    return {run["dag_run_id"] for run in body["dag_runs"]}
+
+
+def test_the_trigger_form_submits_its_defaults_and_the_run_succeeds(
+    page, embedded_airflow: EmbeddedAirflow
+) -> None:  # noqa: ANN001
+    before = run_ids(embedded_airflow)
+    dialog = open_trigger_form(page, embedded_airflow)
+    submit = dialog.get_by_role("button", name="Trigger")
+    assert submit.is_enabled(), "the form must submit with its defaults"
+    submit.click()
+    page.get_by_text("Dag run has been successfully triggered").wait_for()
+    wait_for(lambda: run_ids(embedded_airflow) - before, timeout=30, what="the new run")
+    [run_id] = run_ids(embedded_airflow) - before
+    assert wait_run(embedded_airflow, run_id) == "success"
+
+
+def test_the_trigger_form_refuses_a_bad_value_naming_the_field(
+    page, embedded_airflow: EmbeddedAirflow
+) -> None:  # noqa: ANN001
+    before = run_ids(embedded_airflow)
+    dialog = open_trigger_form(page, embedded_airflow)
+    dialog.locator("#element_switch_order").fill("12")
+    dialog.get_by_role("button", name="Trigger").click()
+    page.get_by_text("Invalid input for param switch_order").wait_for()
+    assert run_ids(embedded_airflow) == before, "a refused form must not create a run"
