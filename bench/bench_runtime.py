@@ -278,26 +278,15 @@ def measure_cluster(config: Config, args: argparse.Namespace, work_dir: str) -> 
         before_launch=segment["started_at"] - started,
         after_end=exited - segment["ended_at"],
         closure_timing=segment.get("closure_timing") or {},
-        seconds_to_target=seconds_to_target(run_dir, config.protocol, segment)
-        if config.time_to_accuracy
-        else None,
+        seconds_to_target=seconds_to_target(run_dir) if config.time_to_accuracy else None,
     )
 
 
-def seconds_to_target(run_dir: str, protocol: str, segment: dict[str, Any]) -> float | None:
-    """Training seconds from the first step to the first evaluation at TARGET_ACCURACY or better, the
-    evaluations' own seconds taken out; None if it was never reached."""
-    from syncswitch.events import read_events
-    from syncswitch.layout import RunLayout
+def seconds_to_target(run_dir: str) -> float | None:
+    """Training seconds to TARGET_ACCURACY (the report's one definition), None if never reached."""
+    from syncswitch_airflow.report import load_run
 
-    spent_evaluating = 0.0
-    for event in read_events(RunLayout(run_dir).segment_metrics(0, protocol), event="eval"):
-        if "seconds" not in event:  # the segment-end evaluation
-            continue
-        if event["test_accuracy"] >= TARGET_ACCURACY:
-            return event["wall_time"] - event["seconds"] - spent_evaluating - segment["first_step_at"]
-        spent_evaluating += event["seconds"]
-    return None
+    return load_run(run_dir).seconds_to_accuracy(TARGET_ACCURACY)
 
 
 def segment_result(run_dir: str, protocol: str) -> dict[str, Any]:

@@ -176,10 +176,13 @@ def no_leftover_processes() -> Iterator[Callable[[str], None]]:
 
 
 # A recurring job for the backfill tests (tests/test_recurring_jobs.py): daily, a short digits job whose
-# timing policy searches with one run per candidate, and a data_dir that is a template of the date.
+# timing policy searches with one run per candidate, and a data_dir that is a template of the date. Its
+# checkpoints are evaluated, so the runs also feed the comparison report's time-to-accuracy.
 BACKFILL_JOB = """\
 schedule: "@daily"
 start_date: 2026-01-01
+# Over before today: unpausing it (for the backfill) schedules no run of its own.
+end_date: 2026-01-31
 tags: [test]
 params:
   job_name: backfill-search
@@ -189,6 +192,7 @@ params:
   data_dir: "dates/{{{{ ds }}}}"
   timing_policy: search
   timing_repeats: 1
+  evaluate_checkpoints: true
 """
 
 

@@ -32,7 +32,8 @@ AIRFLOW_SERVICES = ("airflow-init", "api-server", "scheduler", "dag-processor", 
 LONG_RUNNING = ("postgres", "fake-gcs", "api-server", "scheduler", "dag-processor", "triggerer")
 # Top-level modules the trainer image provides: tensorflow-cpu (with keras), numpy, scikit-learn,
 # google-cloud-storage (google.cloud, google.auth, google.api_core).
-TRAINER_RUNTIME_MODULES = {"tensorflow", "keras", "numpy", "sklearn", "google"}
+# google-cloud-storage brings requests and urllib3 (its transport); storage.py names their errors.
+TRAINER_RUNTIME_MODULES = {"tensorflow", "keras", "numpy", "sklearn", "google", "requests", "urllib3"}
 
 
 def compose_binary() -> Path:

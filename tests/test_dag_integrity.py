@@ -249,6 +249,10 @@ def test_the_example_job_file_is_a_scheduled_dag_with_its_defaults(bag: DagBag) 
         ('schedule: "every tuesday"\nstart_date: 2026-11-01\n', "bad.yaml: schedule:"),
         ('schedule: "@daily"\n', "bad.yaml: start_date: is needed with a schedule"),
         ("schedule: {every: soon}\nstart_date: 2026-11-01\n", "bad.yaml: schedule.every:"),
+        (
+            'schedule: "@daily"\nstart_date: 2026-11-01\nend_date: 2026-10-01\n',
+            "bad.yaml: end_date: must be on",
+        ),
         ("owner: me\n", "bad.yaml: owner: unknown key"),
         ("params: [1, 2]\n", "bad.yaml: params: must be a mapping"),
     ],

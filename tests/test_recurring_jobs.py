@@ -22,6 +22,7 @@ from proc_utils import wait_for
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow import history
+from syncswitch_airflow.compare import RunRef, build_comparison
 from syncswitch_airflow.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
@@ -52,6 +53,9 @@ def test_a_backfill_over_three_dates_searches_the_switch_point_and_a_reprocessed
 ) -> None:
     # The session's bucket folder: the job file's bucket_dir (conftest BACKFILL_JOB).
     airflow, bucket = embedded_airflow, os.environ["SYNCSWITCH_BUCKET_DIR"]
+    # Job DAGs start paused (Airflow's default), and a paused DAG's backfill runs stay queued.
+    unpaused = airflow.command("dags", "unpause", DAG_ID)
+    assert unpaused.returncode == 0, unpaused.stdout + unpaused.stderr
     created = airflow.command(
         "backfill", "create", "--dag-id", DAG_ID, "--from-date", "2026-01-01", "--to-date", "2026-01-03"
     )
@@ -78,13 +82,30 @@ def test_a_backfill_over_three_dates_searches_the_switch_point_and_a_reprocessed
     windows = sorted(w for run in runs for w in training_windows(bucket, run["dag_run_id"]))
     assert all(earlier[1] <= later[0] for earlier, later in zip(windows, windows[1:], strict=False)), windows
 
-    # The REST API reprocessing one date: a new run with its own folder and its own record.
+    # The REST API reprocessing one date. Airflow takes one backfill of a DAG at a time, and marks one
+    # complete up to 30 s after its last run. Airflow 3 reprocesses a date by clearing its DAG run: the
+    # same run id runs again, and trains afresh as a new attempt with its own folder and record.
+    wait_for(
+        lambda: all(b["completed_at"] for b in airflow.backfills(DAG_ID)),
+        timeout=120,
+        what="the first backfill marked complete",
+        poll=2.0,
+    )
+    [first] = [r for r in runs if r["logical_date"][:10] == "2026-01-02"]
     airflow.create_backfill(DAG_ID, "2026-01-02", "2026-01-02", reprocess_behavior="completed")
-    runs = finished_runs(airflow, 4)
-    [again] = [r for r in runs if r["dag_run_id"] not in records]
-    assert again["state"] == "success" and again["logical_date"][:10] == "2026-01-02"
-    records = {r["run_id"]: r for r in history.read_records(bucket, JOB)}
-    assert len(records) == 4 and Path(RunLayout.for_run(bucket, JOB, again["dag_run_id"]).root).is_dir()
+    wait_for(
+        lambda: len(history.read_records(bucket, JOB)) == 4,
+        timeout=900,
+        what="the reprocessed date's history record",
+        poll=3.0,
+    )
+    before, records = records, {r["run_id"]: r for r in history.read_records(bucket, JOB)}
+    [again] = [run_id for run_id in records if run_id not in before]
+    assert again.startswith(f"{first['dag_run_id']}.rerun") and records[again]["status"] == "success"
+    assert records[again]["logical_date"][:10] == "2026-01-02"
+    rerun_state = read_state(RunLayout.for_run(bucket, JOB, again))
+    assert rerun_state["status"] == "success" and rerun_state["segments"], "the rerun trained afresh"
+    assert read_state(RunLayout.for_run(bucket, JOB, first["dag_run_id"]))["status"] == "success"
 
     # What the policy decides next from this history is what `syncswitch policy next` prints.
     jsonl = Path(bucket) / "history.jsonl"
@@ -101,3 +122,26 @@ def test_a_backfill_over_three_dates_searches_the_switch_point_and_a_reprocessed
         [str(SYNCSWITCH), "history", JOB, "--bucket-dir", bucket], capture_output=True, text=True, check=True
     )
     assert all(run_id[:20] in shown.stdout for run_id in records)
+
+    # The four runs as a comparison (the sweep's report), one config per BSP fraction.
+    refs = [
+        RunRef(f"bsp-{r['bsp_fraction']}", RunLayout.for_run(bucket, JOB, run_id).root)
+        for run_id, r in records.items()
+    ]
+    out = Path(bucket) / "_sweeps" / "backfill"
+    comparison = build_comparison(refs, str(out), baseline="bsp-1.0", target_accuracy=0.3)
+    rows = {row["label"]: row for row in comparison["configs"]}
+    assert {"bsp-0.25", "bsp-0.5", "bsp-1.0"} <= set(rows) and sum(r["runs"] for r in rows.values()) == 4
+    assert rows["bsp-1.0"]["total_seconds_vs_baseline"] == pytest.approx(1.0)
+    for run in comparison["runs"]:
+        assert 0.3 <= run["final_accuracy"] <= 1.0
+        # Checkpoints were evaluated: the first one at 0.3 or better is before the training's end.
+        assert 0 < run["seconds_to_target"] < run["total_seconds"], run
+    assert rows["bsp-0.5"]["switch_overhead_seconds"] > 0 and rows["bsp-1.0"]["switch_overhead_seconds"] == 0
+    assert json.loads((out / "comparison.json").read_text())["baseline"] == "bsp-1.0"
+    assert {p.name for p in out.iterdir()} >= {
+        "comparison.html",
+        "accuracy_and_time.png",
+        "accuracy_over_time.png",
+    }
+    assert "bsp-0.25" in (out / "comparison.html").read_text()

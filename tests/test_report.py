@@ -18,7 +18,14 @@ from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, StragglerSpec
 from syncswitch.state import new_state
-from syncswitch_airflow.report import IMAGE_FILES, build_report, format_summary_lines, load_run, summarize
+from syncswitch_airflow.report import (
+    IMAGE_FILES,
+    build_report,
+    format_summary_lines,
+    load_run,
+    refresh_status,
+    summarize,
+)
 
 T0 = 1_700_000_000.0
 RUN_ID = "manual__2025-01-01T00_00_00"
@@ -285,6 +292,21 @@ def test_report_of_a_local_two_segment_run(tmp_path) -> None:
         "switch 0->1 (BSP->ASP): gap 14.5 s" in line and "process_start: 11.2" in line for line in lines
     )
     assert lines[-1] == f"report: {os.path.join(layout.report, 'index.html')}"
+
+    # The finalize task knows the outcome the report task (before teardown) could not.
+    assert summary["status"] == "success"  # what state.json said when the report was built
+    assert refresh_status(layout.root, "failed")["status"] == "failed"
+    with open(os.path.join(layout.report, "summary.json")) as f:
+        assert json.load(f)["status"] == "failed"
+    assert (
+        "<td>failed</td>"
+        in (tmp_path / "runs" / "report-test" / RUN_ID / "report" / "index.html").read_text()
+    )
+    # Readable by whoever serves or copies the report, not only by the Airflow user.
+    assert {
+        oct(p.stat().st_mode & 0o777)
+        for p in (tmp_path / "runs" / "report-test" / RUN_ID / "report").iterdir()
+    } == {"0o644"}
 
 
 def test_report_marks_a_failed_segment_incomplete(tmp_path) -> None:

@@ -62,7 +62,7 @@ def test_the_trigger_form_submits_its_defaults_and_the_run_succeeds(
     submit = dialog.get_by_role("button", name="Trigger")
     assert submit.is_enabled(), "the form must submit with its defaults"
     submit.click()
-    page.get_by_text("Dag run has been successfully triggered").wait_for()
+    page.get_by_text("Dag run has been successfully triggered").first.wait_for()
     wait_for(lambda: run_ids(embedded_airflow) - before, timeout=30, what="the new run")
     [run_id] = run_ids(embedded_airflow) - before
     assert wait_run(embedded_airflow, run_id) == "success"

@@ -161,6 +161,11 @@ class EmbeddedAirflow:
             # A task whose process died with a killed scheduler is failed (and retried) after this
             # long without a heartbeat, rather than the default 5 minutes.
             "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
+            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "syncswitch_airflow.sqlite_settings.CONNECT_ARGS",
+            # Tasks talk to the api-server; when it restarts (or boots after the scheduler on a busy
+            # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
+            # ~15 s and failing a healthy run.
+            "WORKERS__EXECUTION_API_RETRIES": "10",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
             "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
@@ -480,6 +485,11 @@ class EmbeddedAirflow:
     def dag_runs(self, dag_id: str) -> list[dict[str, Any]]:
         """Every run of ``dag_id`` (run id, state, conf, logical date, run type)."""
         return self._get_json(f"/api/v2/dags/{_quote(dag_id)}/dagRuns?limit=1000").get("dag_runs", [])
+
+    def backfills(self, dag_id: str) -> list[dict[str, Any]]:
+        """The backfills of ``dag_id``; ``completed_at`` is set by the scheduler (every 30 s) once all
+        their runs have finished, and only then may another backfill of the DAG be created."""
+        return self._get_json(f"/api/v2/backfills?dag_id={_quote(dag_id)}&limit=1000").get("backfills", [])
 
     def create_backfill(
         self,

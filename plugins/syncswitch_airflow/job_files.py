@@ -4,6 +4,7 @@
     description: Digits, every night, learning its own switch point
     schedule: "@daily"            # a cron expression or preset, {every: 6h} (an interval), or null
     start_date: 2026-11-01        # needed with a schedule (backfills start from it)
+    end_date: null                # optional: no scheduled run after this date
     catchup: false
     max_active_runs: 1
     tags: [digits]
@@ -35,7 +36,17 @@ from syncswitch_airflow.dag_factory import build_sync_switch_dag
 from syncswitch_airflow.dag_params import build_params, check_slot_budget
 
 JOBS_DIR_ENV = "SYNCSWITCH_JOBS_DIR"
-KEYS = ("dag_id", "description", "schedule", "start_date", "catchup", "max_active_runs", "tags", "params")
+KEYS = (
+    "dag_id",
+    "description",
+    "schedule",
+    "start_date",
+    "end_date",
+    "catchup",
+    "max_active_runs",
+    "tags",
+    "params",
+)
 _DAG_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _INTERVAL_RE = re.compile(r"^(\d+)\s*([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -58,6 +69,7 @@ class JobFile:
     job: JobSpec
     schedule: Any
     start_date: datetime.datetime | None
+    end_date: datetime.datetime | None
     catchup: bool
     max_active_runs: int
     tags: list[str]
@@ -89,12 +101,20 @@ def read_job_file(path: Path) -> JobFile:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None
     schedule = _schedule(path, data.get("schedule"))
     start_date = _start_date(path, data.get("start_date"), schedule)
+    end_date = _date(path, "end_date", data.get("end_date"))
+    if end_date is not None and (start_date is None or end_date < start_date):
+        raise JobFileError(
+            path,
+            "end_date",
+            f"must be on or after start_date ({start_date:%Y-%m-%d})" if start_date else "needs a start_date",
+        )
     return JobFile(
         path=path,
         dag_id=dag_id,
         job=job,
         schedule=schedule,
         start_date=start_date,
+        end_date=end_date,
         catchup=_bool(path, "catchup", data.get("catchup", False)),
         max_active_runs=_positive_int(path, "max_active_runs", data.get("max_active_runs", 1)),
         tags=_tags(path, data.get("tags", [])),
@@ -123,9 +143,13 @@ def _schedule(path: Path, value: Any) -> Any:
 
 
 def _start_date(path: Path, value: Any, schedule: Any) -> datetime.datetime | None:
+    if value is None and schedule is not None:
+        raise JobFileError(path, "start_date", "is needed with a schedule (e.g. 2026-11-01)")
+    return _date(path, "start_date", value)
+
+
+def _date(path: Path, name: str, value: Any) -> datetime.datetime | None:
     if value is None:
-        if schedule is not None:
-            raise JobFileError(path, "start_date", "is needed with a schedule (e.g. 2026-11-01)")
         return None
     if isinstance(value, datetime.datetime):
         moment = value
@@ -135,7 +159,7 @@ def _start_date(path: Path, value: Any, schedule: Any) -> datetime.datetime | No
         try:
             moment = datetime.datetime.fromisoformat(str(value))
         except ValueError:
-            raise JobFileError(path, "start_date", f"{value!r} is not a date (YYYY-MM-DD)") from None
+            raise JobFileError(path, name, f"{value!r} is not a date (YYYY-MM-DD)") from None
     return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
 
 
@@ -169,6 +193,7 @@ def build_job_dag(job_file: JobFile, bucket_dir: str) -> DAG:
         build_params(defaults_bucket, job),
         schedule=job_file.schedule,
         start_date=job_file.start_date,
+        end_date=job_file.end_date,
         catchup=job_file.catchup,
         max_active_runs=job_file.max_active_runs,
         tags=["recurring", *job_file.tags],

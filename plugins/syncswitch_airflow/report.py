@@ -230,6 +230,25 @@ class RunData:
     def chief_steps(self) -> list[dict[str, Any]]:
         return [s for seg in self.started_segments for s in seg.chief_steps]
 
+    def seconds_to_accuracy(self, target: float) -> float | None:
+        """Training seconds from the first step to the first checkpoint evaluation at ``target`` or
+        better, the evaluations' own seconds (in their events) taken out; None if never reached.
+
+        Needs eval events with ``seconds``, i.e. a job run with evaluate_checkpoints."""
+        firsts = [s.first_step_at for s in self.started_segments if s.first_step_at is not None]
+        if not firsts:
+            return None
+        evals = sorted(
+            (e for e in self.of_kind("eval") if "seconds" in e and e.get("test_accuracy") is not None),
+            key=lambda e: e["wall_time"],
+        )
+        spent_evaluating = 0.0
+        for event in evals:
+            if event["test_accuracy"] >= target:
+                return event["wall_time"] - event["seconds"] - spent_evaluating - min(firsts)
+            spent_evaluating += event["seconds"]
+        return None
+
     def step_at(self, wall_time: float) -> float | None:
         """The global step at a wall time, interpolated on the chief's step events."""
         import numpy as np
@@ -559,6 +578,8 @@ def plot_loss(data: RunData, path: str, axis: str) -> bool:
             ax.plot(
                 _series_x(data, steps, axis),
                 [s["loss"] for s in steps],
+                marker="o" if len(steps) < 4 else None,  # a segment of a few events is still seen
+                ms=4,
                 lw=1.4,
                 color=PROTOCOL_COLORS.get(seg.protocol, GAP_COLOR),
                 label=f"training loss ({seg.protocol.upper()})",
@@ -649,6 +670,7 @@ def plot_worker_step_times(data: RunData, path: str) -> bool:
         return False
     fig, (ax,) = _new_figure(height=5.2)
     workers = sorted({_worker_of(e) for e in samples})
+    steady: list[float] = []
     for worker in workers:
         color = WORKER_COLORS[worker % len(WORKER_COLORS)]
         for seg in data.started_segments:
@@ -662,6 +684,8 @@ def plot_worker_step_times(data: RunData, path: str) -> bool:
             if not mine:
                 continue
             x = _series_x(data, mine, "time")
+            # The first sample of a segment holds its trace and warm-up (seconds, not milliseconds).
+            steady += [e["step_time"] for e in mine[1:]]
             ax.plot(
                 x, [e["step_time"] for e in mine], lw=1.0, color=color, label=f"worker {worker} step time"
             )
@@ -679,10 +703,20 @@ def plot_worker_step_times(data: RunData, path: str) -> bool:
                     label=f"worker {worker} compute time",
                 )
     _mark_run(ax, data, "time")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=_steady_top(steady, ax.get_ylim()[1]))
     _finish(ax, "Per-worker step and compute time", _AXIS_LABELS["time"], "seconds per worker step")
     fig.savefig(path)
     return True
+
+
+def _steady_top(steady: list[float], current: float) -> float:
+    """A y-limit that shows the steady steps (and a straggler's slowdown) instead of the start-up spike
+    of each segment's first sample: 3x the 95th percentile of the later samples, or the data's top."""
+    if len(steady) < 4:
+        return current
+    import numpy as np
+
+    return min(current, 3.0 * float(np.percentile(steady, 95)))
 
 
 def render_plots(data: RunData, out_dir: str) -> tuple[list[str], dict[str, str]]:
@@ -873,6 +907,25 @@ def build_report(run_dir: str) -> dict[str, Any]:
     log.info(
         "report for %s written to %s (%d plots, %d skipped)", run_dir, report_dir, len(drawn), len(skipped)
     )
+    return summary
+
+
+def refresh_status(run_dir: str, status: str) -> dict[str, Any] | None:
+    """Set the run's final status in an already written report (summary.json and index.html).
+
+    The report task runs before teardown, while the run is still going; the finalize task knows the
+    outcome. Plots do not change, so only the two text files are rewritten. None if no report exists."""
+    report_dir = RunLayout(run_dir).report
+    summary = storage.read_json(join(report_dir, "summary.json"), default={}) or None
+    if summary is None:
+        log.warning("no report under %s: status %s not recorded there", report_dir, status)
+        return None
+    summary["status"] = status
+    storage.write_text(join(report_dir, "index.html"), render_html(summary))
+    storage.write_text(
+        join(report_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+    )
+    log.info("report %s: run status %s", summary.get("index_html") or report_dir, status)
     return summary
 
 

@@ -301,6 +301,7 @@ class ChiefReporter:
         self.started = time.time()
         self.first_step_at: float | None = None
         self._last_emit = 0.0
+        self._unreported: dict[str, Any] | None = None
         self._last_samples = start_samples
         self._last_time = time.time()
         from syncswitch.tensorboard import TensorBoardWriter
@@ -322,7 +323,12 @@ class ChiefReporter:
         if self.first_step_at is None:
             self.first_step_at = now
         if not force and now - self._last_emit < LOG_INTERVAL_SECONDS:
+            # Kept, so that the segment's last step is an event (finish), however short the segment.
+            self._unreported = dict(
+                samples=samples, updates=updates, loss=loss, lr=lr, momentum=momentum, step_time=step_time
+            )
             return
+        self._unreported = None
         elapsed = max(now - self._last_time, 1e-9)
         examples_per_sec = (samples - self._last_samples) / elapsed
         global_step = samples / self.global_batch
@@ -361,6 +367,8 @@ class ChiefReporter:
         evaluation: dict[str, float] | None,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        if self._unreported is not None:
+            self.step(**self._unreported, force=True)
         ended = time.time()
         seconds = ended - (self.first_step_at or ended)
         done = samples - self.start_samples

@@ -8,7 +8,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException
 
 from syncswitch_airflow.backends import ClusterBusy, ClusterError, get_backend
-from syncswitch_airflow.operators.common import job_from_params, run_layout
+from syncswitch_airflow.operators.common import job_from_params, run_key, run_layout
 from syncswitch_airflow.triggers.capacity import ClusterCapacityTrigger
 
 
@@ -22,7 +22,7 @@ class ProvisionClusterOperator(BaseOperator):
         job = job_from_params(context)
         backend = get_backend(job.cluster_backend)
         try:
-            handle = backend.provision(job, run_layout(job, context["run_id"]))
+            handle = backend.provision(job, run_layout(job, run_key(context)))
         except ClusterBusy as busy:
             self.log.info("run %s: %s; waiting for a free slot", context["run_id"], busy)
             self.defer(trigger=ClusterCapacityTrigger(backend.name), method_name="execute")

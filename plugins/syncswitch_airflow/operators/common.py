@@ -41,6 +41,27 @@ def absolute_bucket_dir(bucket_dir: str) -> str:
     return bucket_dir if storage.is_remote(bucket_dir) else os.path.abspath(bucket_dir)
 
 
+VALIDATE_TASK_ID = "validate"
+RUN_KEY_XCOM = "run_key"
+
+
+def new_run_key(context: Mapping[str, Any]) -> str:
+    """The bucket identity of the attempt that starts now (the validate task, first of a run, calls it).
+
+    A DAG run's id, unless the whole run was cleared and runs again: a backfill reprocessing a date
+    clears the existing run (Airflow 3), as does "Clear" on the run. That rerun trains afresh in its
+    own folder and writes its own history record, under ``<run_id>.rerun<clear number>``."""
+    clears = getattr(context["dag_run"], "clear_number", 0) or 0
+    return context["run_id"] if not clears else f"{context['run_id']}.rerun{clears}"
+
+
+def run_key(context: Mapping[str, Any]) -> str:
+    """This run's bucket identity as the validate task fixed it. Clearing single tasks (a segment)
+    does not rerun validate, so they keep the run's folder and resume there."""
+    fixed = context["ti"].xcom_pull(task_ids=VALIDATE_TASK_ID, key=RUN_KEY_XCOM)
+    return fixed or context["run_id"]
+
+
 def run_layout(job: JobSpec, run_id: str) -> RunLayout:
     """The run folder of one DAG run: ``<bucket_dir>/<job_name>/<run_id>/``."""
     return RunLayout.for_run(absolute_bucket_dir(job.bucket_dir), job.job_name, run_id)

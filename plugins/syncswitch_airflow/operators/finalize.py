@@ -17,7 +17,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
 
 from syncswitch_airflow import history
-from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_layout
+from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_key, run_layout
 
 FAILED_STATES = ("failed", "upstream_failed")
 
@@ -33,7 +33,7 @@ class FinalizeRunOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
-        run_id = context["run_id"]
+        run_id = run_key(context)
         outcome = self._outcome(context)
         layout = run_layout(job, run_id)
         state = read_state(layout)

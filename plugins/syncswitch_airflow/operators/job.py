@@ -16,9 +16,12 @@ from syncswitch.state import create_run, record_final
 
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS, check_slot_budget
 from syncswitch_airflow.operators.common import (
+    RUN_KEY_XCOM,
     absolute_bucket_dir,
     job_from_params,
+    new_run_key,
     require_state,
+    run_key,
     run_layout,
 )
 
@@ -56,6 +59,10 @@ class ValidateJobOperator(BaseOperator):
             job.hparam_set,
             job.problem,
         )
+        key = new_run_key(context)
+        context["ti"].xcom_push(key=RUN_KEY_XCOM, value=key)
+        if key != context["run_id"]:
+            self.log.info("run %s: the whole run was cleared; this attempt is %s", context["run_id"], key)
         return {"switch_order": job.switch_order, "segment_steps": steps, "workload": sum(steps)}
 
 
@@ -78,7 +85,7 @@ class PlanRunOperator(BaseOperator):
         job = job_from_params(context)
         if job.timing_policy != "fixed":
             job = job.with_bsp_fraction(self.timing["bsp_fraction"])
-        run_id = context["run_id"]
+        run_id = run_key(context)
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
         state, created = create_run(layout, run_id, params, job.plan_entries(), self.cluster, self.timing)

@@ -18,7 +18,7 @@ from airflow.sdk import BaseOperator, Context
 from syncswitch.spec import JobSpec
 
 from syncswitch_airflow import history, timing
-from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params
+from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_key
 
 
 def timing_config(job: JobSpec) -> timing.TimingConfig:
@@ -37,7 +37,7 @@ class TimingPolicyOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
-        run_id = context["run_id"]
+        run_id = run_key(context)
         if job.timing_policy == "fixed":
             decision = {
                 "bsp_fraction": job.planned_bsp_fraction(),
