@@ -277,6 +277,7 @@ def save(
         events.emit(
             "checkpoint", global_step=samples / global_batch, samples=samples, uri=uri, seconds=seconds
         )
+        evaluate_checkpointed(ctx, state, events, samples, global_batch)
     return uri
 
 
