@@ -191,6 +191,7 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
             checkpoint_uri=checkpoint_uri,
             start_step=start_step,
             evaluation=evaluate_if_asked(ctx, checkpoint_uri),
+            extra={"closure_timing": closure_timing.summary()},
         )
     finally:
         stop_signal.close()
