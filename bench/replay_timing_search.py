@@ -48,7 +48,7 @@ def replay(by_fraction: dict[float, list[dict[str, Any]]], config: TimingConfig)
     rows: list[list[Any]] = []
     while True:
         decision = decide(used, [], fingerprint, config, time.time())
-        rows.append([len(used), decision.phase, decision.bsp_fraction, decision.reason])
+        rows.append([str(len(used)), decision.phase, f"{decision.bsp_fraction:g}", decision.reason])
         if decision.phase == "exploit":
             break
         pool = by_fraction.get(decision.bsp_fraction, [])
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = replay(by_fraction, config)
     print(markdown_table(["runs seen", "phase", "BSP fraction", "reason"], result["decisions"]))
-    _runs, phase, fraction, _reason = result["last"]
+    _runs, phase, fraction_text, _reason = result["last"]
+    fraction = float(fraction_text)
     chosen = fraction if phase == "exploit" else None
     print(
         json.dumps({"phase": phase, "bsp_fraction": fraction, "chosen": chosen, "runs": result["runs_used"]})
