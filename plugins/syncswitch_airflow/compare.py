@@ -25,12 +25,11 @@ from typing import Any
 from syncswitch import storage
 from syncswitch.layout import join
 
-from syncswitch_airflow.report import load_run, summarize
+from syncswitch_airflow.report import REPORT_CSS, html_table, load_run, new_figure, summarize
 
 log = logging.getLogger(__name__)
 
 IMAGE_FILES = {"accuracy_and_time": "accuracy_and_time.png", "accuracy_over_time": "accuracy_over_time.png"}
-_DPI = 110
 
 
 @dataclass(frozen=True)
@@ -138,13 +137,8 @@ def _plot(
 ) -> list[str]:
     if not rows:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     drawn = []
-    fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=_DPI, constrained_layout=True)
+    fig, (acc_ax, time_ax) = new_figure(height=4.2, cols=2)
     labels = [r["label"] for r in rows]
     acc = [r["final_accuracy"] or 0.0 for r in rows]
     acc_ax.bar(labels, acc, yerr=[r["final_accuracy_sd"] or 0.0 for r in rows], capsize=4, color="#1f77b4")
@@ -166,12 +160,11 @@ def _plot(
         ax.grid(True, axis="y", alpha=0.3)
         ax.tick_params(axis="x", labelrotation=20)
     fig.savefig(os.path.join(out_dir, IMAGE_FILES["accuracy_and_time"]))
-    plt.close(fig)
     drawn.append("accuracy_and_time")
 
     curves = [r for r in runs if r["curve"]]
     if curves:
-        fig, ax = plt.subplots(figsize=(11, 4.6), dpi=_DPI, constrained_layout=True)
+        fig, (ax,) = new_figure(height=4.6)
         colors = {label: f"C{i}" for i, label in enumerate(labels)}
         seen = set()
         for r in curves:
@@ -187,18 +180,11 @@ def _plot(
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.savefig(os.path.join(out_dir, IMAGE_FILES["accuracy_over_time"]))
-        plt.close(fig)
         drawn.append("accuracy_over_time")
     return drawn
 
 
 # --- HTML ---------------------------------------------------------------------------------------------
-
-_CSS = (
-    "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:1em 0}"
-    "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#f3f3f3}"
-    "td:first-child{text-align:left}.note{color:#666}img{max-width:100%}"
-)
 
 
 def _num(value: Any, sd: Any = None, digits: int = 2) -> str:
@@ -237,12 +223,12 @@ def render_html(comparison: dict[str, Any]) -> str:
         ]
         for r in comparison["configs"]
     ]
-    parts = [f"<h1>Comparison (baseline: {html.escape(comparison['baseline'])})</h1>", _table(head, rows)]
+    parts = [f"<h1>Comparison (baseline: {html.escape(comparison['baseline'])})</h1>", html_table(head, rows)]
     if comparison["references"]:
         keys = list(dict.fromkeys(k for ref in comparison["references"] for k in ref))
         parts += [
             "<h2>Reference results (from the papers)</h2>",
-            _table(keys, [[str(ref.get(k, "")) for k in keys] for ref in comparison["references"]]),
+            html_table(keys, [[str(ref.get(k, "")) for k in keys] for ref in comparison["references"]]),
         ]
     for name in comparison.get("images", {}):
         parts.append(f'<figure><img src="{IMAGE_FILES[name]}" alt="{html.escape(name)}"></figure>')
@@ -259,7 +245,7 @@ def render_html(comparison: dict[str, Any]) -> str:
     ]
     parts += [
         "<h2>Runs</h2>",
-        _table(["config", "run", "accuracy", "total (s)", "to target (s)", "folder"], runs),
+        html_table(["config", "run", "accuracy", "total (s)", "to target (s)", "folder"], runs),
     ]
     note = (
         "Times are wall seconds from the first segment's start to the last segment's end. Time to target "
@@ -270,11 +256,5 @@ def render_html(comparison: dict[str, Any]) -> str:
     body = "\n".join(parts)
     return (
         f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>syncswitch comparison</title>'
-        f'<style>{_CSS}</style></head><body>\n{body}\n<p class="note">{note}</p></body></html>\n'
+        f'<style>{REPORT_CSS}</style></head><body>\n{body}\n<p class="note">{note}</p></body></html>\n'
     )
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{th}</tr>{body}</table>"

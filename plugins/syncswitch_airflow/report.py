@@ -423,14 +423,15 @@ def _switch_gaps(segments: list[SegmentView]) -> list[dict[str, Any]]:
 # --- plots ------------------------------------------------------------------------------------------
 
 
-def _new_figure(rows: int = 1, height: float = 4.8):  # noqa: ANN202 - matplotlib types
-    """A figure on the Agg canvas, without pyplot's global figure registry (safe in any process)."""
+def new_figure(rows: int = 1, height: float = 4.8, cols: int = 1):  # noqa: ANN201 - matplotlib types
+    """A figure on the Agg canvas, without pyplot's global figure registry (safe in any process);
+    ``rows`` x ``cols`` axes, 11 inches wide, ``height`` inches per row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, height * rows), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
     return fig, axes
 
 
@@ -571,7 +572,7 @@ def _series_x(data: RunData, events: list[dict[str, Any]], axis: str) -> list[fl
 def plot_loss(data: RunData, path: str, axis: str) -> bool:
     if not data.chief_steps:
         return False
-    fig, (ax,) = _new_figure()
+    fig, (ax,) = new_figure()
     for seg in data.started_segments:
         steps = seg.chief_steps
         if steps:
@@ -596,7 +597,7 @@ def plot_accuracy(data: RunData, path: str) -> bool:
     finals = [s for s in data.segments if (s.result or {}).get("test_accuracy") is not None]
     if not evals and not finals:
         return False
-    fig, axes = _new_figure(rows=2, height=4.0)
+    fig, axes = new_figure(rows=2, height=4.0)
     for ax, axis in zip(axes, ("step", "time"), strict=True):
         for protocol, color in PROTOCOL_COLORS.items():
             points = [e for e in evals if e.get("protocol") == protocol]
@@ -633,7 +634,7 @@ def plot_throughput(data: RunData, path: str) -> bool:
     rated = [s for s in data.chief_steps if s.get("examples_per_sec") is not None]
     if not bars and not rated:
         return False
-    fig, (bar_ax, time_ax) = _new_figure(rows=2, height=4.0)
+    fig, (bar_ax, time_ax) = new_figure(rows=2, height=4.0)
     labels = [s.label for s in bars]
     values = [s.examples_per_sec for s in bars]
     colors = [PROTOCOL_COLORS.get(s.protocol, GAP_COLOR) for s in bars]
@@ -668,7 +669,7 @@ def plot_worker_step_times(data: RunData, path: str) -> bool:
     samples = [e for e in data.of_kind("worker_step") if e.get("step_time") is not None]
     if not samples:
         return False
-    fig, (ax,) = _new_figure(height=5.2)
+    fig, (ax,) = new_figure(height=5.2)
     workers = sorted({_worker_of(e) for e in samples})
     steady: list[float] = []
     for worker in workers:
@@ -746,7 +747,7 @@ def render_plots(data: RunData, out_dir: str) -> tuple[list[str], dict[str, str]
 
 # --- HTML ---------------------------------------------------------------------------------------------
 
-_CSS = """
+REPORT_CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.92em; }
@@ -775,7 +776,7 @@ def _cell(value: Any, digits: int = 2) -> str:
     return f"<td{css}>{html.escape(_fmt(value, digits))}</td>"
 
 
-def _table(headers: list[str], rows: list[list[Any]], row_classes: list[str] | None = None) -> str:
+def html_table(headers: list[str], rows: list[list[Any]], row_classes: list[str] | None = None) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = []
     for i, row in enumerate(rows):
@@ -796,7 +797,7 @@ def render_html(summary: dict[str, Any]) -> str:
     body = "".join(f"<h2>{html.escape(name)}</h2>\n{content}\n" for name, content in sections.items())
     return (
         f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{_CSS}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
+        f"<style>{REPORT_CSS}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
         f'<p class="note">Run folder: {html.escape(str(summary["run_dir"]))}</p>\n{body}</body></html>\n'
     )
 
@@ -815,7 +816,7 @@ def _overview_table(summary: dict[str, Any]) -> str:
         "run status": summary["status"],
         "all segments complete": summary["complete"],
     }
-    return _table(list(row), [list(row.values())])
+    return html_table(list(row), [list(row.values())])
 
 
 def _segment_table(segments: list[dict[str, Any]]) -> str:
@@ -839,7 +840,7 @@ def _segment_table(segments: list[dict[str, Any]]) -> str:
     ]
     if not rows:
         return '<p class="note">No segment was planned or ran.</p>'
-    return _table(list(rows[0]), [list(r.values()) for r in rows], [s["status"] for s in segments])
+    return html_table(list(rows[0]), [list(r.values()) for r in rows], [s["status"] for s in segments])
 
 
 def _gap_table(gaps: list[dict[str, Any]]) -> str:
@@ -854,7 +855,7 @@ def _gap_table(gaps: list[dict[str, Any]]) -> str:
         ]
         for g in gaps
     ]
-    return _table(["from", "to", "gap: last step -> first step (s)", "start-up split (s)"], rows)
+    return html_table(["from", "to", "gap: last step -> first step (s)", "start-up split (s)"], rows)
 
 
 def _figures(images: dict[str, str], skipped: dict[str, str]) -> str:
@@ -880,7 +881,7 @@ def _decision_table(decisions: list[dict[str, Any]], run_start: float | None) ->
         rows.append(
             [since, d.get("segment"), d.get("action"), d.get("reason"), json.dumps(details, default=str)]
         )
-    return _table(["time since run start (s)", "segment", "action", "reason", "numbers"], rows)
+    return html_table(["time since run start (s)", "segment", "action", "reason", "numbers"], rows)
 
 
 # --- entry points ---------------------------------------------------------------------------------------
@@ -901,13 +902,17 @@ def build_report(run_dir: str) -> dict[str, Any]:
         with open(os.path.join(tmp, "index.html"), "w", encoding="utf-8") as f:
             f.write(render_html(summary))
         with open(os.path.join(tmp, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
+            f.write(summary_json(summary))
         storage.upload_dir(tmp, report_dir)
     log.info(
         "report for %s written to %s (%d plots, %d skipped)", run_dir, report_dir, len(drawn), len(skipped)
     )
     return summary
+
+
+def summary_json(summary: dict[str, Any]) -> str:
+    """summary.json's text (one format for the report task and the finalize task's correction)."""
+    return json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
 
 
 def refresh_status(run_dir: str, status: str) -> dict[str, Any] | None:
@@ -922,9 +927,7 @@ def refresh_status(run_dir: str, status: str) -> dict[str, Any] | None:
         return None
     summary["status"] = status
     storage.write_text(join(report_dir, "index.html"), render_html(summary))
-    storage.write_text(
-        join(report_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
-    )
+    storage.write_text(join(report_dir, "summary.json"), summary_json(summary))
     log.info("report %s: run status %s", summary.get("index_html") or report_dir, status)
     return summary
 
