@@ -1,11 +1,12 @@
 """Soak benchmark (issue 7): a long job under the DAG, with memory and disk sampled every minute.
 
     .venv/bin/python bench/bench_soak.py                               # ~70 minutes on 2 cores
-    .venv/bin/python bench/bench_soak.py --bsp-steps 2000 --asp-steps 2000 --sample-seconds 20  # smoke
+    .venv/bin/python bench/bench_soak.py --bsp-steps 100 --asp-steps 200 --sample-seconds 10  # smoke
 
 One `sync_switch` run, switch order "10": ResNet-20 on synthetic CIFAR, 32 examples per worker, a BSP
 segment of --bsp-steps then an ASP segment of --asp-steps (the defaults take 30+ minutes each on 2
-cores), checkpoints every --ckpt-frequency steps, on its own embedded Airflow. Every --sample-seconds it
+cores: bench_runtime measured 118 examples/s BSP and 223 ASP for this model, 64 examples a step),
+checkpoints every --ckpt-frequency steps, on its own embedded Airflow. Every --sample-seconds it
 records:
 
     rss            resident memory of every process of the training cluster (by the cluster marker)
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -155,17 +157,23 @@ def series_rows(samples: list[dict[str, Any]], kind: str, unit_scale: float, dig
     return rows
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bsp-steps", type=int, default=24000)
-    p.add_argument("--asp-steps", type=int, default=24000)
-    p.add_argument("--ckpt-frequency", type=int, default=1000)
+    p.add_argument("--bsp-steps", type=int, default=3600)
+    p.add_argument("--asp-steps", type=int, default=6600)
+    p.add_argument("--ckpt-frequency", type=int, default=300)
     p.add_argument("--sample-seconds", type=float, default=60.0)
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
     from syncswitch_airflow.embedded import EmbeddedAirflow
     from syncswitch_airflow.report import load_run, summarize
 
+    # SIGTERM unwinds like Ctrl-C, so the embedded Airflow and the run's cluster are stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     machine = machine_line()
     airflow = EmbeddedAirflow(PROJECT_DIR, home=work / "airflow", port=0)

@@ -8,6 +8,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -231,3 +232,39 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
         if record is not None:
             assert procs.processes_in_group(record.pid) == [], "the supervisor's process group is left"
         assert not instance.is_running() and not instance.pid_file.exists()
+
+
+# ---- dag.test() runs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> str:
+    """A migrated SQLite metadata database, the one this process's Airflow is configured with."""
+    from airflow.configuration import AIRFLOW_HOME, conf
+
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": AIRFLOW_HOME,
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": conf.get("database", "sql_alchemy_conn"),
+    }
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return AIRFLOW_HOME
+
+
+@pytest.fixture
+def dag(airflow_db: str):  # noqa: ANN201 - airflow DAG
+    """A freshly parsed DAG per test: in-process task runs write a run's conf into the DAG's Param
+    objects (airflow.sdk process_params shares them), so a parsed DAG serves one dag.test() only."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[1] / "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["sync_switch"]

@@ -54,7 +54,7 @@ def handle(backend: LocalBackend, tmp_path: Path) -> dict:
 
 def test_get_backend_names_the_known_backends() -> None:
     assert isinstance(get_backend("local"), LocalBackend)
-    with pytest.raises(ClusterError, match="available: local"):
+    with pytest.raises(ClusterError, match="available: local, hosts"):
         get_backend("gce")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from proc_utils import assert_no_processes, wait_for
 from syncswitch import forkserver
-from syncswitch.launcher import free_ports
+from syncswitch.forkserver import free_ports
 from syncswitch.spec import SegmentSpec
 
 pytestmark = pytest.mark.cluster
@@ -47,7 +47,7 @@ def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forks
     )
     spec_path = tmp_path / f"{name}.json"
     spec_path.write_text(spec.to_json())
-    port = free_ports(1)[0]
+    port = free_ports("127.0.0.1", 1)[0]
     tf_config = {"cluster": {"ps": [f"127.0.0.1:{port}"]}, "task": {"type": "ps", "index": 0}}
     log = tmp_path / f"{name}.log"
     node = forkserver.fork_node(

@@ -16,8 +16,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,39 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 
 SMALL_JOB = {"job_name": "e2e", "total_steps": 120, "ckpt_frequency": [30]}
-
-
-@pytest.fixture(scope="session")
-def airflow_db() -> str:
-    """A migrated SQLite metadata database, the one this process's Airflow is configured with."""
-    from airflow.configuration import AIRFLOW_HOME, conf
-
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": AIRFLOW_HOME,
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": conf.get("database", "sql_alchemy_conn"),
-    }
-    done = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return AIRFLOW_HOME
-
-
-@pytest.fixture
-def dag(airflow_db: str):  # noqa: ANN201 - airflow DAG
-    """A freshly parsed DAG per test: in-process task runs write a run's conf into the DAG's Param
-    objects (airflow.sdk process_params shares them), so a parsed DAG serves one dag.test() only."""
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=str(REPO / "dags"))
-    assert bag.import_errors == {}
-    return bag.dags["sync_switch"]
 
 
 @pytest.fixture

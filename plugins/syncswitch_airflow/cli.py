@@ -79,6 +79,7 @@ NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--max-online-switches": ("max_online_switches", {}),
     "--cluster-backend": ("cluster_backend", {}),
+    "--host": ("hosts", {"action": "append", "metavar": "address=10.0.0.2,key=/path/to/key[,role=worker]"}),
     "--seed": ("seed", {}),
 }
 IGNORED_FLAGS = ("--cluster-name", "--eval-name")

@@ -149,7 +149,19 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
             description="Where run folders go: a local folder, or gs://bucket/prefix for GCS.",
         ),
         "cluster_backend": _enum(
-            d.cluster_backend, CLUSTER_BACKENDS, "Cluster backend", "Where the training processes run."
+            d.cluster_backend,
+            CLUSTER_BACKENDS,
+            "Cluster backend",
+            "Where the training processes run: local (this machine) or hosts (the hosts below, over SSH).",
+        ),
+        "hosts": Param(
+            [h.to_text() for h in d.hosts],
+            type="array",
+            items={"type": "string", "minLength": 1},
+            title="Hosts",
+            description="cluster_backend hosts: one item per host, address=10.0.0.2,key=/path/to/ssh-key "
+            "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1]. The key is a path on "
+            "the Airflow worker; its contents never leave it. Needs a gs:// bucket_dir.",
         ),
         "momentum_rule": _enum(
             d.momentum_rule,

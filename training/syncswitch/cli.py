@@ -84,6 +84,11 @@ def build_train_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="fork the cluster's processes from this running fork server (default: start a private one)",
     )
+    p.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="a hosts cluster's cluster.json (syncswitch.hosts.ClusterFile): fork the nodes on its hosts",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -154,6 +159,7 @@ def train_main(argv: list[str]) -> int:
             spec,
             args.work_dir,
             forkserver_dir=args.forkserver,
+            cluster_file=args.cluster,
             show_progress=not args.quiet,
         )
     except KeyboardInterrupt as exc:

@@ -6,20 +6,30 @@ starts one per cluster when it provisions it, so every segment's processes are f
 given none starts its own, so even a lone segment imports TensorFlow once instead of once per process.
 
     python -m syncswitch.forkserver DIR     serve until SIGTERM, or until DIR is removed
+    python -m syncswitch.forkserver DIR --listen ADDRESS[:PORT] --token-file FILE
+                                            also serve launchers on other hosts, over TCP
 
 DIR holds the server's files:
     forkserver.pid    written at start (the server is alive, maybe still importing)
-    forkserver.json   written once it accepts requests: {"pid", "address", "preload_seconds"}
+    forkserver.json   written once it accepts requests: {"pid", "address", "preload_seconds", "tcp"}
     forkserver.log    its own output (nodes log to the files their requests name)
 
-Protocol: a Unix socket in the abstract namespace (no 108-byte path limit, nothing left on disk), one
-connection per node, one JSON object per line:
-    client -> server  {"argv": [node args], "env": {...}, "log": PATH, "cpu": N or null, "name": "worker-1"}
+Protocol: a Unix socket in the abstract namespace (no 108-byte path limit, nothing left on disk;
+reachable only from this host's network namespace), and with ``--listen`` a TCP socket bound to the
+host's cluster-internal address only. One connection per node, one JSON object per line:
+    client -> server  {"argv": [node args], "env": {...}, "log": PATH, "cpu": N or null, "name": "worker-1",
+                       "files": {PATH: TEXT}, "token": T}
     server -> client  {"pid": 1234}              once the node is forked
+    client -> server  {"signal": 19}             any number of times: signal the node (SIGSTOP/CONT/KILL)
     server -> client  {"returncode": 0}          when it exits (Popen's convention: -N = killed by signal N)
-The connection is the node's lease: when the client goes away (even by SIGKILL) the server kills the
-node, as PR_SET_PDEATHSIG does for a process the client started itself. Nodes get PR_SET_PDEATHSIG
-on the server, so nothing outlives it either.
+or, for a launcher placing a cluster on this host:
+    client -> server  {"ports": 3, "token": T}
+    server -> client  {"ports": [41011, 41012, 41013]}   free on the listening address
+``files`` are written (folders made) before the fork: a node on another host gets its segment spec so.
+A TCP request must carry the cluster's token (the file's content, compared in constant time); the
+Unix socket needs none. The connection is the node's lease: when the client goes away (even by
+SIGKILL, or its host by TCP keepalive) the server kills the node, as PR_SET_PDEATHSIG does for a
+process the client started itself. Nodes get PR_SET_PDEATHSIG on the server, so nothing outlives it.
 
 Forking is safe here because the server only imports: it never creates a TensorFlow context, thread
 pool or gRPC channel, so a child starts with a clean runtime and sets its own thread counts.
@@ -27,9 +37,11 @@ pool or gRPC channel, so a child starts with a clean runtime and sets its own th
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import hashlib
+import hmac
 import json
 import os
 import selectors
@@ -54,8 +66,53 @@ PID_FILE = "forkserver.pid"
 LOG_FILE = "forkserver.log"
 
 
+# A lease over TCP whose peer vanished (its host lost) is noticed within about 20 s.
+KEEPALIVE = ((socket.SO_KEEPALIVE, 1),)
+TCP_KEEPALIVE = (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 4))
+
+
 class ForkServerUnavailable(RuntimeError):
     """No fork server answers for this folder (never started, died, or still importing past the wait)."""
+
+
+@dataclass(frozen=True)
+class ServerRef:
+    """How a launcher reaches a fork server: its folder on this host, or ``tcp`` ("address:port") with
+    the cluster's ``token`` on another host."""
+
+    server_dir: str = ""
+    tcp: str = ""
+    token: str = ""
+
+    def __str__(self) -> str:
+        return f"tcp://{self.tcp}" if self.tcp else self.server_dir
+
+    def connect(self, timeout: float) -> socket.socket:
+        if not self.tcp:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(timeout)
+            conn.connect(address_for(self.server_dir))
+            return conn
+        host, port = split_address(self.tcp)
+        conn = socket.create_connection((host, port), timeout=timeout)
+        keep_alive(conn)
+        return conn
+
+    def stamp(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {**request, "token": self.token} if self.tcp else request
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def keep_alive(conn: socket.socket) -> None:
+    for option, value in KEEPALIVE:
+        conn.setsockopt(socket.SOL_SOCKET, option, value)
+    for name, value in TCP_KEEPALIVE:
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def address_for(server_dir: str) -> str:
@@ -95,17 +152,20 @@ def preload() -> None:
 @dataclass
 class Lease:
     conn: socket.socket
+    remote: bool  # over TCP: every request must carry the token
     buffer: bytes = b""
     pid: int | None = None
     name: str = "node"
 
 
 class ForkServer:
-    def __init__(self, server_dir: str) -> None:
+    def __init__(self, server_dir: str, listen: str = "", token: str = "") -> None:
         self.server_dir = server_dir
+        self.listen, self.token = listen, token
+        self.tcp_host = listen.rpartition(":")[0] if ":" in listen else listen
         self.selector = selectors.DefaultSelector()
         self.leases: dict[int, Lease] = {}  # by connection fd
-        self.listener: socket.socket | None = None
+        self.listeners: list[socket.socket] = []
         self.stopping = False
 
     def serve(self) -> int:
@@ -113,35 +173,54 @@ class ForkServer:
         preload()  # SIGTERM still kills at once here: nothing to clean up yet
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(address_for(self.server_dir))
-        self.listener.listen(64)
-        self.listener.setblocking(False)
-        self.selector.register(self.listener, selectors.EVENT_READ)
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        local.bind(address_for(self.server_dir))
+        self._add_listener(local)
+        tcp = ""
+        if self.listen:
+            host, port = (
+                (self.tcp_host, split_address(self.listen)[1]) if ":" in self.listen else (self.listen, 0)
+            )
+            # Bound to the cluster-internal address only: nothing else on the host may fork nodes.
+            remote = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            remote.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            remote.bind((self.tcp_host, port))
+            self._add_listener(remote)
+            tcp = f"{self.tcp_host}:{remote.getsockname()[1]}"
         storage.write_json(
             os.path.join(self.server_dir, READY_FILE),
             {
                 "pid": os.getpid(),
                 "address": address_for(self.server_dir).replace("\0", "@"),
+                "tcp": tcp,
                 "preload_seconds": round(time.monotonic() - started, 2),
             },
         )
-        log(f"pid {os.getpid()} ready in {time.monotonic() - started:.1f}s")
+        log(f"pid {os.getpid()} ready in {time.monotonic() - started:.1f}s" + (f", tcp {tcp}" if tcp else ""))
         while not self.stopping and os.path.isdir(self.server_dir):
             for key, _ in self.selector.select(TICK_SECONDS):
-                if key.fileobj is self.listener:
-                    self._accept()
+                if key.fileobj in self.listeners:
+                    self._accept(key.fileobj)
                 else:
                     self._read(key.fileobj)
             self._reap()
         self._shutdown()
         return 0
 
-    def _accept(self) -> None:
+    def _add_listener(self, listener: socket.socket) -> None:
+        listener.listen(64)
+        listener.setblocking(False)
+        self.selector.register(listener, selectors.EVENT_READ)
+        self.listeners.append(listener)
+
+    def _accept(self, listener: socket.socket) -> None:
         with contextlib.suppress(BlockingIOError):
-            conn, _ = self.listener.accept()
+            conn, _ = listener.accept()
             conn.setblocking(False)
-            self.leases[conn.fileno()] = Lease(conn)
+            remote = listener.family == socket.AF_INET
+            if remote:
+                keep_alive(conn)
+            self.leases[conn.fileno()] = Lease(conn, remote)
             self.selector.register(conn, selectors.EVENT_READ)
 
     def _read(self, conn: socket.socket) -> None:
@@ -156,17 +235,35 @@ class ForkServer:
             self._release(lease, kill=True)
             return
         lease.buffer += data
-        if lease.pid is None and b"\n" in lease.buffer:
+        while b"\n" in lease.buffer and lease.conn.fileno() in self.leases:
             line, lease.buffer = lease.buffer.split(b"\n", 1)
             try:
-                self._fork(lease, json.loads(line))
+                self._handle(lease, json.loads(line))
             except (ValueError, KeyError, OSError) as exc:  # a bad request or a failed fork
                 self._send(lease, {"error": f"{type(exc).__name__}: {exc}"})
                 self._release(lease, kill=False)
 
+    def _handle(self, lease: Lease, request: dict[str, Any]) -> None:
+        if lease.pid is not None:  # the node's lease: only signals from here on
+            if isinstance(request.get("signal"), int):
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(lease.pid, request["signal"])
+            return
+        if lease.remote and not hmac.compare_digest(str(request.get("token", "")), self.token):
+            log("refused a request without the cluster's token")
+            raise ValueError("the request does not carry this cluster's token")
+        if "ports" in request:
+            self._send(lease, {"ports": free_ports(self.tcp_host, int(request["ports"]))})
+            self._release(lease, kill=False)
+            return
+        self._fork(lease, request)
+
     def _fork(self, lease: Lease, request: dict[str, Any]) -> None:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
             raise ValueError("a request needs 'argv' (a list) and 'log' (a path)")
+        for path, text in dict(request.get("files") or {}).items():
+            storage.write_text(path, str(text))
+        os.makedirs(os.path.dirname(request["log"]) or ".", exist_ok=True)
         sys.stdout.flush()
         sys.stderr.flush()
         server_pid = os.getpid()
@@ -180,7 +277,8 @@ class ForkServer:
 
     def _close_inherited(self) -> None:
         self.selector.close()
-        self.listener.close()
+        for listener in self.listeners:
+            listener.close()
         for lease in self.leases.values():
             lease.conn.close()
 
@@ -264,15 +362,38 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
         os._exit(code)
 
 
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports the OS hands out as free on ``host`` (held together so they are distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m syncswitch.forkserver DIR", file=sys.stderr)
-        return 2
-    server_dir = args[0]
-    os.makedirs(server_dir, exist_ok=True)
-    storage.write_json(os.path.join(server_dir, PID_FILE), {"pid": os.getpid()})
-    return ForkServer(server_dir).serve()
+    parser = argparse.ArgumentParser(prog="python -m syncswitch.forkserver")
+    parser.add_argument("server_dir")
+    parser.add_argument("--listen", default="", help="ADDRESS[:PORT]: also serve over TCP on this address")
+    parser.add_argument("--token-file", default="", help="the cluster's token, required with --listen")
+    args = parser.parse_args(argv)
+    token = ""
+    if args.listen:
+        if not args.token_file:
+            parser.error("--listen needs --token-file")
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if len(token) < 16:
+            parser.error(f"--token-file {args.token_file}: the token is shorter than 16 characters")
+    os.makedirs(args.server_dir, exist_ok=True)
+    storage.write_json(os.path.join(args.server_dir, PID_FILE), {"pid": os.getpid()})
+    return ForkServer(args.server_dir, args.listen, token).serve()
 
 
 # ---- client -------------------------------------------------------------------------------------
@@ -324,8 +445,15 @@ def wait_ready(server_dir: str, timeout: float) -> None:
         time.sleep(TICK_SECONDS)
 
 
+def tcp_address(server_dir: str) -> str:
+    """The "address:port" a ready server listens on over TCP ("" without --listen)."""
+    ready = storage.read_json(os.path.join(server_dir, READY_FILE), default=None) or {}
+    return str(ready.get("tcp", ""))
+
+
 class ForkedProcess:
-    """A node forked by the server, with the part of subprocess.Popen's interface the launcher uses."""
+    """A node forked by the server, with the part of subprocess.Popen's interface the launcher uses.
+    Signals travel over the lease, so a node on another host is signalled the same way."""
 
     def __init__(self, conn: socket.socket, pid: int) -> None:
         self._conn = conn
@@ -374,9 +502,12 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:  # never signal a pid the node no longer owns
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+        with self._lock:
+            if self._poll() is not None:  # never signal a pid the node no longer owns
+                return
+            with contextlib.suppress(OSError):
+                self._conn.setblocking(True)
+                self._conn.sendall((json.dumps({"signal": int(signum)}) + "\n").encode())
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -386,32 +517,58 @@ class ForkedProcess:
 
 
 def fork_node(
-    server_dir: str, argv: list[str], *, env: dict[str, str], log: str, name: str, cpu: int | None = None
+    server: str | ServerRef,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    log: str,
+    name: str,
+    cpu: int | None = None,
+    files: dict[str, str] | None = None,
 ) -> ForkedProcess:
-    """Ask the server for ``server_dir`` to fork a node running ``syncswitch.node`` with ``argv``."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """Ask the server (a folder on this host, or a ServerRef) to fork a node running ``syncswitch.node``
+    with ``argv``, after writing ``files`` on the server's host."""
+    ref = server if isinstance(server, ServerRef) else ServerRef(server_dir=server)
+    request = {"argv": argv, "env": env, "log": log, "name": name, "cpu": cpu, "files": files or {}}
+    conn, answer, rest = _request(ref, request, f"fork {name}")
+    if "pid" not in answer:
+        conn.close()
+        raise ForkServerUnavailable(f"the fork server {ref} refused {name}: {answer.get('error')}")
+    process = ForkedProcess(conn, int(answer["pid"]))
+    process._buffer = rest
+    return process
+
+
+def reserve_ports(server: ServerRef, count: int) -> list[int]:
+    """``count`` ports free on the server's listening address, for the nodes it is about to fork."""
+    conn, answer, _ = _request(server, {"ports": count}, "reserve ports")
+    conn.close()
+    if "ports" not in answer:
+        raise ForkServerUnavailable(f"the fork server {server} refused ports: {answer.get('error')}")
+    return [int(p) for p in answer["ports"]]
+
+
+def _request(
+    ref: ServerRef, request: dict[str, Any], what: str
+) -> tuple[socket.socket, dict[str, Any], bytes]:
+    """Send one request and read the first answer line; the connection stays open for the caller."""
+    conn: socket.socket | None = None
     try:
-        conn.settimeout(30)
-        conn.connect(address_for(server_dir))
-        request = {"argv": argv, "env": env, "log": log, "name": name, "cpu": cpu}
-        conn.sendall((json.dumps(request) + "\n").encode())
+        conn = ref.connect(timeout=30)
+        conn.sendall((json.dumps(ref.stamp(request)) + "\n").encode())
         reply = b""
         while b"\n" not in reply:
             chunk = conn.recv(4096)
             if not chunk:
-                raise ForkServerUnavailable(f"the fork server for {server_dir} closed without forking {name}")
+                raise ForkServerUnavailable(f"the fork server {ref} closed without answering ({what})")
             reply += chunk
     except OSError as exc:
-        conn.close()
-        raise ForkServerUnavailable(f"the fork server for {server_dir} did not answer: {exc}") from exc
+        if conn is not None:
+            conn.close()
+        raise ForkServerUnavailable(f"the fork server {ref} did not answer ({what}): {exc}") from exc
+    conn.settimeout(None)
     line, rest = reply.split(b"\n", 1)
-    answer = json.loads(line)
-    if "pid" not in answer:
-        conn.close()
-        raise ForkServerUnavailable(f"the fork server for {server_dir} refused {name}: {answer.get('error')}")
-    process = ForkedProcess(conn, int(answer["pid"]))
-    process._buffer = rest
-    return process
+    return conn, json.loads(line), rest
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Runs one segment on a local cluster of processes and supervises it until it ends.
+"""Runs one segment on a cluster of processes and supervises it until it ends.
 
     preflight()      every check that can fail on user input, before any process is spawned
-    LocalCluster     spawns chief/workers/PS on free 127.0.0.1 ports, supervises, tears down
+    cluster_nodes()  where each node runs: free 127.0.0.1 ports here, or (``--cluster FILE``) the
+                     hosts of a ``hosts`` cluster, placed by ``hosts.place_nodes``, on ports their
+                     fork servers reserve on the hosts' cluster-internal addresses
+    SegmentCluster   forks chief/workers/PS, supervises, tears down
     run_segment()    preflight + cluster + result; what `syncswitch train` calls
 
 Supervision covers what TF does not: a dead PS or a dead BSP worker fails the segment (training resumes
@@ -18,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ from typing import Any
 
 from syncswitch import checkpoints, forkserver, storage
 from syncswitch.events import EventWriter
+from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
@@ -51,12 +54,19 @@ class Node:
     role: str
     task: int
     address: str
+    server: forkserver.ServerRef
+    host: str = ""  # another host's name; "" = the launcher's own host
+    host_work_dir: str = ""  # that host's work folder
     process: forkserver.ForkedProcess | None = None
     log_path: str = ""
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.task}"
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.host)
 
 
 # ---- preflight ------------------------------------------------------------------------------------
@@ -79,46 +89,56 @@ def preflight(spec: SegmentSpec, cache_dir: str) -> str:
     return local_data
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports the OS hands out as free on 127.0.0.1 (held together so they are distinct)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def cluster_nodes(spec: SegmentSpec, forkserver_dir: str) -> list[Node]:
+    """BSP: N workers (worker 0 is chief). ASP: one chief (coordinator), N workers, P parameter servers.
+    All on this host, on free 127.0.0.1 ports, forked by the server in ``forkserver_dir``."""
+    placed = place_nodes(["any"], spec.protocol, spec.num_workers, spec.num_ps)
+    ports = forkserver.free_ports("127.0.0.1", len(placed))
+    server = forkserver.ServerRef(server_dir=forkserver_dir)
+    return [
+        Node(role, task, f"127.0.0.1:{port}", server)
+        for (role, task, _), port in zip(placed, ports, strict=True)
+    ]
 
 
-def cluster_nodes(spec: SegmentSpec) -> list[Node]:
-    """BSP: N workers (worker 0 is chief). ASP: one chief (coordinator), N workers, P parameter servers."""
-    if spec.protocol == "bsp":
-        roles = [("worker", i) for i in range(spec.num_workers)]
-    else:
-        roles = (
-            [("chief", 0)]
-            + [("worker", i) for i in range(spec.num_workers)]
-            + [("ps", i) for i in range(spec.num_ps)]
+def host_nodes(spec: SegmentSpec, cluster: ClusterFile) -> list[Node]:
+    """The same nodes on the hosts of ``cluster`` (``hosts.place_nodes``), on ports each host's fork
+    server reserves on its cluster-internal address. The launcher runs on the chief host."""
+    roles = [h.role for h in cluster.hosts]
+    placed = place_nodes(roles, spec.protocol, spec.num_workers, spec.num_ps)
+    token, here = cluster.read_token(), chief_host(roles)
+    servers = [forkserver.ServerRef(tcp=h.forkserver, token=token) for h in cluster.hosts]
+    ports: dict[int, list[int]] = {}
+    for index in sorted({host for _, _, host in placed}):
+        count = sum(1 for _, _, host in placed if host == index)
+        ports[index] = forkserver.reserve_ports(servers[index], count)
+    nodes = []
+    for role, task, index in placed:
+        host = cluster.hosts[index]
+        nodes.append(
+            Node(
+                role,
+                task,
+                f"{host.address}:{ports[index].pop(0)}",
+                servers[index],
+                host="" if index == here else host.name,
+                host_work_dir=host.work_dir,
+            )
         )
-    ports = free_ports(len(roles))
-    return [Node(role, task, f"127.0.0.1:{port}") for (role, task), port in zip(roles, ports, strict=True)]
+    return nodes
 
 
 # ---- the cluster ----------------------------------------------------------------------------------
 
 
-class LocalCluster:
+class SegmentCluster:
     def __init__(
         self,
         spec: SegmentSpec,
         work_dir: str,
         data_dir: str,
         *,
-        forkserver_dir: str,
+        nodes: list[Node],
         launched_at: float | None = None,
         show_progress: bool = True,
     ) -> None:
@@ -128,10 +148,9 @@ class LocalCluster:
         self.stall = StallWatch(spec.stall_seconds)
         self.work_dir = work_dir
         self.data_dir = data_dir
-        self.forkserver_dir = forkserver_dir
         self.show_progress = show_progress
         self.layout = RunLayout(spec.run_dir)
-        self.nodes = cluster_nodes(spec)
+        self.nodes = nodes
         self.launched_at = launched_at or time.time()
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
@@ -150,27 +169,33 @@ class LocalCluster:
     # -- lifecycle --
 
     def start(self) -> None:
-        """Fork every node from the fork server; each reads its role from TF_CONFIG."""
+        """Fork every node from its host's fork server; each reads its role from TF_CONFIG."""
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
-        argv = ["--spec", spec_path, "--work-dir", self.work_dir, "--data-dir", self.data_dir]
         cores = os.cpu_count() or 1
         for i, node in enumerate(self.nodes):
             tf_config = {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
-            # The launcher's whole environment, as a spawned child would have it, plus the node's own.
-            env = {
-                **os.environ,
-                "TF_CONFIG": json.dumps(tf_config),
-                "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at),
-            }
-            node.log_path = os.path.join(self.work_dir, f"{node.name}.log")
+            env = {"TF_CONFIG": json.dumps(tf_config), "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at)}
+            if node.remote:
+                # Another host: the spec travels with the request, the node stages its own data.
+                work_dir = os.path.join(node.host_work_dir, "segments", f"seg-{self.spec.index:02d}")
+                node_spec = os.path.join(work_dir, "segment.json")
+                argv = ["--spec", node_spec, "--work-dir", work_dir, "--stage-data"]
+                files = {node_spec: self.spec.to_json()}
+            else:
+                # The launcher's whole environment, as a spawned child would have it, plus the node's own.
+                env = {**os.environ, **env}
+                work_dir, files = self.work_dir, {}
+                argv = ["--spec", spec_path, "--work-dir", self.work_dir, "--data-dir", self.data_dir]
+            node.log_path = os.path.join(work_dir, f"{node.name}.log")
             node.process = forkserver.fork_node(
-                self.forkserver_dir,
+                node.server,
                 argv,
                 env=env,
                 log=node.log_path,
                 name=f"ss-{node.name}",
-                cpu=i % cores if self.spec.pin_cores else None,
+                cpu=i % cores if self.spec.pin_cores and not node.remote else None,
+                files=files,
             )
         self._write_process_table()
         self._log(
@@ -181,7 +206,10 @@ class LocalCluster:
 
     def _write_process_table(self) -> None:
         """nodes.json: which pid is which node (forked nodes all show the fork server's command line)."""
-        table = {n.name: {"pid": n.process.pid, "address": n.address, "log": n.log_path} for n in self.nodes}
+        table = {
+            n.name: {"pid": n.process.pid, "address": n.address, "log": n.log_path, "host": n.host}
+            for n in self.nodes
+        }
         storage.write_text(os.path.join(self.work_dir, "nodes.json"), json.dumps(table, indent=2))
 
     def wait(self) -> int:
@@ -293,16 +321,12 @@ class LocalCluster:
             )
         run_for = DUTY_CYCLE_SECONDS / straggler.slowdown
         stop_for = DUTY_CYCLE_SECONDS - run_for
-        pid = node.process.pid
-        try:
-            while time.time() < end and node.process.poll() is None:
-                os.kill(pid, signal.SIGSTOP)
-                stopped = self._stop_injection.wait(stop_for)
-                os.kill(pid, signal.SIGCONT)
-                if stopped or self._stop_injection.wait(run_for):
-                    break
-        except ProcessLookupError:
-            return
+        while time.time() < end and node.process.poll() is None:
+            node.process.send_signal(signal.SIGSTOP)  # over the node's lease: works on any host
+            stopped = self._stop_injection.wait(stop_for)
+            node.process.send_signal(signal.SIGCONT)
+            if stopped or self._stop_injection.wait(run_for):
+                break
         self._log(f"straggler: worker {straggler.worker} back to full speed")
 
     def _events(self) -> EventWriter:
@@ -335,7 +359,9 @@ class LocalCluster:
     def tail_logs(self, lines: int = 15) -> str:
         out = []
         for node in self.nodes:
-            if node.log_path and os.path.exists(node.log_path):
+            if node.remote:
+                out.append(f"--- {node.name}: its log is {node.log_path} on host {node.host} ---")
+            elif node.log_path and os.path.exists(node.log_path):
                 with open(node.log_path, encoding="utf-8", errors="replace") as f:
                     tail = f.read().splitlines()[-lines:]
                 out.append(f"--- {node.name} ({node.log_path}) ---\n" + "\n".join(tail))
@@ -350,31 +376,32 @@ def run_segment(
     work_dir: str | None = None,
     *,
     forkserver_dir: str | None = None,
+    cluster_file: str | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Run one segment to its end and return its SegmentResult (result.json).
 
     Nodes are forked from the fork server in ``forkserver_dir`` (the cluster's, warm since it was
     provisioned); without one, or if it is gone, the launcher starts a private one for this segment.
+    With ``cluster_file`` (a ``hosts.ClusterFile``) they are forked on the cluster's hosts instead.
     """
     launched_at = time.time()
     own_work_dir = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix=f"syncswitch-seg{spec.index}-")
     os.makedirs(work_dir, exist_ok=True)
     result_uri = RunLayout(spec.run_dir).segment_result(spec.index, spec.protocol)
-    cluster: LocalCluster | None = None
+    cluster: SegmentCluster | None = None
     private_server: subprocess.Popen | None = None
     try:
         data_dir = preflight(spec, os.path.join(work_dir, "data"))
         storage.delete(result_uri)  # a stale result from an earlier attempt must not count
-        server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
-        cluster = LocalCluster(
-            spec,
-            work_dir,
-            data_dir,
-            forkserver_dir=server_dir,
-            launched_at=launched_at,
-            show_progress=show_progress,
+        if cluster_file:
+            nodes = host_nodes(spec, ClusterFile.from_dict(storage.read_json(cluster_file)))
+        else:
+            server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
+            nodes = cluster_nodes(spec, server_dir)
+        cluster = SegmentCluster(
+            spec, work_dir, data_dir, nodes=nodes, launched_at=launched_at, show_progress=show_progress
         )
         cluster.start()
         rc = cluster.wait()

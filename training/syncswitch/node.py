@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spec", required=True, help="SegmentSpec JSON file")
     parser.add_argument("--work-dir", required=True, help="local scratch folder of this segment")
     parser.add_argument("--data-dir", default="", help="local data folder prepared by the launcher")
+    parser.add_argument(
+        "--stage-data", action="store_true", help="on another host than the launcher: stage the data here"
+    )
     parser.add_argument("--intra-op-threads", type=int, default=1)
     parser.add_argument("--inter-op-threads", type=int, default=2)
     return parser.parse_args(argv)
@@ -52,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from syncswitch.asp import run_asp_chief
     from syncswitch.bsp import run_bsp_worker
     from syncswitch.problems import get_problem
+
+    problem = get_problem(spec.problem)
+    data_dir = args.data_dir
+    if args.stage_data:
+        data_dir = problem.prepare(spec.data_dir, os.path.join(args.work_dir, "data"))
     from syncswitch.trainer import NodeContext
 
     ctx = NodeContext(
@@ -59,12 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         role=role,
         task=task,
         work_dir=args.work_dir,
-        data_dir=args.data_dir,
+        data_dir=data_dir,
         layout=RunLayout(spec.run_dir),
         hp=spec.resolved_hparams(),
         timings=timings,
     )
-    problem = get_problem(spec.problem)
     result = run_bsp_worker(ctx, problem) if spec.protocol == "bsp" else run_asp_chief(ctx, problem)
     if result is not None:
         print(json.dumps(result), flush=True)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import plan as plans
+from syncswitch.errors import SpecError
+from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
@@ -28,18 +30,10 @@ PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
-CLUSTER_BACKENDS = ("local",)  # gce: planned, see README "Not exercised"
+CLUSTER_BACKENDS = ("local", "hosts")  # gce: planned, see README "Not exercised"
 MODELS = ("resnet", "cnn")
 PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
 _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-
-
-class SpecError(ValueError):
-    """Bad user input. ``field`` names the parameter; the message says what is accepted."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -198,6 +192,7 @@ class JobSpec:
     data_dir: str = ""
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
+    hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
     momentum_rule: str = "ramped"
     momentum_ramp_steps: int = 50
     online_policy: str = "none"
@@ -235,6 +230,7 @@ class JobSpec:
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
+        values["hosts"] = parse_hosts(values["hosts"])
         for name in (
             "total_steps",
             "num_workers",
@@ -294,6 +290,7 @@ class JobSpec:
         _choice("model", self.model, MODELS)
         _choice("problem", self.problem, PROBLEMS)
         _choice("cluster_backend", self.cluster_backend, CLUSTER_BACKENDS)
+        self._validate_hosts()
         _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
         _choice("online_policy", self.online_policy, ONLINE_POLICIES)
         self._validate_timing()
@@ -331,6 +328,25 @@ class JobSpec:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
             ) from None
+
+    def _validate_hosts(self) -> None:
+        if self.cluster_backend != "hosts":
+            if self.hosts:
+                raise SpecError(
+                    "hosts", f"only for cluster_backend 'hosts' (this job's is {self.cluster_backend!r})"
+                )
+            return
+        if not self.hosts:
+            raise SpecError("hosts", "cluster_backend 'hosts' needs at least one host (address=..., key=...)")
+        if not self.bucket_dir.startswith("gs://"):
+            raise SpecError(
+                "bucket_dir",
+                "cluster_backend 'hosts' needs a gs:// bucket: it is the only thing the hosts share",
+            )
+        if self.data_dir and not self.data_dir.startswith("gs://"):
+            raise SpecError(
+                "data_dir", "cluster_backend 'hosts' reads data from gs:// (every host stages its own copy)"
+            )
 
     def _validate_timing(self) -> None:
         _choice("timing_policy", self.timing_policy, TIMING_POLICIES)
@@ -470,6 +486,7 @@ class JobSpec:
     def to_params(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["stragglers"] = [s.to_text() for s in self.stragglers]
+        data["hosts"] = [h.to_text() for h in self.hosts]
         for key in ("train_steps", "ckpt_frequency", "hparams"):
             data[key] = list(data[key])
         return data

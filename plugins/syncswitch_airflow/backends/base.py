@@ -160,4 +160,8 @@ def get_backend(name: str) -> ClusterBackend:
         from syncswitch_airflow.backends.local import LocalBackend
 
         return LocalBackend()
-    raise ClusterError(f"unknown cluster backend {name!r}; available: local")
+    if name == "hosts":
+        from syncswitch_airflow.backends.hosts import HostsBackend
+
+        return HostsBackend()
+    raise ClusterError(f"unknown cluster backend {name!r}; available: local, hosts")

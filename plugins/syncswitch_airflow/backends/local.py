@@ -8,7 +8,7 @@ Work folder (``$SYNCSWITCH_WORK_DIR`` or ``<tmp>/syncswitch``, then ``<job_name>
     segments/seg-<ii>/spec.json   the SegmentSpec given to ``syncswitch train --spec``
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
     segments/seg-<ii>/launcher.log  the launcher's stdout and stderr (all attempts, appended)
-    segments/seg-<ii>/exitcode      written by the supervise wrapper when the launcher exits
+    segments/seg-<ii>/exitcode      written by the wrapper (syncswitch.supervise) when the launcher exits
     segments/seg-<ii>/scratch/      the launcher's --work-dir: node logs, staged data
 
 Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its environment: the fork
@@ -19,35 +19,20 @@ group, or whose launcher was SIGKILLed, is still found.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-from syncswitch import forkserver
+from syncswitch import forkserver, supervise
 from syncswitch.layout import RunLayout
-from syncswitch.procs import (
-    ProcStat,
-    is_alive,
-    mem_available_gb,
-    processes_with_env,
-    read_stat,
-    signal_group,
-    signal_pid,
-)
+from syncswitch.procs import mem_available_gb
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
-    EXITED,
-    RUNNING,
-    UNKNOWN,
     ClusterBusy,
     ClusterCapacity,
     ClusterError,
@@ -62,8 +47,6 @@ CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
 SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
-VERIFY_TIMEOUT_S = 10.0
-_POLL_S = 0.1
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +112,7 @@ class LocalBackend:
             "host": "127.0.0.1",
             "processes": processes,
         }
-        _write_json(os.path.join(work_dir, "cluster.json"), handle)
+        supervise.write_json(os.path.join(work_dir, "cluster.json"), handle)
         self._start_forkserver(handle)
         log.info("run %s: provisioned local cluster (%d processes) in %s", run, processes, work_dir)
         return handle
@@ -156,11 +139,11 @@ class LocalBackend:
     def teardown(self, handle: Handle) -> dict[str, Any]:
         """SIGTERM every process of the run, SIGKILL what is left after a grace, verify, free the folder."""
         work_dir = handle["work_dir"]
-        records = self._records(handle)
-        terminated = self._terminate(records, CLUSTER_ENV, work_dir, TEARDOWN_GRACE_S)
-        leftovers = self._kill_and_verify(records, CLUSTER_ENV, work_dir)
-        if leftovers:
-            raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {leftovers}")
+        records = supervise.launch_records(os.path.join(work_dir, "segments"))
+        outcome = supervise.ProcessScope(records, CLUSTER_ENV, work_dir).stop(TEARDOWN_GRACE_S)
+        if outcome["leftovers"]:
+            raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {outcome['leftovers']}")
+        terminated = outcome["stopped"]
         shutil.rmtree(work_dir, ignore_errors=True)
         self.capacity().release(handle.get("run", ""))
         log.info(
@@ -204,162 +187,39 @@ class LocalBackend:
         if self.segment_status(handle, index).running:
             raise ClusterError(f"run {handle.get('run')}: segment {index} is already running")
         seg_dir = self.segment_dir(handle, index)
-        os.makedirs(seg_dir, exist_ok=True)
-        exit_path = os.path.join(seg_dir, "exitcode")
-        if os.path.exists(exit_path):
-            os.unlink(exit_path)
         env = cluster_environment(
             **{CLUSTER_ENV: handle["work_dir"], SEGMENT_ENV: seg_dir, "PYTHONUNBUFFERED": "1"}
         )
-        wrapper = [sys.executable, "-m", "syncswitch_airflow.backends.supervise", exit_path, "--", *command]
-        log_path = os.path.join(seg_dir, "launcher.log")
-        with open(log_path, "ab") as out:
-            out.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} launch: {' '.join(command)}\n".encode())
-            out.flush()
-            proc = subprocess.Popen(
-                wrapper,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        stat = read_stat(proc.pid)
-        record = {
-            "index": index,
-            "pid": proc.pid,
-            "pgid": proc.pid,  # session leader: its pid is its process group id
-            "start_ticks": stat.start_ticks if stat else None,
-            "command": command,
-            "log": log_path,
-            "launched_at": time.time(),
-        }
-        _write_json(os.path.join(seg_dir, "process.json"), record)
-        log.info("run %s: launched segment %d (pid %d), log %s", handle.get("run"), index, proc.pid, log_path)
+        record = {"index": index, **supervise.launch(seg_dir, command, env)}
+        log.info(
+            "run %s: launched segment %d (pid %d), log %s",
+            handle.get("run"),
+            index,
+            record["pid"],
+            record["log"],
+        )
         return record
 
     def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
-        seg_dir = self.segment_dir(handle, index)
-        record = _read_json(os.path.join(seg_dir, "process.json"))
-        if record is None:
-            return SegmentStatus(UNKNOWN)
-        exit_path = os.path.join(seg_dir, "exitcode")
-        if not os.path.exists(exit_path) and is_alive(record["pid"], record.get("start_ticks")):
-            return SegmentStatus(RUNNING, pid=record["pid"])
-        # Checked again after the liveness test: the wrapper writes the file just before it exits.
-        exit_code = _read_exit_code(exit_path)
-        if exit_code is None:
-            # The wrapper vanished: an orphaned launcher still works and will write its result
-            # (its cluster processes die with it, so any survivor means the segment goes on).
-            survivors = processes_with_env(SEGMENT_ENV, seg_dir)
-            if survivors:
-                return SegmentStatus(RUNNING, pid=survivors[0].pid)
-        return SegmentStatus(EXITED, exit_code=exit_code, pid=record["pid"])
+        answer = supervise.status(self.segment_dir(handle, index), SEGMENT_ENV)
+        return SegmentStatus(answer["state"], exit_code=answer["exit_code"], pid=answer["pid"])
 
     def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
-        path = os.path.join(self.segment_dir(handle, index), "launcher.log")
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return supervise.log_tail(self.segment_dir(handle, index), lines)
 
     def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
         seg_dir = self.segment_dir(handle, index)
-        record = _read_json(os.path.join(seg_dir, "process.json"))
-        records = [record] if record else []
-        stopped = self._terminate(records, SEGMENT_ENV, seg_dir, grace_seconds)
-        leftovers = self._kill_and_verify(records, SEGMENT_ENV, seg_dir)
-        if leftovers:
-            raise ClusterError(f"run {handle.get('run')}: segment {index} processes survived: {leftovers}")
-        if stopped:
-            log.info("run %s: stopped segment %d (%d process(es))", handle.get("run"), index, len(stopped))
-        return stopped
-
-    # ---- killing ---------------------------------------------------------------------------------
-
-    def _records(self, handle: Handle) -> list[dict[str, Any]]:
-        root = os.path.join(handle["work_dir"], "segments")
-        if not os.path.isdir(root):
-            return []
-        records = (_read_json(os.path.join(root, name, "process.json")) for name in sorted(os.listdir(root)))
-        return [r for r in records if r]
-
-    def _live(self, records: list[dict[str, Any]], variable: str, value: str) -> list[ProcStat]:
-        """Every live process of the scope: the launch wrappers and everything carrying the marker."""
-        found = {p.pid: p for p in processes_with_env(variable, value)}
-        for record in records:
-            stat = read_stat(record["pid"])
-            if stat and stat.alive and stat.start_ticks == record.get("start_ticks"):
-                found[stat.pid] = stat
-        return sorted(found.values(), key=lambda p: p.pid)
-
-    def _terminate(
-        self, records: list[dict[str, Any]], variable: str, value: str, grace_seconds: float
-    ) -> list[int]:
-        """SIGTERM the live launch wrappers first: each forwards it to its launcher, which stops its
-        cluster gracefully. Only then SIGTERM whatever of the scope is left (an orphaned launcher, a
-        process that escaped). Signalling everything at once would hit a launcher twice, and the
-        second SIGTERM can land after its handler ran, killing it mid-cleanup. Waits up to
-        ``grace_seconds`` in all."""
-        deadline = time.monotonic() + grace_seconds
-        wrapper_pids = {r["pid"] for r in records}
-        live = self._live(records, variable, value)
-        self._term_and_wait([p for p in live if p.pid in wrapper_pids], records, variable, value, deadline)
-        rest = [p for p in self._live(records, variable, value) if p.pid not in wrapper_pids]
-        self._term_and_wait(rest, records, variable, value, deadline)
-        return sorted({p.pid for p in live + rest})
-
-    def _term_and_wait(
-        self, procs: list[ProcStat], records: list[dict[str, Any]], variable: str, value: str, deadline: float
-    ) -> None:
-        for proc in procs:
-            signal_pid(proc.pid, signal.SIGTERM)
-        pids = {p.pid for p in procs}
-        while pids and time.monotonic() < deadline:
-            if not pids & {p.pid for p in self._live(records, variable, value)}:
-                return
-            time.sleep(_POLL_S)
-
-    def _kill_and_verify(self, records: list[dict[str, Any]], variable: str, value: str) -> list[int]:
-        """SIGKILL what is left (whole process groups we started, then single marked processes);
-        return the pids still alive after VERIFY_TIMEOUT_S (empty on success)."""
-        deadline = time.monotonic() + VERIFY_TIMEOUT_S
-        while True:
-            live = self._live(records, variable, value)
-            if not live:
-                return []
-            if time.monotonic() >= deadline:
-                return [p.pid for p in live]
-            # Only signal a recorded group while one of our processes is still in it, so a
-            # process group id that the kernel has since handed to someone else is never hit.
-            our_groups = {p.pgid for p in live}
-            for record in records:
-                if record.get("pgid") in our_groups:
-                    signal_group(record["pgid"], signal.SIGKILL)
-            for proc in live:
-                signal_pid(proc.pid, signal.SIGKILL)
-            time.sleep(_POLL_S)
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _read_exit_code(path: str) -> int | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
+        scope = supervise.ProcessScope(supervise.launch_records(seg_dir), SEGMENT_ENV, seg_dir)
+        outcome = scope.stop(grace_seconds)
+        if outcome["leftovers"]:
+            raise ClusterError(
+                f"run {handle.get('run')}: segment {index} processes survived: {outcome['leftovers']}"
+            )
+        if outcome["stopped"]:
+            log.info(
+                "run %s: stopped segment %d (%d process(es))",
+                handle.get("run"),
+                index,
+                len(outcome["stopped"]),
+            )
+        return outcome["stopped"]

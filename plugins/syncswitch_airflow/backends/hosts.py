@@ -1,0 +1,480 @@
+"""The hosts cluster backend: a run's training processes on separate hosts, reached over SSH (paramiko).
+
+A cluster is the job's ``hosts`` (``syncswitch.hosts.HostSpec``: address, SSH user and key, optional
+role). The bucket (``gs://``) is the only thing the hosts share. On each host, in
+``<work_root>/<job>-<run>@<host>/``::
+
+    token                         the cluster's fork-server token (0600; never in a log, XCom or state)
+    forkserver/                   the host's fork server, listening on the host's address only
+    segments/seg-<ii>/            on the chief host: spec.json, cluster.json, process.json,
+                                  launcher.log, exitcode (``syncswitch.supervise``); on the others:
+                                  the nodes' logs and staged data
+
+**provision** logs into every host (in parallel), writes the token and starts the host's fork server
+(TensorFlow imported once per host), and waits until each listens. An unreachable host or a failed
+login fails provisioning, naming the host and the reason. **launch_segment** starts ``syncswitch
+train --cluster`` on the chief host, detached under ``syncswitch.supervise`` (an Airflow worker
+restart does not touch it); the launcher forks every node through its host's fork server, whose
+lease kills the node if the launcher goes. **segment_status**, **stop_segment** and **teardown** run
+``python -m syncswitch.supervise`` on the hosts: the same code the local backend calls in-process.
+Teardown stops every process marked with the host's work folder, verifies none is left, and removes
+the folder, on every host; a host that cannot be reached is reported, not waited for.
+
+Deployment settings (environment of the Airflow worker):
+    SYNCSWITCH_SSH_KNOWN_HOSTS   known_hosts file; when set, unknown host keys are refused
+    SYNCSWITCH_HOSTS_ENV         K=V;K=V for every process on the hosts (e.g. the GCS emulator as the
+                                 hosts reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
+                                 SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
+    SYNCSWITCH_HOSTS_CLUSTERS    how many hosts clusters may exist at once (default 1)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+import secrets
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import paramiko
+from syncswitch import supervise
+from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec, SegmentSpec
+
+from syncswitch_airflow.backends.base import (
+    UNKNOWN,
+    ClusterBusy,
+    ClusterCapacity,
+    ClusterError,
+    Handle,
+    SegmentStatus,
+)
+from syncswitch_airflow.backends.local import CLUSTER_ENV, SEGMENT_ENV, default_work_root
+
+KNOWN_HOSTS_ENV = "SYNCSWITCH_SSH_KNOWN_HOSTS"
+HOSTS_ENV = "SYNCSWITCH_HOSTS_ENV"
+CAPACITY_ENV = "SYNCSWITCH_HOSTS_CLUSTERS"
+FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "SYNCSWITCH_BUCKET_RETRY_SECONDS")
+CONNECT_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 120.0
+FORKSERVER_READY_S = 300.0
+TEARDOWN_GRACE_S = 15.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SshSession:
+    """One SSH connection to one host; commands and small files. Errors name the host."""
+
+    def __init__(self, host: dict[str, Any], timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.host, self.timeout = host, timeout
+        self.where = f"host {host['name']} ({host['user']}@{host['address']}:{host['port']})"
+        self.client = paramiko.SSHClient()
+
+    def __enter__(self) -> SshSession:
+        known_hosts = os.environ.get(KNOWN_HOSTS_ENV)
+        if known_hosts:
+            self.client.load_host_keys(known_hosts)
+            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        else:
+            self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
+        if not os.path.isfile(self.host["key"]):
+            raise ClusterError(f"{self.where}: SSH key file {self.host['key']} does not exist")
+        try:
+            self.client.connect(
+                self.host["address"],
+                port=int(self.host["port"]),
+                username=self.host["user"],
+                key_filename=self.host["key"],
+                look_for_keys=False,
+                allow_agent=False,
+                timeout=self.timeout,
+                banner_timeout=self.timeout,
+                auth_timeout=self.timeout,
+            )
+        except paramiko.AuthenticationException as exc:
+            self.client.close()
+            raise ClusterError(f"{self.where}: SSH login failed: {exc}") from None
+        except paramiko.BadHostKeyException as exc:
+            self.client.close()
+            raise ClusterError(f"{self.where}: its host key does not match {known_hosts}: {exc}") from None
+        except paramiko.SSHException as exc:
+            self.client.close()
+            raise ClusterError(f"{self.where}: SSH failed: {exc}") from None
+        except TimeoutError:
+            self.client.close()
+            raise ClusterError(f"{self.where}: unreachable: no answer within {self.timeout:.0f}s") from None
+        except OSError as exc:
+            self.client.close()
+            raise ClusterError(f"{self.where}: unreachable: {exc.strerror or exc}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> tuple[int, str, str]:
+        try:
+            _stdin, stdout, stderr = self.client.exec_command(command, timeout=timeout)
+            out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+            return stdout.channel.recv_exit_status(), out, err
+        except (paramiko.SSHException, OSError) as exc:
+            raise ClusterError(f"{self.where}: command failed to run: {exc}") from None
+
+    def check(self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+        code, out, err = self.run(command, timeout)
+        if code != 0:
+            raise ClusterError(f"{self.where}: {what} failed (exit {code}): {(err or out).strip()[-800:]}")
+        return out
+
+    def json(self, command: str, what: str) -> dict[str, Any]:
+        out = self.check(command, what)
+        try:
+            return json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise ClusterError(f"{self.where}: {what} printed no JSON: {out[-300:]!r}") from None
+
+    def write_file(self, path: str, text: str, mode: int = 0o644) -> None:
+        try:
+            with self.client.open_sftp() as sftp, sftp.open(path, "w") as f:
+                f.write(text)
+                sftp.chmod(path, mode)
+        except (paramiko.SSHException, OSError) as exc:
+            raise ClusterError(f"{self.where}: cannot write {path}: {exc}") from None
+
+
+def host_record(host: HostSpec, work_dir: str) -> dict[str, Any]:
+    """A host as the handle carries it (no secret: the key is a path on the Airflow worker)."""
+    return {
+        "name": host.label,
+        "address": host.address,
+        "port": host.port,
+        "user": host.user,
+        "key": host.key,
+        "role": host.role,
+        "python": host.python or sys.executable,
+        "work_dir": work_dir,
+        "forkserver": "",
+    }
+
+
+def host_work_dir(host: HostSpec, job_name: str, run: str) -> str:
+    """``<work_root>/<job>-<run>@<host>``: named by the host too, so that hosts sharing a filesystem
+    (the testbed's namespaces, an NFS home) never share a folder."""
+    folder = re.sub(r"[^A-Za-z0-9._@-]", "_", f"{job_name}-{run}@{host.label}")
+    return posixpath.join(host.work_root, folder)
+
+
+def hosts_environment() -> dict[str, str]:
+    """What every process on the hosts gets: the forwarded variables, then $SYNCSWITCH_HOSTS_ENV."""
+    env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+    for item in os.environ.get(HOSTS_ENV, "").split(";"):
+        key, sep, value = item.strip().partition("=")
+        if sep and key:
+            env[key] = value
+    return env
+
+
+def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T]) -> list[T | ClusterError]:
+    """``action`` on every host at once; a host's ClusterError is its result, not raised."""
+
+    def guarded(host: dict[str, Any]) -> T | ClusterError:
+        try:
+            return action(host)
+        except ClusterError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
+        return list(pool.map(guarded, hosts))
+
+
+def _python(host: dict[str, Any], module: str, *args: str) -> str:
+    return shlex.join([host["python"], "-m", module, *args])
+
+
+class HostsBackend:
+    """Processes on the job's hosts, reached over SSH; holds no state between calls."""
+
+    name = "hosts"
+
+    def __init__(self, work_root: str | None = None) -> None:
+        # A small folder on the Airflow worker: the handle, and what a capacity lease points at.
+        self.work_root = os.path.abspath(work_root or default_work_root())
+
+    def capacity(self) -> ClusterCapacity:
+        return ClusterCapacity(
+            os.path.join(self.work_root, "leases-hosts"), int(os.environ.get(CAPACITY_ENV, "1"))
+        )
+
+    # ---- cluster ---------------------------------------------------------------------------------
+
+    def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
+        run = posixpath.basename(layout.root)
+        local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
+        capacity = self.capacity()
+        if not capacity.acquire(run, local_dir):
+            holders = ", ".join(capacity.holders())
+            raise ClusterBusy(
+                f"all {capacity.capacity} hosts cluster slot(s) are taken (by {holders}); "
+                f"${CAPACITY_ENV} sets how many run at once"
+            )
+        handle: Handle = {
+            "backend": self.name,
+            "run": run,
+            "run_dir": layout.root,
+            "work_dir": local_dir,
+            "hosts": [host_record(h, host_work_dir(h, job.job_name, run)) for h in job.hosts],
+            "chief": chief_host([h.role for h in job.hosts]),
+            "env": hosts_environment(),
+            "processes": 1 + job.num_workers + job.num_ps,
+        }
+        os.makedirs(local_dir, exist_ok=True)
+        try:
+            self._start_servers(handle, self._token(local_dir))
+        except BaseException:
+            self._teardown_hosts(handle)
+            shutil.rmtree(local_dir, ignore_errors=True)
+            capacity.release(run)
+            raise
+        supervise.write_json(os.path.join(local_dir, "cluster.json"), handle)
+        log.info(
+            "run %s: provisioned hosts cluster: %s",
+            run,
+            ", ".join(f"{h['name']} (fork server {h['forkserver']})" for h in handle["hosts"]),
+        )
+        return handle
+
+    def _start_servers(self, handle: Handle, token: str) -> None:
+        """Every host's fork server up (started where it is not), its address in the handle; a
+        ClusterError names each host that failed and why."""
+        results = on_hosts(handle["hosts"], lambda host: self._start_host(handle, host, token))
+        failures = [str(r) for r in results if isinstance(r, ClusterError)]
+        if failures:
+            raise ClusterError("; ".join(failures))
+        for host, address in zip(handle["hosts"], results, strict=True):
+            host["forkserver"] = address
+
+    def _token(self, local_dir: str) -> str:
+        """The cluster's fork-server token, kept (0600) so that provisioning again reuses it."""
+        path = os.path.join(local_dir, "token")
+        if not os.path.exists(path):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+
+    def _start_host(self, handle: Handle, host: dict[str, Any], token: str) -> str:
+        """Start the host's fork server unless it runs already; returns its TCP address."""
+        work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
+        with SshSession(host) as ssh:
+            ssh.check(
+                f"umask 077 && mkdir -p {shlex.quote(server_dir)} {shlex.quote(work)}/segments", "mkdir"
+            )
+            ssh.write_file(posixpath.join(work, "token"), token, mode=0o600)
+            ready = self._server_ready(ssh, server_dir)
+            if ready:
+                return ready
+            env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
+            command = _python(
+                host,
+                "syncswitch.forkserver",
+                server_dir,
+                "--listen",
+                host["address"],
+                "--token-file",
+                posixpath.join(work, "token"),
+            )
+            assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
+            ssh.check(
+                # Backgrounded alone, with every stream redirected, so the SSH channel closes now.
+                f"cd / && (env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null &)",
+                "starting the fork server",
+            )
+            deadline = time.monotonic() + FORKSERVER_READY_S
+            while time.monotonic() < deadline:
+                ready = self._server_ready(ssh, server_dir)
+                if ready:
+                    log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
+                    return ready
+                time.sleep(1.0)
+            tail = ssh.run(f"tail -n 20 {log_file}")[1]
+        raise ClusterError(
+            f"{ssh.where}: its fork server did not listen within {FORKSERVER_READY_S:.0f}s; log:\n{tail}"
+        )
+
+    @staticmethod
+    def _server_ready(ssh: SshSession, server_dir: str) -> str:
+        """The fork server's TCP address if it is up and alive, else ""."""
+        ready_file = shlex.quote(posixpath.join(server_dir, "forkserver.json"))
+        code, out, _ = ssh.run(f"cat {ready_file} 2>/dev/null")
+        if code != 0 or not out.strip():
+            return ""
+        try:
+            ready = json.loads(out)
+        except ValueError:
+            return ""
+        alive = ssh.run(f"kill -0 {int(ready['pid'])}")[0] == 0
+        return str(ready.get("tcp", "")) if alive else ""
+
+    def teardown(self, handle: Handle) -> dict[str, Any]:
+        """Stop every process of the run on every host, verify, remove the hosts' work folders."""
+        results = self._teardown_hosts(handle)
+        leftovers = {name: r["leftovers"] for name, r in results.items() if r.get("leftovers")}
+        if leftovers:
+            raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {leftovers}")
+        shutil.rmtree(handle["work_dir"], ignore_errors=True)
+        self.capacity().release(handle.get("run", ""))
+        stopped = sum(len(r.get("stopped", [])) for r in results.values())
+        unreachable = {name: r["unreachable"] for name, r in results.items() if "unreachable" in r}
+        log.info(
+            "run %s: teardown stopped %d process(es) on %d host(s)%s",
+            handle.get("run"),
+            stopped,
+            len(results) - len(unreachable),
+            f"; not reached: {unreachable}" if unreachable else "",
+        )
+        return {"hosts": results, "stopped": stopped, "unreachable": unreachable}
+
+    def _teardown_hosts(self, handle: Handle) -> dict[str, dict[str, Any]]:
+        def stop(host: dict[str, Any]) -> dict[str, Any]:
+            work = host["work_dir"]
+            command = _python(
+                host,
+                "syncswitch.supervise",
+                "stop",
+                "--marker",
+                f"{CLUSTER_ENV}={work}",
+                "--records",
+                posixpath.join(work, "segments"),
+                "--grace",
+                str(TEARDOWN_GRACE_S),
+                "--remove",
+                work,
+            )
+            with SshSession(host) as ssh:
+                return ssh.json(command, "teardown")
+
+        results = on_hosts(handle["hosts"], stop)
+        by_host: dict[str, dict[str, Any]] = {}
+        for host, result in zip(handle["hosts"], results, strict=True):
+            if isinstance(result, ClusterError):
+                # A lost host took its processes with it; one that is only unreachable now is
+                # reported to the operator rather than waited for.
+                run = handle.get("run")
+                log.warning("run %s: teardown could not reach %s: %s", run, host["name"], result)
+                by_host[host["name"]] = {"unreachable": str(result)}
+            else:
+                by_host[host["name"]] = result
+        return by_host
+
+    # ---- segments --------------------------------------------------------------------------------
+
+    def _chief(self, handle: Handle) -> dict[str, Any]:
+        return handle["hosts"][handle["chief"]]
+
+    def segment_dir(self, handle: Handle, index: int) -> str:
+        return posixpath.join(self._chief(handle)["work_dir"], "segments", f"seg-{index:02d}")
+
+    def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
+        chief, seg_dir = self._chief(handle), self.segment_dir(handle, spec.index)
+        if self.segment_status(handle, spec.index).running:
+            raise ClusterError(f"run {handle.get('run')}: segment {spec.index} is already running")
+        # A host lost and brought back since provisioning (a retry after a host failure) gets its
+        # fork server again, on a new port; a host still lost fails the launch, named.
+        handle = {**handle, "hosts": [dict(h) for h in handle["hosts"]]}
+        with SshSession(chief) as ssh:
+            token = ssh.check(
+                f"cat {shlex.quote(posixpath.join(chief['work_dir'], 'token'))}", "reading the token"
+            )
+        self._start_servers(handle, token.strip())
+        cluster = ClusterFile(
+            hosts=tuple(
+                ClusterHost(h["name"], h["address"], h["role"], h["forkserver"], h["work_dir"])
+                for h in handle["hosts"]
+            ),
+            token_file=posixpath.join(chief["work_dir"], "token"),
+        )
+        env = {**handle["env"], CLUSTER_ENV: chief["work_dir"], SEGMENT_ENV: seg_dir, "PYTHONUNBUFFERED": "1"}
+        train = [
+            chief["python"],
+            "-m",
+            "syncswitch.cli",
+            "train",
+            "--spec",
+            posixpath.join(seg_dir, "spec.json"),
+            "--work-dir",
+            posixpath.join(seg_dir, "scratch"),
+            "--cluster",
+            posixpath.join(seg_dir, "cluster.json"),
+        ]
+        env_flags = [flag for k, v in env.items() for flag in ("--env", f"{k}={v}")]
+        with SshSession(chief) as ssh:
+            ssh.check(f"mkdir -p {shlex.quote(seg_dir)}", "mkdir")
+            ssh.write_file(posixpath.join(seg_dir, "spec.json"), spec.to_json())
+            ssh.write_file(posixpath.join(seg_dir, "cluster.json"), cluster.to_json())
+            command = _python(chief, "syncswitch.supervise", "launch", seg_dir, *env_flags, "--", *train)
+            record = ssh.json(f"cd / && {command}", "launching the segment")
+        record = {"index": spec.index, "host": chief["name"], **record}
+        log.info(
+            "run %s: launched segment %d on %s (pid %d), log %s",
+            handle.get("run"),
+            spec.index,
+            chief["name"],
+            record["pid"],
+            record["log"],
+        )
+        return record
+
+    def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
+        chief = self._chief(handle)
+        command = _python(chief, "syncswitch.supervise", "status", self.segment_dir(handle, index))
+        try:
+            with SshSession(chief) as ssh:
+                answer = ssh.json(f"{command} --marker {SEGMENT_ENV}", "segment status")
+        except ClusterError as exc:
+            # Not known now; the segment trigger counts how long, and the stall rule still applies.
+            log.warning("run %s: segment %d status unknown: %s", handle.get("run"), index, exc)
+            return SegmentStatus(UNKNOWN)
+        return SegmentStatus(answer["state"], exit_code=answer["exit_code"], pid=answer["pid"])
+
+    def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
+        path = posixpath.join(self.segment_dir(handle, index), "launcher.log")
+        try:
+            with SshSession(self._chief(handle)) as ssh:
+                return ssh.run(f"tail -n {int(lines)} {shlex.quote(path)} 2>/dev/null")[1]
+        except ClusterError as exc:
+            return f"(the launcher's log is on the chief host, not reachable: {exc})"
+
+    def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
+        """Stop the launcher on the chief host; the nodes on the other hosts go with its leases."""
+        chief, seg_dir = self._chief(handle), self.segment_dir(handle, index)
+        command = _python(
+            chief,
+            "syncswitch.supervise",
+            "stop",
+            "--marker",
+            f"{SEGMENT_ENV}={seg_dir}",
+            "--records",
+            seg_dir,
+            "--grace",
+            str(grace_seconds),
+        )
+        with SshSession(chief) as ssh:
+            outcome = ssh.json(command, "stopping the segment")
+        if outcome["leftovers"]:
+            raise ClusterError(
+                f"run {handle.get('run')}: segment {index} processes survived on {chief['name']}: "
+                f"{outcome['leftovers']}"
+            )
+        return outcome["stopped"]

@@ -1,0 +1,396 @@
+"""The ``hosts`` cluster backend on the network-namespace testbed: real sshd per host, real SSH
+(paramiko), one fork server per host, TF nodes talking over the hosts' addresses, checkpoints in a
+GCS emulator that the hosts reach over the testbed's network (the only thing they share).
+
+Five hosts: h0 chief (the launcher, the ASP coordinator, BSP worker 0), h1-h3 workers, h4 the
+parameter server, so "101" on 1 PS + 3 workers puts every node on its own host. Needs root (the
+testbed); skipped otherwise with ensure_prerequisites()'s reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import GcsEmulator, _free_port
+from proc_utils import wait_for
+from syncswitch import storage
+from syncswitch.errors import SpecError
+from syncswitch.events import read_events
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch.state import read_state
+from syncswitch_airflow.backends import ClusterError
+from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV, HostsBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import testbed as tb  # noqa: E402
+
+pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
+
+_RUN_ID = os.getpid() % 10000
+ROLES = ("chief", "worker", "worker", "worker", "ps")
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[tb.Testbed]:
+    reason = tb.ensure_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    testbed = tb.Testbed(f"shb{_RUN_ID}", len(ROLES))
+    testbed.up()
+    try:
+        yield testbed
+    finally:
+        testbed.down()
+
+
+@pytest.fixture(scope="module")
+def cluster_env(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """A GCS emulator on the testbed's gateway (reachable from this machine and every host), made the
+    storage of this module, and the testbed's known_hosts for host-key checking."""
+    root = tmp_path_factory.mktemp("hosts-gcs")
+    server = GcsEmulator(root, _free_port(), host=bed.gateway)
+    server.start()
+    saved = {name: os.environ.get(name) for name in ("STORAGE_EMULATOR_HOST", KNOWN_HOSTS_ENV)}
+    os.environ["STORAGE_EMULATOR_HOST"] = server.url
+    os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
+    try:
+        yield server
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
+
+
+@pytest.fixture
+def bucket(cluster_env: GcsEmulator) -> str:
+    name = f"hosts-{uuid.uuid4().hex[:12]}"
+    storage.gcs_client().create_bucket(name)
+    return f"gs://{name}/runs"
+
+
+@pytest.fixture
+def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "work"
+    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
+    return root
+
+
+def host_params(bed: tb.Testbed, key: str | None = None) -> list[str]:
+    return [
+        f"address={h.address},key={key or bed.key_path},role={role},name={h.name}"
+        for h, role in zip(bed.hosts, ROLES, strict=True)
+    ]
+
+
+def job(bed: tb.Testbed, bucket: str, **params: Any) -> JobSpec:
+    base = {
+        "job_name": "hosts",
+        "cluster_backend": "hosts",
+        "bucket_dir": bucket,
+        "hosts": host_params(bed),
+        "num_workers": 3,
+        "num_ps": 1,
+    }
+    return JobSpec.from_params({**base, **params})
+
+
+def host_processes(bed: tb.Testbed, host: tb.TestHost) -> dict[int, str]:
+    """The host's processes other than its sshd (and SSH sessions still closing), with command lines."""
+    found = {}
+    for pid in bed.processes(host):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if cmdline and not cmdline.startswith(("sshd", "/usr/sbin/sshd")):
+            found[pid] = cmdline
+    return found
+
+
+def assert_hosts_clean(bed: tb.Testbed) -> None:
+    """Every host's process table holds only its sshd again, and no work folder is left."""
+    for host in bed.hosts:
+        left: dict[int, str] = {}
+
+        def clean(host: tb.TestHost = host, left: dict[int, str] = left) -> bool:
+            left.clear()
+            left.update(host_processes(bed, host))
+            return not left
+
+        wait_for(clean, timeout=30, what=f"{host.name}'s processes gone (left: {left})", poll=0.5)
+    assert not [p for p in Path("/tmp/syncswitch-hosts").glob("hosts-*")], "a host work folder is left"
+
+
+# ---- input ----------------------------------------------------------------------------------------
+
+
+HOSTS = {"cluster_backend": "hosts", "bucket_dir": "gs://b/runs"}
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "words"),
+    [
+        ({"hosts": ["address=10.0.0.2,key=/k"]}, "hosts", "only for cluster_backend 'hosts'"),
+        ({**HOSTS}, "hosts", "needs at least one host"),
+        ({**HOSTS, "bucket_dir": "runs", "hosts": ["address=10.0.0.2,key=/k"]}, "bucket_dir", "gs://"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2"]}, "hosts", "needs 'key'"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2 ;rm,key=/k"]}, "hosts", "not an IP address or host name"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,role=boss"]}, "hosts", "any, chief, worker, ps"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,port=0"]}, "hosts", "1..65535"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2,key=relative"]}, "hosts", "absolute path"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,colour=red"]}, "hosts", "unknown key 'colour'"),
+        (
+            {**HOSTS, "hosts": ["address=10.0.0.2,key=/k", "address=10.0.0.2,key=/j"]},
+            "hosts",
+            "is also host 0",
+        ),
+    ],
+)
+def test_bad_host_specs_are_rejected_naming_the_field(params: dict, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as err:
+        JobSpec.from_params(params)
+    assert err.value.field == field and words in str(err.value), str(err.value)
+
+
+# ---- provisioning ---------------------------------------------------------------------------------
+
+
+def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_host(
+    bed: tb.Testbed, bucket: str, work_root: Path, tmp_path: Path
+) -> None:
+    backend = HostsBackend()
+    layout = RunLayout.for_run(bucket, "hosts", "provision-failures")
+    good = host_params(bed)[:2]
+
+    # A host that does not answer (an address of the cluster subnet with nothing behind it).
+    absent = f"address={bed.subnet.rsplit('.', 1)[0]}.99,key={bed.key_path},name=ghost"
+    with pytest.raises(ClusterError, match=r"host ghost \(root@10\.77\.\d+\.99:22\): unreachable"):
+        backend.provision(job(bed, bucket, hosts=[*good, absent], num_workers=1), layout)
+
+    # A key the hosts do not accept.
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    refused = [f"{h},name=x{i}".replace(bed.key_path, str(stranger)) for i, h in enumerate(good[:1])]
+    with pytest.raises(ClusterError, match=r"SSH login failed"):
+        backend.provision(job(bed, bucket, hosts=[*refused, good[1]], num_workers=1), layout)
+
+    # A key file that is not there: named, and nothing was started on the good host.
+    missing = good[0].replace(bed.key_path, str(tmp_path / "nope"))
+    with pytest.raises(ClusterError, match=r"SSH key file .*/nope does not exist"):
+        backend.provision(job(bed, bucket, hosts=[missing, good[1]], num_workers=1), layout)
+
+    # Failed provisioning left nothing behind and gave its cluster slot back.
+    assert_hosts_clean(bed)
+    assert backend.capacity().holders() == []
+
+
+# ---- end to end through the DAG -------------------------------------------------------------------
+
+
+def test_101_on_five_hosts_through_the_dag(  # noqa: ANN001
+    dag, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    conf = {
+        "job_name": "hosts",
+        "cluster_backend": "hosts",
+        "hosts": host_params(bed),
+        "bucket_dir": bucket,
+        "switch_order": "101",
+        "train_steps": [30, 60, 30],
+        "ckpt_frequency": [30],
+        "num_workers": 3,
+        "num_ps": 1,
+    }
+    dag_run = dag.test(run_conf=conf)
+
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket, "hosts", dag_run.run_id)
+    state = read_state(layout)
+    assert [e["protocol"] for e in state["plan"]] == ["bsp", "asp", "bsp"]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [30, 90, 120]
+    for index in (1, 2):  # each segment resumed from the previous one's checkpoint in the bucket
+        assert state["segments"][str(index)]["start_step"] == state["segments"][str(index - 1)]["end_step"]
+    # Every node ran on its own host: the cluster the chief saw, by address.
+    addresses = {h.address for h in bed.hosts}
+    started = [e for e in read_events(layout.metrics, event="segment_start")]
+    assert started, "no segment_start event"
+    cluster = state["cluster"]
+    assert cluster["backend"] == "hosts" and {h["address"] for h in cluster["hosts"]} == addresses
+    assert_hosts_clean(bed)
+    assert_no_secret(bed, layout, dag_run)
+
+
+def assert_no_secret(bed: tb.Testbed, layout: RunLayout, dag_run: Any) -> None:  # noqa: ANN401
+    """Neither the SSH private key nor the cluster's fork-server token is in state.json, the report,
+    the metrics, or any XCom of the run."""
+    key_body = "".join(Path(bed.key_path).read_text().splitlines()[1:-1])
+    secrets = [key_body[i : i + 40] for i in range(0, len(key_body) - 40, 40)]
+    texts = [storage.read_bytes(uri).decode("latin-1") for uri in storage.list_files(layout.root)]
+    texts.append(json.dumps(xcoms(dag_run)))
+    for text in texts:
+        for piece in secrets:
+            assert piece not in text
+        assert not re.search(r"token\W{1,4}[0-9a-f]{64}", text)
+
+
+def xcoms(dag_run: Any) -> list[Any]:  # noqa: ANN401
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(
+            select(XComModel.value).where(
+                XComModel.dag_id == dag_run.dag_id, XComModel.run_id == dag_run.run_id
+            )
+        )
+        return [row[0] for row in rows]
+
+
+# ---- lost hosts -----------------------------------------------------------------------------------
+
+
+def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
+    steps = read_events(layout.segment_metrics(index, protocol), event="step")
+    return steps[-1]["global_step"] if steps else 0.0
+
+
+def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cleanly(
+    bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    backend = HostsBackend()
+    spec_job = job(bed, bucket, switch_order="01", train_steps=[400, 300], ckpt_frequency=[50])
+    layout = RunLayout.for_run(bucket, "hosts", "lost-hosts")
+    handle = backend.provision(spec_job, layout)
+    try:
+        asp, bsp = (spec_job.segment_spec(e, "lost-hosts", layout.root) for e in spec_job.plan_entries())
+        backend.launch_segment(handle, asp)
+        wait_for(lambda: latest_step(layout, 0, "asp") >= 20, timeout=180, what="ASP at step 20", poll=0.5)
+        # While it trains: the nodes' ports answer inside the cluster network and not from outside it.
+        check_ports_are_closed_from_outside(bed)
+        bed.kill_host(bed.hosts[2])  # ASP worker 1
+        wait_for(
+            lambda: not backend.segment_status(handle, 0).running,
+            timeout=600,
+            what="the ASP segment's end",
+            poll=2,
+        )
+        status = backend.segment_status(handle, 0)
+        assert status.exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        assert read_state_result(layout, 0, "asp")["global_step"] == 400
+
+        bed.revive_host(bed.hosts[2])
+        backend.launch_segment(handle, bsp)
+        wait_for(lambda: latest_step(layout, 1, "bsp") >= 410, timeout=300, what="BSP at step 410", poll=0.5)
+        checkpoint_before = latest_checkpoint_step(layout)
+        bed.kill_host(bed.hosts[3])  # BSP worker 2
+        wait_for(
+            lambda: not backend.segment_status(handle, 1).running,
+            timeout=300,
+            what="the BSP segment's end",
+            poll=2,
+        )
+        status = backend.segment_status(handle, 1)
+        assert status.exit_code not in (0, None), "a BSP segment cannot finish without a worker"
+        assert "BSP cannot continue" in backend.segment_log_tail(handle, 1, 60)
+
+        # The retry, with the host back, resumes from the last checkpoint and ends exactly on target.
+        bed.revive_host(bed.hosts[3])
+        backend.launch_segment(handle, bsp)
+        wait_for(
+            lambda: not backend.segment_status(handle, 1).running,
+            timeout=300,
+            what="the BSP retry's end",
+            poll=2,
+        )
+        assert backend.segment_status(handle, 1).exit_code == 0, backend.segment_log_tail(handle, 1, 40)
+        result = read_state_result(layout, 1, "bsp")
+        assert result["start_step"] >= checkpoint_before >= 400 and result["global_step"] == 700
+    finally:
+        for host in bed.hosts:
+            bed.revive_host(host) if not host_is_up(bed, host) else None
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+
+
+def wait_until_ended(backend: HostsBackend, handle: dict, index: int, timeout: float) -> None:
+    wait_for(
+        lambda: not backend.segment_status(handle, index).running,
+        timeout=timeout,
+        what=f"segment {index}'s end",
+        poll=2,
+    )
+
+
+def read_state_result(layout: RunLayout, index: int, protocol: str) -> dict[str, Any]:
+    return storage.read_json(layout.segment_result(index, protocol))
+
+
+def latest_checkpoint_step(layout: RunLayout) -> float:
+    manifests = [u for u in storage.list_files(layout.checkpoints) if u.endswith("/manifest.json")]
+    return max(storage.read_json(u)["global_step"] for u in manifests)
+
+
+def host_is_up(bed: tb.Testbed, host: tb.TestHost) -> bool:
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    index = bed.hosts.index(host)
+    return any(f"ssv-{bed.name}-{index}" in line and "state UP" in line for line in links.splitlines())
+
+
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+    print("open")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def check_ports_are_closed_from_outside(bed: tb.Testbed) -> None:
+    """A TF port and a fork-server port of a running node: reachable from another host of the
+    cluster, not from a namespace outside the cluster network."""
+    outside = bed.add_outside_namespace()
+    ps_host = bed.hosts[4]
+    ports = listening_ports(bed, ps_host)
+    assert ports, "the parameter server's host listens on nothing"
+    for port in ports:
+        inside = bed.exec(
+            bed.hosts[1],
+            [sys.executable, "-c", _CONNECT, ps_host.address, str(port)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        from_outside = bed.exec(
+            outside,
+            [sys.executable, "-c", _CONNECT, ps_host.address, str(port)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert inside == "open" and from_outside != "open", (port, inside, from_outside)
+
+
+def listening_ports(bed: tb.Testbed, host: tb.TestHost) -> list[int]:
+    out = bed.exec(host, ["ss", "-Htln"], capture_output=True, text=True, check=True).stdout
+    ports = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        port = int(local.rsplit(":", 1)[1])
+        if port != host.ssh_port:
+            ports.append(port)
+    return ports

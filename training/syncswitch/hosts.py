@@ -1,0 +1,221 @@
+"""Clusters of separate hosts: the host spec, where each node runs, and the launcher's cluster file.
+
+A ``hosts`` cluster is a list of hosts (``JobSpec.hosts``), each reached over SSH by the pipeline's
+``hosts`` backend, which starts one fork server per host listening on the host's cluster-internal
+address. The launcher of a segment runs on the **chief host** beside the segment's chief (the ASP
+coordinator, or BSP worker 0), so the chief's progress and kill-request files are local to it; it forks
+every other node through its host's fork server over TCP.
+
+Placement (``place_nodes``) by the hosts' optional ``role`` (chief, worker, ps; default any):
+    chief host      the first host with role chief, else the first host: the ASP chief, BSP worker 0
+    ASP worker i    the i-th worker host, round robin (worker hosts: role worker, else role any,
+                    else every host)
+    BSP worker i    (i >= 1) where ASP worker i runs
+    parameter server j   the j-th ps host, round robin (ps hosts: role ps, else any, else every host)
+
+Nothing here holds a secret: a host names its SSH key by path, and the cluster's fork-server token
+lives in a file on each host (``token_file``), never in a spec, log, XCom or state.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from syncswitch.errors import SpecError
+
+ROLES = ("any", "chief", "worker", "ps")
+FIELD = "hosts"
+DEFAULT_WORK_ROOT = "/tmp/syncswitch-hosts"
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9-]{1,63})*$"
+)
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of a ``hosts`` cluster. ``python`` is the interpreter that has the training runtime on
+    the host ("" = the same path as on the Airflow worker, as in this project's image)."""
+
+    address: str
+    key: str  # path of the SSH private key on the Airflow worker (the key itself never travels)
+    user: str = "root"
+    port: int = 22
+    role: str = "any"
+    python: str = ""
+    work_root: str = DEFAULT_WORK_ROOT
+    name: str = ""  # shown in logs and messages; default: the address
+
+    @property
+    def label(self) -> str:
+        return self.name or self.address
+
+    @classmethod
+    def parse(cls, item: Any, position: int) -> HostSpec:
+        """``address=10.0.0.2,key=/k,role=worker`` or the same keys as a dict; SpecError names the field."""
+        where = f"host {position}"
+        if isinstance(item, dict):
+            pairs = {str(k): v for k, v in item.items()}
+        elif isinstance(item, str):
+            pairs = {}
+            for part in item.split(","):
+                key, sep, value = part.strip().partition("=")
+                if not sep:
+                    raise SpecError(
+                        FIELD, f"{where}: malformed item {part!r}; expected address=10.0.0.2,key=/path"
+                    )
+                pairs[key.strip()] = value.strip()
+        else:
+            raise SpecError(FIELD, f"{where}: must be a dict or 'key=value,...' text, got {item!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(pairs) - known)
+        if unknown:
+            raise SpecError(
+                FIELD, f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(sorted(known))}"
+            )
+        for required in ("address", "key"):
+            if not pairs.get(required):
+                raise SpecError(
+                    FIELD, f"{where}: needs {required!r} (accepted keys: {', '.join(sorted(known))})"
+                )
+        try:
+            port = int(pairs.get("port", 22))
+        except (TypeError, ValueError):
+            raise SpecError(FIELD, f"{where}: port must be an integer, got {pairs.get('port')!r}") from None
+        host = cls(
+            address=str(pairs["address"]),
+            key=str(pairs["key"]),
+            user=str(pairs.get("user") or "root"),
+            port=port,
+            role=str(pairs.get("role") or "any"),
+            python=str(pairs.get("python") or ""),
+            work_root=str(pairs.get("work_root") or DEFAULT_WORK_ROOT),
+            name=str(pairs.get("name") or ""),
+        )
+        host.validate(where)
+        return host
+
+    def validate(self, where: str) -> None:
+        if not _is_address(self.address):
+            raise SpecError(FIELD, f"{where}: address {self.address!r} is not an IP address or host name")
+        if not 1 <= self.port <= 65535:
+            raise SpecError(FIELD, f"{where}: port must be in 1..65535, got {self.port}")
+        if not _USER_RE.match(self.user):
+            raise SpecError(FIELD, f"{where}: user {self.user!r} is not a valid user name")
+        if self.role not in ROLES:
+            raise SpecError(FIELD, f"{where}: role {self.role!r} is not one of: {', '.join(ROLES)}")
+        for name in ("key", "work_root") + (("python",) if self.python else ()):
+            value = getattr(self, name)
+            if not value.startswith("/") or any(c in value for c in "\n\0'\"$`\\ "):
+                raise SpecError(FIELD, f"{where}: {name} must be an absolute path without quotes or spaces")
+
+    def to_text(self) -> str:
+        defaults = HostSpec("", "")
+        return ",".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name in ("address", "key") or getattr(self, f.name) != getattr(defaults, f.name)
+        )
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME_RE.match(text))
+
+
+def parse_hosts(value: Any) -> tuple[HostSpec, ...]:
+    """The ``hosts`` param: a list of host specs (dicts or text), or a JSON list as text."""
+    if value in (None, "", []):
+        return ()
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            try:
+                value = json.loads(stripped)
+            except ValueError as exc:
+                raise SpecError(FIELD, f"is not a valid JSON list: {exc}") from None
+        else:
+            value = [v for v in stripped.split(";") if v.strip()]
+    if not isinstance(value, list | tuple):
+        raise SpecError(FIELD, f"must be a list of hosts, got {value!r}")
+    hosts = tuple(HostSpec.parse(item, i) for i, item in enumerate(value))
+    seen: dict[tuple[str, int], int] = {}
+    for i, host in enumerate(hosts):
+        if (host.address, host.port) in seen:
+            raise SpecError(
+                FIELD, f"host {i}: {host.address}:{host.port} is also host {seen[host.address, host.port]}"
+            )
+        seen[host.address, host.port] = i
+    return hosts
+
+
+# ---- placement ------------------------------------------------------------------------------------
+
+
+def chief_host(roles: list[str]) -> int:
+    """The index of the host that runs the launcher and the segment's chief."""
+    return roles.index("chief") if "chief" in roles else 0
+
+
+def _candidates(roles: list[str], role: str) -> list[int]:
+    for wanted in (role, "any"):
+        found = [i for i, r in enumerate(roles) if r == wanted]
+        if found:
+            return found
+    return list(range(len(roles)))
+
+
+def place_nodes(roles: list[str], protocol: str, num_workers: int, num_ps: int) -> list[tuple[str, int, int]]:
+    """``(role, task, host index)`` of every node of a segment, chief first (the launcher's order)."""
+    chief = chief_host(roles)
+    workers = _candidates(roles, "worker")
+    worker_host = [workers[i % len(workers)] for i in range(num_workers)]
+    if protocol == "bsp":
+        return [("worker", i, chief if i == 0 else worker_host[i]) for i in range(num_workers)]
+    ps = _candidates(roles, "ps")
+    return (
+        [("chief", 0, chief)]
+        + [("worker", i, worker_host[i]) for i in range(num_workers)]
+        + [("ps", j, ps[j % len(ps)]) for j in range(num_ps)]
+    )
+
+
+# ---- the launcher's cluster file -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterHost:
+    """One host as the launcher sees it: where its fork server listens and its work folder."""
+
+    name: str
+    address: str  # cluster-internal: TF_CONFIG and the fork server use it
+    role: str
+    forkserver: str  # "address:port"
+    work_dir: str
+
+
+@dataclass(frozen=True)
+class ClusterFile:
+    """``cluster.json`` beside a segment's spec on the chief host (``syncswitch train --cluster``)."""
+
+    hosts: tuple[ClusterHost, ...]
+    token_file: str  # on the chief host; every host's server holds the same token
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterFile:
+        return cls(tuple(ClusterHost(**h) for h in data["hosts"]), str(data["token_file"]))
+
+    def read_token(self) -> str:
+        with open(self.token_file, encoding="utf-8") as f:
+            return f.read().strip()
