@@ -41,6 +41,11 @@ PROGRESS_SECONDS = 5.0
 BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
 KILL_WAIT_SECONDS = 10.0
+# gRPC keepalive on TensorFlow's channels (read by TF from $TF_GRPC_DEFAULT_OPTIONS) for clusters that
+# span hosts: without it an RPC to a host that vanished (no RST, just silence) waits forever, and the
+# ASP coordinator never marks that worker failed; with it the RPC fails within ~20 s and the
+# coordinator reschedules the closure on the survivors. Pings only while calls are in flight.
+GRPC_KEEPALIVE = "grpc.keepalive_time_ms=10000,grpc.keepalive_timeout_ms=10000"
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0
 
@@ -173,9 +178,12 @@ class SegmentCluster:
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
         cores = os.cpu_count() or 1
+        spans_hosts = any(node.remote for node in self.nodes)
         for i, node in enumerate(self.nodes):
             tf_config = {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
             env = {"TF_CONFIG": json.dumps(tf_config), "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at)}
+            if spans_hosts:
+                env["TF_GRPC_DEFAULT_OPTIONS"] = GRPC_KEEPALIVE
             if node.remote:
                 # Another host: the spec travels with the request, the node stages its own data.
                 work_dir = os.path.join(node.host_work_dir, "segments", f"seg-{self.spec.index:02d}")
