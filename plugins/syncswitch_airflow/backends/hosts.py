@@ -205,6 +205,7 @@ class HostsBackend:
     """Processes on the job's hosts, reached over SSH; holds no state between calls."""
 
     name = "hosts"
+    status_poll_seconds = 3.0  # each status is an SSH login to the chief host
 
     def __init__(self, work_root: str | None = None) -> None:
         # A small folder on the Airflow worker: the handle, and what a capacity lease points at.

@@ -34,8 +34,9 @@ from syncswitch.state import record_segment
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
 
-# How long a launcher may be unknown to the backend before the segment counts as lost (the launch
-# record is written right after the process starts, so this only covers a wiped work folder).
+# How long a launcher may stay unknown to the backend before the segment counts as lost: a wiped
+# work folder (local; the launch record is written right after the process starts), or a chief host
+# that SSH cannot reach (hosts).
 _UNKNOWN_GRACE_S = 30.0
 
 
@@ -144,19 +145,26 @@ class SegmentTrigger(BaseTrigger):
         stall = StallWatch(self.stall_seconds)
         progress: Progress | None = None
         started = time.monotonic()
-        next_look = next_log = started
+        next_look = next_log = next_status = started
+        unknown_since: float | None = None
+        # Asking a remote backend costs an SSH login; the bucket's result.json is still read every poll.
+        status_every = max(self.poll_seconds, getattr(backend, "status_poll_seconds", 0.0))
         while True:
             result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
             if result is not None:
                 yield await self._succeeded(result)
                 return
-            status = await asyncio.to_thread(backend.segment_status, self.handle, self.index)
-            lost = status.state == EXITED or (
-                status.state == UNKNOWN and time.monotonic() - started > _UNKNOWN_GRACE_S
-            )
-            if lost:
-                yield await self._launcher_gone(backend, status.exit_code)
-                return
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + status_every
+                status = await asyncio.to_thread(backend.segment_status, self.handle, self.index)
+                unknown_since = (unknown_since or now) if status.state == UNKNOWN else None
+                lost = status.state == EXITED or (
+                    unknown_since is not None and now - unknown_since > _UNKNOWN_GRACE_S
+                )
+                if lost:
+                    yield await self._launcher_gone(backend, status.exit_code)
+                    return
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + self.progress_seconds
