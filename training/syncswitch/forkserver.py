@@ -178,9 +178,7 @@ class ForkServer:
         self._add_listener(local)
         tcp = ""
         if self.listen:
-            host, port = (
-                (self.tcp_host, split_address(self.listen)[1]) if ":" in self.listen else (self.listen, 0)
-            )
+            port = split_address(self.listen)[1] if ":" in self.listen else 0
             # Bound to the cluster-internal address only: nothing else on the host may fork nodes.
             remote = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             remote.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,9 +1,10 @@
 """Runs one segment on a cluster of processes and supervises it until it ends.
 
     preflight()      every check that can fail on user input, before any process is spawned
-    cluster_nodes()  where each node runs: free 127.0.0.1 ports here, or (``--cluster FILE``) the
-                     hosts of a ``hosts`` cluster, placed by ``hosts.place_nodes``, on ports their
-                     fork servers reserve on the hosts' cluster-internal addresses
+    cluster_nodes()  where each node runs: free 127.0.0.1 ports on this host
+    host_nodes()     or (``--cluster FILE``) the hosts of a ``hosts`` cluster, placed by
+                     ``hosts.place_nodes``, on ports their fork servers reserve on the hosts'
+                     cluster-internal addresses
     SegmentCluster   forks chief/workers/PS, supervises, tears down
     run_segment()    preflight + cluster + result; what `syncswitch train` calls
 
