@@ -89,6 +89,22 @@ def test_new_flags_map_to_job_fields() -> None:
     assert spec.segment_steps() == [300, 700]
 
 
+def test_host_flags_select_the_hosts_backend() -> None:
+    spec, _options, _notes = parse(
+        [
+            *("--cluster-backend", "hosts", "--bucket-dir", "gs://b/runs"),
+            *("--host", "address=10.0.0.10,key=/keys/id,role=chief"),
+            *("--host", "address=10.0.0.11,key=/keys/id,user=train,port=2222"),
+        ]
+    )
+    assert spec.cluster_backend == "hosts"
+    assert [(h.address, h.role, h.user, h.port) for h in spec.hosts] == [
+        ("10.0.0.10", "chief", "root", 22),
+        ("10.0.0.11", "any", "train", 2222),
+    ]
+    assert JobSpec.from_params(dag_conf(spec)) == spec  # the DAG's conf carries the hosts through
+
+
 def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,6 +136,8 @@ def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
         # More segments than the DAG has slots for: the DAG's limit, checked before Airflow starts.
         (["--switch-order", "101", "--max-online-switches", "4"], "max_online_switches"),
         (["--no-such-flag", "1"], "--no-such-flag"),
+        (["--cluster-backend", "hosts", "--host", "address=10.0.0.2,key=/k"], "bucket_dir"),
+        (["--cluster-backend", "hosts", "--host", "address=10.0.0.2,role=boss"], "hosts"),
     ],
 )
 def test_bad_input_fails_fast_naming_the_field(args: list[str], field: str, tmp_path: Path) -> None:
