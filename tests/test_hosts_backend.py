@@ -272,8 +272,10 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
     bed: tb.Testbed, bucket: str, work_root: Path
 ) -> None:
     backend = HostsBackend()
+    # The ASP segment is long enough (~1 min on an idle machine) for the launcher to see the lost
+    # host's lease time out (~20 s) before the segment ends.
     spec_job = job(
-        bed, bucket, switch_order="01", train_steps=[400, 300], ckpt_frequency=[50], stall_seconds=180
+        bed, bucket, switch_order="01", train_steps=[3000, 300], ckpt_frequency=[1000, 50], stall_seconds=180
     )
     layout = RunLayout.for_run(bucket, "hosts", "lost-hosts")
     handle = backend.provision(spec_job, layout)
@@ -293,11 +295,11 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
         status, log_tail = backend.segment_status(handle, 0), backend.segment_log_tail(handle, 0, 60)
         assert status.exit_code == 0, log_tail
         assert "worker 1 exited" in log_tail and "ASP continues with the survivors" in log_tail, log_tail
-        assert read_state_result(layout, 0, "asp")["end_step"] == 400
+        assert read_state_result(layout, 0, "asp")["end_step"] == 3000
 
         bed.revive_host(bed.hosts[2])
         backend.launch_segment(handle, bsp)
-        wait_for(lambda: latest_step(layout, 1, "bsp") >= 410, timeout=300, what="BSP at step 410", poll=0.5)
+        wait_for(lambda: latest_step(layout, 1, "bsp") >= 3060, timeout=300, what="BSP at 3060", poll=0.5)
         checkpoint_before = latest_checkpoint_step(layout)
         bed.kill_host(bed.hosts[3])  # BSP worker 2
         wait_for(
@@ -321,7 +323,7 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
         )
         assert backend.segment_status(handle, 1).exit_code == 0, backend.segment_log_tail(handle, 1, 40)
         result = read_state_result(layout, 1, "bsp")
-        assert result["start_step"] >= checkpoint_before >= 400 and result["end_step"] == 700
+        assert result["start_step"] >= checkpoint_before >= 3050 and result["end_step"] == 3300
     finally:
         for host in bed.hosts:
             bed.revive_host(host) if not host_is_up(bed, host) else None
