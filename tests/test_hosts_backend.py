@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from airflow_runs import latest_step
 from conftest import GcsEmulator, _free_port
 from proc_utils import wait_for
 from syncswitch import storage
@@ -263,11 +264,6 @@ def xcoms(dag_run: Any) -> list[Any]:  # noqa: ANN401
 # ---- lost hosts -----------------------------------------------------------------------------------
 
 
-def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
-    steps = read_events(layout.segment_metrics(index, protocol), event="step")
-    return steps[-1]["global_step"] if steps else 0.0
-
-
 def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cleanly(
     bed: tb.Testbed, bucket: str, work_root: Path
 ) -> None:
@@ -286,12 +282,7 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
         # While it trains: the nodes' ports answer inside the cluster network and not from outside it.
         check_ports_are_closed_from_outside(bed)
         bed.kill_host(bed.hosts[2])  # ASP worker 1
-        wait_for(
-            lambda: not backend.segment_status(handle, 0).running,
-            timeout=600,
-            what="the ASP segment's end",
-            poll=2,
-        )
+        wait_until_ended(backend, handle, 0, timeout=600)
         status, log_tail = backend.segment_status(handle, 0), backend.segment_log_tail(handle, 0, 60)
         assert status.exit_code == 0, log_tail
         assert "worker 1 exited" in log_tail and "ASP continues with the survivors" in log_tail, log_tail
@@ -302,12 +293,7 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
         wait_for(lambda: latest_step(layout, 1, "bsp") >= 3060, timeout=300, what="BSP at 3060", poll=0.5)
         checkpoint_before = latest_checkpoint_step(layout)
         bed.kill_host(bed.hosts[3])  # BSP worker 2
-        wait_for(
-            lambda: not backend.segment_status(handle, 1).running,
-            timeout=300,
-            what="the BSP segment's end",
-            poll=2,
-        )
+        wait_until_ended(backend, handle, 1, timeout=300)
         status = backend.segment_status(handle, 1)
         assert status.exit_code not in (0, None), "a BSP segment cannot finish without a worker"
         assert "BSP cannot continue" in backend.segment_log_tail(handle, 1, 60)

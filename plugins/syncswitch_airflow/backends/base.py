@@ -83,6 +83,14 @@ class ClusterCapacity:
             return True
         return False
 
+    def claim(self, run: str, cluster_dir: str, what: str, capacity_env: str) -> None:
+        """``acquire``, or ClusterBusy naming the holders and the variable that sets the capacity."""
+        if not self.acquire(run, cluster_dir):
+            raise ClusterBusy(
+                f"all {self.capacity} {what} cluster slot(s) are taken (by {', '.join(self.holders())}); "
+                f"${capacity_env} sets how many run at once"
+            )
+
     def release(self, run: str) -> None:
         path = self.held_by(run)
         if path is not None:

@@ -45,14 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import paramiko
-from syncswitch import supervise
+from syncswitch import storage, supervise
 from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
     UNKNOWN,
-    ClusterBusy,
     ClusterCapacity,
     ClusterError,
     Handle,
@@ -63,7 +62,7 @@ from syncswitch_airflow.backends.local import CLUSTER_ENV, SEGMENT_ENV, default_
 KNOWN_HOSTS_ENV = "SYNCSWITCH_SSH_KNOWN_HOSTS"
 HOSTS_ENV = "SYNCSWITCH_HOSTS_ENV"
 CAPACITY_ENV = "SYNCSWITCH_HOSTS_CLUSTERS"
-FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "SYNCSWITCH_BUCKET_RETRY_SECONDS")
+FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 120.0
 FORKSERVER_READY_S = 300.0
@@ -222,12 +221,7 @@ class HostsBackend:
         run = posixpath.basename(layout.root)
         local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
         capacity = self.capacity()
-        if not capacity.acquire(run, local_dir):
-            holders = ", ".join(capacity.holders())
-            raise ClusterBusy(
-                f"all {capacity.capacity} hosts cluster slot(s) are taken (by {holders}); "
-                f"${CAPACITY_ENV} sets how many run at once"
-            )
+        capacity.claim(run, local_dir, "hosts", CAPACITY_ENV)
         handle: Handle = {
             "backend": self.name,
             "run": run,

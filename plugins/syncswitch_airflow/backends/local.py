@@ -33,7 +33,6 @@ from syncswitch.procs import mem_available_gb
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
-    ClusterBusy,
     ClusterCapacity,
     ClusterError,
     Handle,
@@ -85,12 +84,7 @@ class LocalBackend:
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
         capacity = self.capacity()
-        if not capacity.acquire(run, work_dir):
-            holders = ", ".join(capacity.holders())
-            raise ClusterBusy(
-                f"all {capacity.capacity} local cluster slot(s) are taken (by {holders}); "
-                f"${CAPACITY_ENV} sets how many run at once"
-            )
+        capacity.claim(run, work_dir, "local", CAPACITY_ENV)
         try:
             return self._provision(job, layout, run, work_dir)
         except BaseException:
