@@ -42,6 +42,10 @@ PROGRESS_SECONDS = 5.0
 BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
 KILL_WAIT_SECONDS = 10.0
+# How long a failed chief waits for its peers' fate to be known before the failure is reported: a node
+# on a lost host is seen gone when its lease's TCP keepalive gives up (forkserver.TCP_KEEPALIVE: ~17 s),
+# and gRPC keepalive may abort the chief before that.
+PEER_FATE_SECONDS = 25.0
 # gRPC keepalive on TensorFlow's channels (read by TF from $TF_GRPC_DEFAULT_OPTIONS) for clusters that
 # span hosts: without it an RPC to a host that vanished (no RST, just silence) waits forever, and the
 # ASP coordinator never marks that worker failed; with it the RPC fails within ~20 s and the
@@ -228,6 +232,8 @@ class SegmentCluster:
         while True:
             chief_rc = self.chief.process.poll()
             if chief_rc is not None:
+                if chief_rc != 0:
+                    self._report_peers_of_failed_chief(chief_rc)
                 return chief_rc
             self._act_on_kill_requests()
             for node in self.nodes[1:]:
@@ -252,6 +258,23 @@ class SegmentCluster:
                 self._print_progress()
                 last_progress = time.monotonic()
             time.sleep(POLL_SECONDS)
+
+    def _report_peers_of_failed_chief(self, rc: int) -> None:
+        """Name the nodes that ended with the chief: in BSP a peer's death aborts the chief's
+        collectives, so the chief's own error says little about which host or process was lost."""
+        deadline = time.monotonic() + PEER_FATE_SECONDS
+        peers = self.nodes[1:]
+        while time.monotonic() < deadline and any(n.process.poll() is None for n in peers):
+            time.sleep(POLL_SECONDS)
+        failed = [
+            f"{n.name}{f' on host {n.host}' if n.host else ''} exited with {n.process.poll()}"
+            for n in peers
+            if n.process.poll() not in (None, 0)
+        ]
+        if failed:
+            self._log(f"the chief exited with {rc}; with it: {', '.join(failed)}")
+        else:
+            self._log(f"the chief exited with {rc}; every other node was running or done")
 
     def stop(self) -> None:
         """Kill every process that is still running.
