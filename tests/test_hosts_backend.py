@@ -296,7 +296,7 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
         wait_until_ended(backend, handle, 1, timeout=300)
         status = backend.segment_status(handle, 1)
         assert status.exit_code not in (0, None), "a BSP segment cannot finish without a worker"
-        # Whichever saw it first (the launcher or the chief's aborted collectives), the log names the lost node.
+        # Whoever saw it first (the launcher, or the chief via aborted collectives), the log names the node.
         log_tail = backend.segment_log_tail(handle, 1, 400)
         assert f"worker-2 on host {bed.hosts[3].name} exited" in log_tail or (
             "worker 2 exited" in log_tail and "BSP cannot continue" in log_tail
