@@ -80,6 +80,7 @@ NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--max-online-switches": ("max_online_switches", {}),
     "--cluster-backend": ("cluster_backend", {}),
     "--host": ("hosts", {"action": "append", "metavar": "address=10.0.0.2,key=/path/to/key[,role=worker]"}),
+    "--gce": ("gce", {"metavar": "project=p;zones=us-central1-a;gpus=k80 k80 p100 v100"}),
     "--seed": ("seed", {}),
 }
 IGNORED_FLAGS = ("--cluster-name", "--eval-name")

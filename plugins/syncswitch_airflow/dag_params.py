@@ -152,7 +152,8 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
             d.cluster_backend,
             CLUSTER_BACKENDS,
             "Cluster backend",
-            "Where the training processes run: local (this machine) or hosts (the hosts below, over SSH).",
+            "Where the training processes run: local (this machine), hosts (the hosts below, over SSH) "
+            "or gce (Compute Engine VMs created for the run, see gce).",
         ),
         "hosts": Param(
             [h.to_text() for h in d.hosts],
@@ -162,6 +163,15 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
             description="cluster_backend hosts: one item per host, address=10.0.0.2,key=/path/to/ssh-key "
             "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1]. The key is a path on "
             "the Airflow worker; its contents never leave it. Needs a gs:// bucket_dir.",
+        ),
+        "gce": Param(
+            d.gce.to_params() if d.gce else {},
+            type="object",
+            title="Compute Engine",
+            description="cluster_backend gce: {project, zones (one, or one per worker), machine_types, gpus "
+            "(e.g. [k80, k80, p100, v100:2] or none), ps_machine_type, spot (roles: worker, ps), network, "
+            "subnetwork, image, python, ssh_user, max_run_seconds, on_revocation (replace|shrink), disk_gb}. "
+            "The chief VM (worker 0) is always on-demand. Needs a gs:// bucket_dir.",
         ),
         "momentum_rule": _enum(
             d.momentum_rule,

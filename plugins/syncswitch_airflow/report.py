@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syncswitch import storage
+from syncswitch.costs import run_ledger
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout, join
 
@@ -352,6 +353,16 @@ def summarize(data: RunData) -> dict[str, Any]:
         "switch_gaps_seconds": _switch_gaps(started),
         "online_switches": data.decisions,
         "straggler_windows": data.straggler_windows,
+        **cluster_summary(data.state),
+    }
+
+
+def cluster_summary(run_state: dict[str, Any]) -> dict[str, Any]:
+    """The cluster's story for the report: its VMs' revocations and replacements, and the bill so far
+    (the finalize task refreshes it once every VM has ended)."""
+    return {
+        "cluster_events": run_state.get("cluster_events", []),
+        "cost": run_state.get("cost") or run_ledger(run_state),
     }
 
 
@@ -792,6 +803,8 @@ def render_html(summary: dict[str, Any]) -> str:
         "Segments": _segment_table(summary["segments"]),
         "Switch gaps": _gap_table(summary["switch_gaps_seconds"]),
         "Online decisions": _decision_table(summary["online_switches"], summary.get("run_start")),
+        "Cluster events": _cluster_event_table(summary.get("cluster_events") or [], summary.get("run_start")),
+        "Cost": _cost_tables(summary.get("cost")),
         "Plots": _figures(summary["images"], summary["images_skipped"]),
     }
     body = "".join(f"<h2>{html.escape(name)}</h2>\n{content}\n" for name, content in sections.items())
@@ -884,6 +897,63 @@ def _decision_table(decisions: list[dict[str, Any]], run_start: float | None) ->
     return html_table(["time since run start (s)", "segment", "action", "reason", "numbers"], rows)
 
 
+def _cluster_event_table(events: list[dict[str, Any]], run_start: float | None) -> str:
+    if not events:
+        return '<p class="note">No revocations or replacements.</p>'
+    rows = []
+    for e in events:
+        at = e.get("time")
+        since = at - run_start if at is not None and run_start is not None else None
+        details = {k: v for k, v in e.items() if k not in ("time", "kind", "vm")}
+        rows.append([since, e.get("kind"), e.get("vm"), json.dumps(details, default=str)])
+    return html_table(["time since run start (s)", "event", "VM", "details"], rows)
+
+
+def _cost_tables(cost: dict[str, Any] | None) -> str:
+    if not cost:
+        return '<p class="note">No VMs: this cluster had no per-second price.</p>'
+    currency = cost["currency"]
+    overview = html_table(
+        ["total", "same VMs on-demand", "saved", "saved (%)", "BSP", "ASP", "outside segments"],
+        [
+            [
+                cost["total"],
+                cost["on_demand_total"],
+                cost["savings"],
+                100 * cost["savings_fraction"],
+                cost["per_protocol"].get("bsp"),
+                cost["per_protocol"].get("asp"),
+                cost["unattributed"],
+            ]
+        ],
+    )
+    segments = html_table(
+        ["segment", "protocol", "seconds", f"cost ({currency})"],
+        [[s["index"], s["protocol"], s["seconds"], s["cost"]] for s in cost["per_segment"]],
+    )
+    vms = html_table(
+        ["VM", "role", "zone", "machine", "GPUs", "spot", "active s", f"{currency}/h", f"cost ({currency})"],
+        [
+            [
+                v["name"],
+                v["role"],
+                v["zone"],
+                v["machine_type"],
+                f"{v['gpu_count']} x {v['gpu_type']}" if v["gpu_type"] else "",
+                "spot" if v["spot"] else "on-demand",
+                v["active_seconds"],
+                v["hourly"],
+                v["cost"],
+            ]
+            for v in cost["per_vm"]
+        ],
+    )
+    table = cost.get("price_table", {})
+    source = html.escape(str(table.get("source", "")))
+    note = f'<p class="note">Prices: {source} (as of {table.get("as_of")}).</p>'
+    return f"<p>Costs in {html.escape(currency)}.</p>\n{overview}\n{segments}\n{vms}\n{note}"
+
+
 # --- entry points ---------------------------------------------------------------------------------------
 
 
@@ -915,17 +985,23 @@ def summary_json(summary: dict[str, Any]) -> str:
     return json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def refresh_status(run_dir: str, status: str) -> dict[str, Any] | None:
-    """Set the run's final status in an already written report (summary.json and index.html).
+def refresh_status(
+    run_dir: str, status: str, run_state: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """Set the run's final status (and, given its final state, its cluster events and bill) in an
+    already written report (summary.json and index.html).
 
     The report task runs before teardown, while the run is still going; the finalize task knows the
-    outcome. Plots do not change, so only the two text files are rewritten. None if no report exists."""
+    outcome and the final cost. Plots do not change, so only the two text files are rewritten. None if
+    no report exists."""
     report_dir = RunLayout(run_dir).report
     summary = storage.read_json(join(report_dir, "summary.json"), default={}) or None
     if summary is None:
         log.warning("no report under %s: status %s not recorded there", report_dir, status)
         return None
     summary["status"] = status
+    if run_state is not None:
+        summary.update(cluster_summary(run_state))
     storage.write_text(join(report_dir, "index.html"), render_html(summary))
     storage.write_text(join(report_dir, "summary.json"), summary_json(summary))
     log.info("report %s: run status %s", summary.get("index_html") or report_dir, status)
@@ -943,6 +1019,13 @@ def format_summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
     lines += [_segment_line(s) for s in summary.get("segments", [])]
     lines += [_gap_line(g) for g in summary.get("switch_gaps_seconds", [])]
+    cost = summary.get("cost")
+    if cost:
+        lines.append(
+            f"cost {cost['total']:.4f} {cost['currency']} ({cost['savings']:.4f} saved against on-demand, "
+            f"{100 * cost['savings_fraction']:.1f}%); revocations: "
+            f"{sum(1 for e in summary.get('cluster_events', []) if e.get('kind') == 'revoked')}"
+        )
     decisions = summary.get("online_switches") or []
     if decisions:
         actions = ", ".join(f"{d.get('action')} in segment {d.get('segment')}" for d in decisions)

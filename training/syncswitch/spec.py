@@ -22,6 +22,7 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
+from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
@@ -30,7 +31,7 @@ PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
-CLUSTER_BACKENDS = ("local", "hosts")  # gce: planned, see README "Not exercised"
+CLUSTER_BACKENDS = ("local", "hosts", "gce")
 MODELS = ("resnet", "cnn")
 PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
 _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -134,6 +135,22 @@ class SegmentSpec:
     def replace(self, **changes: Any) -> SegmentSpec:
         return dataclasses.replace(self, **changes)
 
+    def on_workers(self, active: int) -> SegmentSpec:
+        """This segment on at most ``active`` workers with the same global batch, so a step, the LR
+        schedule and the BSP learning rate stay what they were (ASP's per-update LR follows the
+        worker count through switch_config). The per-worker batch becomes global / k for the largest
+        k <= active that divides the global batch: steps stay exact."""
+        total = self.global_batch()
+        workers = max(d for d in range(1, max(active, 1) + 1) if total % d == 0)
+        if workers == self.num_workers:
+            return self
+        batch = f"batch_size={total // workers}"
+        return self.replace(
+            num_workers=workers,
+            hparams=f"{self.hparams},{batch}" if self.hparams else batch,
+            stragglers=tuple(s for s in self.stragglers if s.worker < workers),
+        )
+
 
 @dataclass(frozen=True)
 class SwitchConfig:
@@ -193,6 +210,7 @@ class JobSpec:
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
+    gce: GceSpec | None = None  # cluster_backend "gce": the VMs to create (syncswitch.gce)
     momentum_rule: str = "ramped"
     momentum_ramp_steps: int = 50
     online_policy: str = "none"
@@ -242,6 +260,7 @@ class JobSpec:
             "timing_refine",
         ):
             values[name] = _int(name, values[name])
+        values["gce"] = GceSpec.parse(values["gce"], max(values["num_workers"], 1))
         for name in ("bsp_fraction", "stall_seconds", "timing_tolerance", "timing_floor"):
             values[name] = _float(name, values[name])
         for name in ("pin_cores", "evaluate_segments", "evaluate_checkpoints"):
@@ -330,22 +349,26 @@ class JobSpec:
             ) from None
 
     def _validate_hosts(self) -> None:
-        if self.cluster_backend != "hosts":
-            if self.hosts:
-                raise SpecError(
-                    "hosts", f"only for cluster_backend 'hosts' (this job's is {self.cluster_backend!r})"
-                )
+        """hosts and gce describe the cluster of their own backend only; both share through a bucket."""
+        backend = self.cluster_backend
+        for name, value in (("hosts", self.hosts), ("gce", self.gce)):
+            if value and backend != name:
+                raise SpecError(name, f"only for cluster_backend {name!r} (this job's is {backend!r})")
+        if backend == "local":
             return
-        if not self.hosts:
+        if self.cluster_backend == "hosts" and not self.hosts:
             raise SpecError("hosts", "cluster_backend 'hosts' needs at least one host (address=..., key=...)")
+        if self.cluster_backend == "gce" and not self.gce:
+            raise SpecError("gce", "cluster_backend 'gce' needs the gce param (project=...;zones=...)")
         if not self.bucket_dir.startswith("gs://"):
             raise SpecError(
                 "bucket_dir",
-                "cluster_backend 'hosts' needs a gs:// bucket: it is the only thing the hosts share",
+                f"cluster_backend {backend!r} needs a gs:// bucket: it is the only thing the hosts share",
             )
         if self.data_dir and not self.data_dir.startswith("gs://"):
             raise SpecError(
-                "data_dir", "cluster_backend 'hosts' reads data from gs:// (every host stages its own copy)"
+                "data_dir",
+                f"cluster_backend {backend!r} reads data from gs:// (every host stages its own copy)",
             )
 
     def _validate_timing(self) -> None:
@@ -487,6 +510,7 @@ class JobSpec:
         data = dataclasses.asdict(self)
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
+        data["gce"] = self.gce.to_params() if self.gce else {}
         for key in ("train_steps", "ckpt_frequency", "hparams"):
             data[key] = list(data[key])
         return data

@@ -7,6 +7,12 @@
       "segments":  {"<index>": SegmentResult dict (below)},
       "decisions": [{"time", "segment", "action", "reason", ...numbers behind it}, ...],
       "cluster":   {"backend", ...backend-specific handle},
+      "vms":       {"<name>": VM record} of a gce cluster (syncswitch.costs.ledger reads them):
+                   name, role, task, zone, machine_type, gpu_type, gpu_count, spot, state
+                   (requested | running | revoked | deleted), requested_at, started_at, ended_at,
+                   replaces (the revoked VM it stands in for)
+      "cluster_events": [{"time", "kind": revoked | replaced | shrunk | replacement_failed, "vm", ...}],
+      "cost":      the cost ledger (syncswitch.costs.ledger), written when the run ends
       "timing":    the timing policy's decision: {"bsp_fraction", "phase", "reason", "numbers"},
       "final":     the final checkpoint's evaluation,
       "timings":   {"created", "first_bsp_start", "finished"},
@@ -17,7 +23,8 @@ index, protocol, start_step, end_step, samples, updates, started_at, first_step_
 seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup.
 
 Every change to state.json is one of the named operations below (create_run, record_segment,
-straggler_reference_time, apply_switch, record_decision, record_final, finish_run), each a
+straggler_reference_time, apply_switch, record_decision, record_vm, record_cluster_event,
+record_final, finish_run), each a
 read-modify-write guarded by a lock: an fcntl lock for local folders, a generation precondition for
 GCS objects. Several writers act at once (segment triggers, the straggler sensor), and every
 operation is idempotent, so a retried task or a restarted triggerer can repeat it safely. (On GCS an
@@ -141,8 +148,11 @@ def create_run(
             state["cluster"] = cluster
             state["status"] = "running"
             return
+        # VMs are recorded from provisioning on, before the run's state is created.
+        kept = {k: state[k] for k in ("vms", "cluster_events") if k in state}
         state.clear()
         state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster, timing=timing or {})
+        state.update(kept)
         created.append(True)
 
     return update_state(layout, write), bool(created)
@@ -195,6 +205,27 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
         state.setdefault("decisions", []).append({"time": time.time(), **record, "plan_changed": not already})
 
     return update_state(layout, mutate)
+
+
+def record_vm(layout: RunLayout, name: str, **fields: Any) -> State:
+    """Create or update one VM's record (``state["vms"][name]``); fields already set and not given
+    are kept, so a repeated call (a retried task) changes nothing."""
+
+    def upsert(state: State) -> None:
+        state.setdefault("vms", {}).setdefault(name, {"name": name}).update(fields)
+
+    return update_state(layout, upsert)
+
+
+def record_cluster_event(layout: RunLayout, kind: str, vm: str, **details: Any) -> State:
+    """A revocation, replacement or shrink; one event per (kind, vm), however often it is seen."""
+
+    def add(state: State) -> None:
+        events = state.setdefault("cluster_events", [])
+        if not any(e.get("kind") == kind and e.get("vm") == vm for e in events):
+            events.append({"time": time.time(), "kind": kind, "vm": vm, **details})
+
+    return update_state(layout, add)
 
 
 def record_final(layout: RunLayout, final: dict[str, Any]) -> State:

@@ -1,4 +1,4 @@
-"""Cluster backends: where a run's training processes live (``local`` now; others plug in here)."""
+"""Cluster backends: where a run's training processes live (local, hosts over SSH, gce VMs)."""
 
 from syncswitch_airflow.backends.base import (
     ClusterBackend,

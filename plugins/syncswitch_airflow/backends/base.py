@@ -172,4 +172,8 @@ def get_backend(name: str) -> ClusterBackend:
         from syncswitch_airflow.backends.hosts import HostsBackend
 
         return HostsBackend()
-    raise ClusterError(f"unknown cluster backend {name!r}; available: local, hosts")
+    if name == "gce":
+        from syncswitch_airflow.backends.gce import GceBackend
+
+        return GceBackend()
+    raise ClusterError(f"unknown cluster backend {name!r}; available: local, hosts, gce")

@@ -222,13 +222,25 @@ class HostsBackend:
         local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
         capacity = self.capacity()
         capacity.claim(run, local_dir, "hosts", CAPACITY_ENV)
+        try:
+            return self.start_cluster(job, job.hosts, layout, local_dir)
+        except BaseException:
+            capacity.release(run)
+            raise
+
+    def start_cluster(
+        self, job: JobSpec, hosts: tuple[HostSpec, ...], layout: RunLayout, local_dir: str
+    ) -> Handle:
+        """A fork server on every one of ``hosts``; the handle of the cluster they make. On failure
+        nothing is left on the hosts or in ``local_dir``. (The gce backend calls this on its VMs.)"""
+        run = posixpath.basename(layout.root)
         handle: Handle = {
             "backend": self.name,
             "run": run,
             "run_dir": layout.root,
             "work_dir": local_dir,
-            "hosts": [host_record(h, host_work_dir(h, job.job_name, run)) for h in job.hosts],
-            "chief": chief_host([h.role for h in job.hosts]),
+            "hosts": [host_record(h, host_work_dir(h, job.job_name, run)) for h in hosts],
+            "chief": chief_host([h.role for h in hosts]),
             "env": hosts_environment(),
             "processes": 1 + job.num_workers + job.num_ps,
         }
@@ -238,7 +250,6 @@ class HostsBackend:
         except BaseException:
             self._teardown_hosts(handle)
             shutil.rmtree(local_dir, ignore_errors=True)
-            capacity.release(run)
             raise
         supervise.write_json(os.path.join(local_dir, "cluster.json"), handle)
         log.info(

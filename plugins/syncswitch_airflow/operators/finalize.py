@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from syncswitch.costs import run_ledger
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
@@ -38,8 +39,20 @@ class FinalizeRunOperator(BaseOperator):
         layout = run_layout(job, run_id)
         state = read_state(layout)
         if state is not None:
-            state = finish_run(layout, outcome)
-            self._refresh_report(layout, outcome)
+            # After teardown every VM has ended: this is the run's final bill.
+            cost = run_ledger(state)
+            state = finish_run(layout, outcome, {"cost": cost} if cost else None)
+            self._refresh_report(layout, outcome, state)
+            if cost:
+                self.log.info(
+                    "run %s: cost %.4f %s, %.4f %s saved against on-demand (%.1f%%)",
+                    run_id,
+                    cost["total"],
+                    cost["currency"],
+                    cost["savings"],
+                    cost["currency"],
+                    100 * cost["savings_fraction"],
+                )
         decision = context["ti"].xcom_pull(task_ids=self.timing_task_id) or {}
         record = history_record(job, run_id, context, outcome, state, decision)
         written = history.write_record(absolute_bucket_dir(job.bucket_dir), job.job_name, record)
@@ -61,10 +74,10 @@ class FinalizeRunOperator(BaseOperator):
         others = {task: state for task, state in states.items() if task != ti.task_id}
         return "failed" if any(state in FAILED_STATES for state in others.values()) else "success"
 
-    def _refresh_report(self, layout: RunLayout, outcome: str) -> None:
+    def _refresh_report(self, layout: RunLayout, outcome: str, state: dict[str, Any]) -> None:
         from syncswitch_airflow.report import refresh_status
 
-        refresh_status(layout.root, outcome)
+        refresh_status(layout.root, outcome, state)
 
 
 def history_record(
@@ -104,5 +117,13 @@ def history_record(
         "policy": decision or None,
         "started_at": started,
         "finished_at": finished,
-        "cost": None,
+        "cost": _cost_summary((state or {}).get("cost")),
     }
+
+
+def _cost_summary(cost: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The history's view of a run's bill (the whole ledger stays in state.json)."""
+    if not cost:
+        return None
+    keys = ("currency", "total", "on_demand_total", "savings", "savings_fraction", "per_protocol")
+    return {key: cost[key] for key in keys}

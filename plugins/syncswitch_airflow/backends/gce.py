@@ -1,0 +1,641 @@
+"""The gce cluster backend: Compute Engine VMs, created for one run and then used as its hosts.
+
+**provision** creates, in the job's project: one firewall rule that lets only the run's VMs reach each
+other's ports (TensorFlow's gRPC has no authentication; the VMs have internal addresses only), and the
+VMs of ``syncswitch.gce.vm_plan``: the chief VM (worker 0, the only checkpointer) on-demand, the
+other workers on spot VMs, the parameter servers on-demand; every VM with a server-side time limit
+(``maxRunDuration``, deleted when it runs out) and labels naming the job and the run. A per-run SSH
+key goes in the VMs' metadata. When every VM answers SSH the ``hosts`` backend takes over: fork
+servers, segments, status and logs are its code. A failed provisioning deletes what it created.
+
+**Revocation.** Every status poll compares the run's VMs with Compute Engine. A worker VM that is
+gone or terminated is recorded as revoked (state.json ``vms`` and ``cluster_events``). In ASP the
+launcher goes on with the survivors; in BSP the segment fails and its retry resumes from the last
+checkpoint. With ``on_revocation: replace`` a replacement VM is requested at once (without waiting:
+the poll runs on the triggerer) and the next launch waits for it; with ``shrink`` the next launch runs
+on the survivors, batch and LR recomputed from the active worker count (``SegmentSpec.on_workers``).
+
+**Teardown** deletes every instance labelled with the run (one already gone counts as deleted) and the
+firewall rule, checks by label that nothing is left, and records when each VM ended: the cost ledger
+(``syncswitch.costs.ledger``) prices active seconds. ``reap`` deletes what expired or finished runs
+left behind (the ``sync_switch_reaper`` DAG runs it).
+
+Settings (environment of the Airflow worker): SYNCSWITCH_GCE_CLUSTERS (clusters at once, default 4),
+SYNCSWITCH_GCE_API_ENDPOINT (hooks.compute), and those of the hosts backend.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import posixpath
+import shutil
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.cloud import compute_v1
+from syncswitch import state, storage
+from syncswitch.gce import (
+    LABEL_EXPIRES,
+    LABEL_JOB,
+    LABEL_ROLE,
+    LABEL_RUN,
+    GceSpec,
+    GpuSpec,
+    VmPlan,
+    run_label,
+    vm_plan,
+)
+from syncswitch.hosts import HostSpec
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec, SegmentSpec
+
+from syncswitch_airflow.backends.base import ClusterCapacity, ClusterError, Handle, SegmentStatus
+from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
+from syncswitch_airflow.hooks.compute import ComputeHook
+
+CAPACITY_ENV = "SYNCSWITCH_GCE_CLUSTERS"
+SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
+GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
+RUNTIME_SUFFIX = "/cluster/syncswitch-runtime.tar.gz"  # under the run folder: the reaper finds the run
+REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
+STARTUP_SCRIPT = Path(__file__).resolve().parents[3] / "images" / "gce-startup.sh"
+RUNTIME_PACKAGE = Path(__file__).resolve().parents[3] / "training" / "syncswitch"
+
+log = logging.getLogger(__name__)
+
+
+# ---- requests: built as compute_v1 objects, so a wrong field name fails when it is built -----------
+
+
+def instance_body(
+    vm: VmPlan, gce: GceSpec, labels: dict[str, str], tag: str, metadata: dict[str, str]
+) -> compute_v1.Instance:
+    """One VM: spot or on-demand, its GPUs, internal address only, a server-side time limit."""
+    project, zone = gce.project, vm.zone
+    region = zone.rsplit("-", 1)[0]
+    interface = compute_v1.NetworkInterface(network=f"projects/{project}/global/networks/{gce.network}")
+    if gce.subnetwork:
+        interface.subnetwork = f"projects/{project}/regions/{region}/subnetworks/{gce.subnetwork}"
+    scheduling = compute_v1.Scheduling(
+        provisioning_model="SPOT" if vm.spot else "STANDARD",
+        # DELETE: a preempted or timed-out VM takes its disk with it (nothing left to pay for).
+        instance_termination_action="DELETE",
+        max_run_duration=compute_v1.Duration(seconds=gce.max_run_seconds),
+        # VMs with GPUs cannot live-migrate; spot VMs cannot restart on their own.
+        on_host_maintenance="TERMINATE" if vm.gpu.type or vm.spot else "MIGRATE",
+        automatic_restart=not vm.spot,
+    )
+    body = compute_v1.Instance(
+        name=vm.name,
+        machine_type=f"zones/{zone}/machineTypes/{vm.machine_type}",
+        labels={**labels, LABEL_ROLE: vm.role},
+        tags=compute_v1.Tags(items=[tag]),
+        scheduling=scheduling,
+        network_interfaces=[interface],
+        disks=[
+            compute_v1.AttachedDisk(
+                boot=True,
+                auto_delete=True,
+                initialize_params=compute_v1.AttachedDiskInitializeParams(
+                    source_image=gce.image, disk_size_gb=gce.disk_gb
+                ),
+            )
+        ],
+        metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
+        service_accounts=[
+            # The bucket is the cluster's only shared storage.
+            compute_v1.ServiceAccount(
+                email="default", scopes=["https://www.googleapis.com/auth/cloud-platform"]
+            )
+        ],
+    )
+    if vm.gpu.type:
+        body.guest_accelerators = [
+            compute_v1.AcceleratorConfig(
+                accelerator_type=f"projects/{project}/zones/{zone}/acceleratorTypes/{vm.gpu.type}",
+                accelerator_count=vm.gpu.count,
+            )
+        ]
+    return body
+
+
+def firewall_body(name: str, gce: GceSpec, tag: str) -> compute_v1.Firewall:
+    """Every TCP port of the run's VMs, open to the run's VMs only (TensorFlow's ports are random)."""
+    return compute_v1.Firewall(
+        name=name,
+        network=f"projects/{gce.project}/global/networks/{gce.network}",
+        direction="INGRESS",
+        priority=1000,
+        allowed=[compute_v1.Allowed(I_p_protocol="tcp")],
+        source_tags=[tag],
+        target_tags=[tag],
+        description="sync-switch training traffic between the VMs of one run",
+    )
+
+
+# ---- the backend -----------------------------------------------------------------------------------
+
+
+class GceBackend:
+    """VMs on Compute Engine, used as a hosts cluster; holds no state between calls (state.json does)."""
+
+    name = "gce"
+    status_poll_seconds = 5.0  # each poll is an SSH login and a Compute Engine list
+
+    def __init__(self, work_root: str | None = None, hook: ComputeHook | None = None) -> None:
+        self.hosts = HostsBackend(work_root)
+        self.work_root = self.hosts.work_root
+        self._hook = hook
+
+    @property
+    def hook(self) -> ComputeHook:
+        if self._hook is None:
+            self._hook = ComputeHook()
+        return self._hook
+
+    def capacity(self) -> ClusterCapacity:
+        return ClusterCapacity(
+            os.path.join(self.work_root, "leases-gce"), int(os.environ.get(CAPACITY_ENV, "4"))
+        )
+
+    # ---- provisioning ----------------------------------------------------------------------------
+
+    def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
+        if job.gce is None:
+            raise ClusterError("cluster_backend gce needs the gce param")
+        run = posixpath.basename(layout.root)
+        local_dir = os.path.join(self.work_root, f"gce-{job.job_name}-{run}")
+        capacity = self.capacity()
+        capacity.claim(run, local_dir, "gce", CAPACITY_ENV)
+        gce = job.gce
+        plan = vm_plan(gce, job.job_name, run, job.num_workers, job.num_ps)
+        cloud = {
+            "project": gce.project,
+            "labels": {LABEL_JOB: job.job_name, LABEL_RUN: run_label(run)},
+            "tag": f"{plan[0].name.removesuffix('-chief')}-net",
+            "firewall": f"{plan[0].name.removesuffix('-chief')}-train",
+            "plan": [_plan_record(vm) for vm in plan],
+            "spec": gce.to_params(),
+            "key": os.path.join(local_dir, "id_ed25519"),
+        }
+        try:
+            os.makedirs(local_dir, exist_ok=True)
+            public_key = _ensure_key(cloud["key"])
+            self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
+            self._upload_runtime(layout)
+            self._create_vms(layout, cloud, plan, gce, _metadata(gce, layout, public_key))
+            hosts = _host_specs(cloud, _active_vms(layout, cloud))
+            _wait_for_ssh(hosts)
+            handle = self.hosts.start_cluster(job, hosts, layout, local_dir)
+        except BaseException as exc:
+            log.warning("run %s: provisioning failed (%s); deleting what was created", run, exc)
+            self._delete_all(layout, cloud)
+            shutil.rmtree(local_dir, ignore_errors=True)
+            capacity.release(run)
+            if isinstance(exc, ClusterError):
+                raise
+            raise ClusterError(f"Compute Engine provisioning failed: {exc}") from exc
+        handle.update(backend=self.name, gce=cloud)
+        return handle
+
+    @staticmethod
+    def _upload_runtime(layout: RunLayout) -> None:
+        """What the VMs' startup script installs (images/gce-startup.sh): this runtime, as it is here."""
+        storage.write_bytes(_runtime_uri(layout), _runtime_tarball())
+
+    def _create_vms(
+        self,
+        layout: RunLayout,
+        cloud: dict[str, Any],
+        plan: list[VmPlan],
+        gce: GceSpec,
+        metadata: dict[str, str],
+    ) -> None:
+        """Insert every VM at once; wait until each runs. A refused insert (a stock-out) names the VM."""
+        labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
+
+        def create(vm: VmPlan) -> None:
+            state.record_vm(layout, vm.name, **_vm_fields(vm), state="requested", requested_at=time.time())
+            body = instance_body(vm, gce, labels, cloud["tag"], metadata)
+            try:
+                self.hook.insert_instance(body=body, zone=vm.zone, project_id=gce.project)
+            except Exception as exc:
+                state.record_vm(layout, vm.name, state="failed", ended_at=time.time(), error=str(exc)[:300])
+                raise ClusterError(
+                    f"VM {vm.name} ({vm.machine_type} in {vm.zone}) was refused: {exc}"
+                ) from exc
+            self._mark_running(layout, vm.name, vm.zone, gce.project)
+            log.info("run %s: VM %s running (%s, %s)", layout.root, vm.name, vm.zone, _describe(vm))
+
+        with ThreadPoolExecutor(max_workers=min(len(plan), 16)) as pool:
+            failures = [f.exception() for f in [pool.submit(create, vm) for vm in plan]]
+        errors = [str(e) for e in failures if e is not None]
+        if errors:
+            raise ClusterError("; ".join(errors))
+
+    def _mark_running(self, layout: RunLayout, name: str, zone: str, project: str) -> None:
+        """Record that the VM runs, from when, and its internal address (the hosts' address)."""
+        instance = self.hook.find_instance(name, zone, project)
+        if instance is None or instance.status != "RUNNING" or not instance.network_interfaces:
+            raise ClusterError(
+                f"VM {name}: {instance.status if instance else 'deleted'} right after its insert"
+            )
+        address = instance.network_interfaces[0].network_i_p
+        # Compute Engine's own start time: what it bills from.
+        started = _timestamp(instance.last_start_timestamp or instance.creation_timestamp) or time.time()
+        state.record_vm(layout, name, state="running", started_at=started, address=address)
+
+    # ---- revocations -----------------------------------------------------------------------------
+
+    def check_revocations(self, handle: Handle) -> list[str]:
+        """Record every VM of the run that Compute Engine no longer runs; with on_revocation replace,
+        request its replacement (not waited for). Returns the names newly found revoked."""
+        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        project = cloud["project"]
+        live = {i.name: i.status for i in self.hook.instances_labelled(project, cloud["labels"])}
+        revoked = []
+        for vm in _active_vms(layout, cloud):
+            if vm.get("state") != "running" or live.get(vm["name"], "GONE") not in (*GONE, "GONE"):
+                continue
+            status = live.get(vm["name"], "deleted")
+            notice = self._preemption(project, vm)
+            preempted = notice is not None
+            # The preemption's own time when there is one: a poll sees it seconds later.
+            ended = _timestamp(notice.end_time or notice.insert_time) if notice else None
+            state.record_vm(
+                layout, vm["name"], state="revoked", ended_at=ended or time.time(), preempted=preempted
+            )
+            state.record_cluster_event(
+                layout, "revoked", vm["name"], role=vm["role"], status=status, preempted=preempted
+            )
+            log.warning(
+                "run %s: VM %s (%s %d) revoked: %s%s",
+                handle["run"],
+                vm["name"],
+                vm["role"],
+                vm["task"],
+                status,
+                " (preempted)" if preempted else "",
+            )
+            revoked.append(vm["name"])
+            if cloud["spec"]["on_revocation"] == "replace" or vm["role"] != "worker":
+                self._request_replacement(handle, vm)
+        return revoked
+
+    def _preemption(self, project: str, vm: dict[str, Any]) -> compute_v1.Operation | None:
+        """The preemption notice Compute Engine left for the VM, if it was preempted."""
+        for operation in self.hook.preemptions(project, vm["zone"]):
+            if operation.target_link.endswith(f"/instances/{vm['name']}"):
+                return operation
+        return None
+
+    def _request_replacement(self, handle: Handle, vm: dict[str, Any]) -> None:
+        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        gce = GceSpec.parse(cloud["spec"], len([p for p in cloud["plan"] if p["role"] != "ps"]))
+        assert gce is not None
+        attempt = int(vm.get("attempt", 0)) + 1
+        new = _vm_from_record(vm).replacement(attempt)
+        labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
+        metadata = _metadata(gce, layout, _ensure_key(cloud["key"]))
+        body = instance_body(new, gce, labels, cloud["tag"], metadata)
+        state.record_vm(
+            layout,
+            new.name,
+            **_vm_fields(new),
+            state="requested",
+            requested_at=time.time(),
+            replaces=vm["name"],
+            attempt=attempt,
+        )
+        try:
+            operation = self.hook.request_instance(body, new.zone, gce.project)
+        except Exception as exc:  # a stock-out answers at once; the next launch tries again
+            state.record_vm(layout, new.name, state="failed", ended_at=time.time(), error=str(exc)[:300])
+            state.record_cluster_event(
+                layout, "replacement_failed", new.name, replaces=vm["name"], error=str(exc)[:300]
+            )
+            log.warning("run %s: replacement %s for %s refused: %s", handle["run"], new.name, vm["name"], exc)
+            return
+        state.record_vm(layout, new.name, operation=operation)
+        log.info("run %s: replacement %s requested for %s", handle["run"], new.name, vm["name"])
+
+    def _await_replacements(self, handle: Handle) -> None:
+        """Wait for every requested replacement to run; retry a refused one once more."""
+        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        project = cloud["project"]
+        vms = state.read_state(layout).get("vms", {})
+        for vm in list(vms.values()):
+            wanted = cloud["spec"]["on_revocation"] == "replace" or vm["role"] != "worker"
+            if wanted and vm.get("state") == "revoked" and not _replacement_of(vms, vm["name"]):
+                self._request_replacement(handle, vm)
+        for vm in state.read_state(layout).get("vms", {}).values():
+            if vm.get("state") != "requested" or not vm.get("replaces"):
+                continue
+            try:
+                if vm.get("operation"):
+                    self.hook.wait_zone_operation(vm["operation"], vm["zone"], project)
+                self._mark_running(layout, vm["name"], vm["zone"], project)
+                _wait_for_ssh(_host_specs(cloud, [state.read_state(layout)["vms"][vm["name"]]]))
+            except Exception as exc:
+                state.record_vm(
+                    layout, vm["name"], state="failed", ended_at=time.time(), error=str(exc)[:300]
+                )
+                raise ClusterError(
+                    f"replacement VM {vm['name']} for {vm['replaces']} did not start: {exc}"
+                ) from exc
+            state.record_cluster_event(layout, "replaced", vm["replaces"], by=vm["name"])
+            log.info(
+                "run %s: replacement %s running in place of %s", handle["run"], vm["name"], vm["replaces"]
+            )
+
+    # ---- segments: the hosts backend's, on the run's current VMs --------------------------------------
+
+    def current(self, handle: Handle) -> Handle:
+        """The handle with the hosts the run has now: replacements in, revoked VMs out."""
+        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        known = {h["name"]: h for h in handle["hosts"]}
+        job, run = cloud["labels"][LABEL_JOB], handle["run"]
+        hosts = [
+            known.get(spec.label) or host_record(spec, host_work_dir(spec, job, run))
+            for spec in _host_specs(cloud, _active_vms(layout, cloud))
+        ]
+        return {**handle, "hosts": hosts}
+
+    def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
+        self.check_revocations(handle)
+        self._await_replacements(handle)
+        handle = self.current(handle)
+        workers = sum(1 for h in handle["hosts"] if h["role"] != "ps")
+        if workers < spec.num_workers:
+            shrunk = spec.on_workers(workers)
+            state.record_cluster_event(
+                RunLayout(handle["run_dir"]),
+                "shrunk",
+                f"segment-{spec.index}-attempt-{int(time.time())}",
+                segment=spec.index,
+                workers=shrunk.num_workers,
+                planned_workers=spec.num_workers,
+                hparams=shrunk.hparams,
+            )
+            log.warning(
+                "run %s: segment %d runs on %d of %d workers (%s)",
+                handle["run"],
+                spec.index,
+                shrunk.num_workers,
+                spec.num_workers,
+                shrunk.hparams,
+            )
+            spec = shrunk
+        return self.hosts.launch_segment(handle, spec)
+
+    def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
+        try:
+            self.check_revocations(handle)
+        except Exception as exc:  # the API is down: the segment's own status still counts
+            log.warning("run %s: revocation check failed: %s", handle.get("run"), exc)
+        return self.hosts.segment_status(self.current(handle), index)
+
+    def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
+        return self.hosts.segment_log_tail(self.current(handle), index, lines)
+
+    def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
+        return self.hosts.stop_segment(self.current(handle), index, grace_seconds)
+
+    # ---- teardown --------------------------------------------------------------------------------
+
+    def teardown(self, handle: Handle) -> dict[str, Any]:
+        """Delete every VM and the firewall rule of the run; verify by label that none is left."""
+        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        deleted = self._delete_all(layout, cloud)
+        left = [i.name for i in self.hook.instances_labelled(cloud["project"], cloud["labels"])]
+        if left:
+            raise ClusterError(f"run {handle['run']}: VMs still exist after teardown: {left}")
+        shutil.rmtree(handle["work_dir"], ignore_errors=True)
+        self.capacity().release(handle["run"])
+        log.info(
+            "run %s: teardown deleted %d VM(s) and firewall %s",
+            handle["run"],
+            len(deleted),
+            cloud["firewall"],
+        )
+        return {"deleted": deleted, "firewall": cloud["firewall"], "work_dir": handle["work_dir"]}
+
+    def _delete_all(self, layout: RunLayout, cloud: dict[str, Any]) -> list[str]:
+        """Delete, in parallel, every instance the run recorded or labelled; gone counts as deleted."""
+        project = cloud["project"]
+        recorded = (state.read_state(layout) or {}).get("vms", {})
+        targets = {name: vm["zone"] for name, vm in recorded.items()}
+        for instance in self.hook.instances_labelled(project, cloud["labels"]):
+            targets[instance.name] = instance.zone.rsplit("/", 1)[-1]
+
+        def delete(name: str) -> str:
+            self.hook.delete_instance_if_exists(name, targets[name], project)
+            if recorded.get(name, {}).get("state") in ("running", "requested"):
+                state.record_vm(layout, name, state="deleted", ended_at=time.time())
+            return name
+
+        with ThreadPoolExecutor(max_workers=max(min(len(targets), 16), 1)) as pool:
+            deleted = list(pool.map(delete, sorted(targets)))
+        self.hook.delete_firewall_if_exists(cloud["firewall"], project)
+        return deleted
+
+    # ---- reaper ----------------------------------------------------------------------------------
+
+    def reap(self, project: str, now: float | None = None) -> list[str]:
+        """Delete the sync-switch VMs of ``project`` whose time limit passed, or whose run ended more
+        than ``REAP_GRACE_S`` ago (its state.json, found through the VM's metadata, says so); returns
+        their names. Firewall rules with no VM of their run left go too."""
+        now = time.time() if now is None else now
+        reaped, alive = [], set()
+        for instance in self.hook.instances_labelled(project, {}):
+            labels = dict(instance.labels)
+            if LABEL_RUN not in labels:
+                continue
+            reason = _reap_reason(instance, labels, now)
+            if reason:
+                zone = instance.zone.rsplit("/", 1)[-1]
+                self.hook.delete_instance_if_exists(instance.name, zone, project)
+                log.info("reaper: deleted %s (%s)", instance.name, reason)
+                reaped.append(instance.name)
+            else:
+                alive.add(next((t for t in instance.tags.items if t.endswith("-net")), ""))
+        for rule in self.hook.firewalls_named(project, "ss-"):
+            if rule.endswith("-train") and f"{rule.removesuffix('-train')}-net" not in alive:
+                self.hook.delete_firewall_if_exists(rule, project)
+                log.info("reaper: deleted firewall %s (no VM of its run is left)", rule)
+        log.info("reaper: %d VM(s) deleted in %s", len(reaped), project)
+        return reaped
+
+
+def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: float) -> str:
+    """Why a run's VM should not exist any more ("" = it should)."""
+    if float(labels.get(LABEL_EXPIRES, "inf")) <= now:
+        return "its time limit passed"
+    metadata = {item.key: item.value for item in instance.metadata.items}
+    runtime = metadata.get("syncswitch-runtime", "")
+    if not runtime.endswith(RUNTIME_SUFFIX):
+        return ""
+    run_state = state.read_state(RunLayout(runtime.removesuffix(RUNTIME_SUFFIX))) or {}
+    finished = run_state.get("timings", {}).get("finished")
+    if run_state.get("status") in ("success", "failed") and finished and now - finished > REAP_GRACE_S:
+        return f"its run ended ({run_state['status']}) {now - finished:.0f}s ago"
+    return ""
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _plan_record(vm: VmPlan) -> dict[str, Any]:
+    return _vm_fields(vm) | {"name": vm.name}
+
+
+def _vm_fields(vm: VmPlan) -> dict[str, Any]:
+    return {
+        "role": vm.role,
+        "task": vm.task,
+        "zone": vm.zone,
+        "machine_type": vm.machine_type,
+        "gpu_type": vm.gpu.type,
+        "gpu_count": vm.gpu.count,
+        "spot": vm.spot,
+    }
+
+
+def _vm_from_record(vm: dict[str, Any]) -> VmPlan:
+    return VmPlan(
+        name=vm["name"],
+        role=vm["role"],
+        task=vm["task"],
+        host_role="ps" if vm["role"] == "ps" else "any",
+        zone=vm["zone"],
+        machine_type=vm["machine_type"],
+        gpu=GpuSpec(vm.get("gpu_type", ""), int(vm.get("gpu_count", 0))),
+        spot=bool(vm["spot"]),
+    )
+
+
+def _replacement_of(vms: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
+    for vm in vms.values():
+        if vm.get("replaces") == name and vm.get("state") != "failed":
+            return vm
+    return None
+
+
+def _active_vms(layout: RunLayout, cloud: dict[str, Any]) -> list[dict[str, Any]]:
+    """The VM standing in each planned place now: the planned one, or its latest replacement that
+    runs. A place with no running VM (revoked, not replaced) is left out."""
+    vms = (state.read_state(layout) or {}).get("vms", {})
+    active = []
+    for planned in cloud["plan"]:
+        current = vms.get(planned["name"])
+        while current is not None and current.get("state") == "revoked":
+            current = _replacement_of(vms, current["name"])
+        if current is not None and current.get("state") == "running":
+            active.append(current)
+    return active
+
+
+def _describe(vm: VmPlan) -> str:
+    gpu = f", {vm.gpu.count} x {vm.gpu.type}" if vm.gpu.type else ""
+    return f"{vm.machine_type}{gpu}, {'spot' if vm.spot else 'on-demand'}"
+
+
+def _ensure_key(path: str) -> str:
+    """The run's SSH key (0600, on the Airflow worker only); returns its public half."""
+    if not os.path.exists(path):
+        key = Ed25519PrivateKey.generate()
+        private = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        )
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(private)
+    with open(path, "rb") as f:
+        key = serialization.load_ssh_private_key(f.read(), password=None)
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return public.decode() + " syncswitch-run"
+
+
+def _runtime_tarball() -> bytes:
+    """The training runtime (``training/syncswitch``) as the VMs' startup script installs it."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(
+            RUNTIME_PACKAGE, arcname="syncswitch", filter=lambda t: None if "__pycache__" in t.name else t
+        )
+    return buffer.getvalue()
+
+
+def _timestamp(text: str) -> float | None:
+    """Compute Engine's RFC 3339 times ("2026-11-23T15:04:05.123-08:00") as epoch seconds."""
+    try:
+        return datetime.fromisoformat(text).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostSpec, ...]:
+    """Running VMs as hosts of the hosts backend (their address is recorded when they start)."""
+    gce = cloud["spec"]
+    return tuple(
+        HostSpec(
+            address=vm["address"],
+            key=cloud["key"],
+            user=gce["ssh_user"],
+            role="ps" if vm["role"] == "ps" else "any",
+            python=gce["python"],
+            name=vm["name"],
+        )
+        for vm in vms
+    )
+
+
+def _metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
+    """The per-run login, and what the startup script installs the runtime from."""
+    return {
+        "ssh-keys": f"{gce.ssh_user}:{public_key}",
+        "block-project-ssh-keys": "true",
+        "startup-script": STARTUP_SCRIPT.read_text(),
+        "syncswitch-runtime": _runtime_uri(layout),
+        "syncswitch-python": gce.python,
+    }
+
+
+def _runtime_uri(layout: RunLayout) -> str:
+    return layout.root + RUNTIME_SUFFIX
+
+
+def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
+    """Until every host takes an SSH login and has the runtime (a VM boots, then its startup script
+    installs it)."""
+    deadline = time.monotonic() + SSH_READY_S
+    for host in hosts:
+        record = {
+            "name": host.label,
+            "address": host.address,
+            "port": host.port,
+            "user": host.user,
+            "key": host.key,
+        }
+        while True:
+            try:
+                with SshSession(record, timeout=5.0) as ssh:
+                    code, _, _ = ssh.run(f"{host.python} -c 'import syncswitch.forkserver'")
+                if code == 0:
+                    break
+                reason = f"the runtime is not installed at {host.python} yet"
+            except ClusterError as exc:
+                reason = str(exc)
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"VM {host.label} did not take an SSH login within {SSH_READY_S:.0f}s: {reason}"
+                )
+            time.sleep(2.0)

@@ -1,0 +1,171 @@
+"""The gce backend's requests and the gce param, up to the Compute Engine API (no VM is created).
+
+Requests are compute_v1 objects: a wrong field name fails where the object is built, and the JSON the
+REST client sends is checked field by field (spot, GPUs, labels, network, time limit)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.cloud import compute_v1
+from google.protobuf import json_format
+from syncswitch.errors import SpecError
+from syncswitch.gce import LABEL_EXPIRES, LABEL_JOB, LABEL_ROLE, LABEL_RUN, vm_plan
+from syncswitch.spec import JobSpec
+from syncswitch_airflow.backends.gce import firewall_body, instance_body
+
+RUN = "manual__2026-11-23T15:04:05+00:00"
+GCE = "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;gpus=k80 k80 p100 v100:2"
+
+
+def job(**overrides: object) -> JobSpec:
+    params = {"cluster_backend": "gce", "bucket_dir": "gs://b/runs", "num_workers": 4, "gce": GCE}
+    return JobSpec.from_params({**params, **overrides})
+
+
+def as_json(message: object) -> dict:
+    """The JSON the REST transport sends (json_format, fields at their defaults left out)."""
+    return json_format.MessageToDict(type(message).pb(message))
+
+
+def test_the_plan_puts_the_checkpointer_on_demand_and_the_other_workers_on_spot() -> None:
+    spec = job()
+    vms = vm_plan(spec.gce, spec.job_name, RUN, spec.num_workers, spec.num_ps)
+    assert [(v.role, v.task, v.spot) for v in vms] == [
+        ("chief", 0, False),
+        ("worker", 1, True),
+        ("worker", 2, True),
+        ("worker", 3, True),
+        ("ps", 0, False),
+    ]
+    assert [v.zone for v in vms] == [
+        "us-central1-a",
+        "us-central1-b",
+        "us-west1-b",
+        "us-east1-c",
+        "us-central1-a",
+    ]
+    assert [(v.gpu.type, v.gpu.count) for v in vms[:4]] == [
+        ("nvidia-tesla-k80", 1),
+        ("nvidia-tesla-k80", 1),
+        ("nvidia-tesla-p100", 1),
+        ("nvidia-tesla-v100", 2),
+    ]
+    assert len({v.name for v in vms}) == len(vms) and all(len(v.name) <= 63 for v in vms)
+    assert vms[1].replacement(1).name == f"{vms[1].name}-r1" and vms[1].replacement(2).name.endswith("-w1-r2")
+
+
+def test_a_spot_gpu_worker_request_has_every_field_compute_engine_needs() -> None:
+    spec = job()
+    vm = vm_plan(spec.gce, spec.job_name, RUN, 4, 1)[3]
+    labels = {LABEL_JOB: "digits-demo", LABEL_RUN: "r-1", LABEL_EXPIRES: "1800000000"}
+    body = as_json(
+        instance_body(vm, spec.gce, labels, "ss-net", {"ssh-keys": "syncswitch:ssh-ed25519 AAAA k"})
+    )
+    assert body["machineType"] == "zones/us-east1-c/machineTypes/n1-standard-8"
+    assert body["scheduling"] == {
+        "provisioningModel": "SPOT",
+        "instanceTerminationAction": "DELETE",
+        "maxRunDuration": {"seconds": "86400"},
+        "onHostMaintenance": "TERMINATE",
+        "automaticRestart": False,
+    }
+    assert body["guestAccelerators"] == [
+        {
+            "acceleratorType": "projects/sync-proj-1/zones/us-east1-c/acceleratorTypes/nvidia-tesla-v100",
+            "acceleratorCount": 2,
+        }
+    ]
+    assert body["labels"] == {**labels, LABEL_ROLE: "worker"}
+    assert body["tags"] == {"items": ["ss-net"]}
+    (interface,) = body["networkInterfaces"]
+    assert interface == {"network": "projects/sync-proj-1/global/networks/default"}  # no accessConfigs
+    (disk,) = body["disks"]
+    assert disk["boot"] and disk["autoDelete"]
+    assert disk["initializeParams"]["sourceImage"] == "projects/debian-cloud/global/images/family/debian-12"
+    assert {i["key"] for i in body["metadata"]["items"]} == {"ssh-keys"}
+
+
+def test_the_chief_and_the_parameter_server_are_on_demand_and_keep_a_time_limit() -> None:
+    spec = job(gce=GCE + ";subnetwork=train-sub;max_run_seconds=7200")
+    chief, *_, ps = vm_plan(spec.gce, spec.job_name, RUN, 4, 1)
+    for vm, maintenance in ((chief, "TERMINATE"), (ps, "MIGRATE")):  # the chief has a GPU
+        body = as_json(instance_body(vm, spec.gce, {}, "t", {}))
+        assert body["scheduling"]["provisioningModel"] == "STANDARD"
+        assert body["scheduling"]["maxRunDuration"] == {"seconds": "7200"}
+        assert body["scheduling"]["onHostMaintenance"] == maintenance
+        assert body["networkInterfaces"][0]["subnetwork"] == (
+            f"projects/sync-proj-1/regions/{vm.zone.rsplit('-', 1)[0]}/subnetworks/train-sub"
+        )
+    assert "guestAccelerators" not in as_json(instance_body(ps, spec.gce, {}, "t", {}))
+
+
+def test_the_firewall_opens_the_training_ports_to_the_runs_own_vms_only() -> None:
+    body = as_json(firewall_body("ss-x-train", job().gce, "ss-x-net"))
+    assert body["sourceTags"] == ["ss-x-net"] and body["targetTags"] == ["ss-x-net"]
+    assert "sourceRanges" not in body
+    assert body["allowed"] == [{"IPProtocol": "tcp"}] and body["direction"] == "INGRESS"
+    assert isinstance(firewall_body("a", job().gce, "t"), compute_v1.Firewall)
+
+
+@pytest.mark.parametrize(
+    ("gce", "field", "words"),
+    [
+        (
+            "project=sync-proj-1;zones=us-central1-a us-central1-b",
+            "gce.zones",
+            ["2 values", "num_workers is 4"],
+        ),
+        ("project=sync-proj-1;zones=us-central1-a;gpus=h100", "gce.gpus", ["h100", "k80", "v100"]),
+        (
+            "project=sync-proj-1;zones=us-central1-a;machine_types=e2-standard-4;gpus=k80",
+            "gce.gpus",
+            ["e2-standard-4"],
+        ),
+        ("project=sync-proj-1;zones=europe-west4-a;gpus=k80", "gce.gpus", ["europe-west4", "us-central1"]),
+        ("project=sync-proj-1;zones=us-central1-a;gpus=k80:3", "gce.gpus", ["1, 2, 4, 8"]),
+        ("project=sync-proj-1;zones=us-central1-a;spot=chief worker", "gce.spot", ["checkpointer"]),
+        (
+            "project=sync-proj-1;zones=us-central1-a;on_revocation=pray",
+            "gce.on_revocation",
+            ["replace", "shrink"],
+        ),
+        ("project=sync-proj-1;zones=us-central1-a;max_run_seconds=10", "gce.max_run_seconds", ["600"]),
+        ("project=sync-proj-1;zones=mars-1a", "gce.zones", ["us-central1-a"]),
+        ("zones=us-central1-a", "gce.project", ["required"]),
+        ("project=sync-proj-1;zones=us-central1-a;colour=blue", "gce.colour", ["accepted", "zones"]),
+    ],
+)
+def test_bad_gce_params_are_refused_naming_the_field(gce: str, field: str, words: list[str]) -> None:
+    with pytest.raises(SpecError) as caught:
+        job(gce=gce)
+    assert caught.value.field == field, caught.value
+    assert all(w in str(caught.value) for w in words), caught.value
+
+
+def test_the_gce_param_belongs_to_the_gce_backend_and_needs_a_bucket() -> None:
+    with pytest.raises(SpecError, match="^gce: only for cluster_backend 'gce'"):
+        job(cluster_backend="local", bucket_dir="runs")
+    with pytest.raises(SpecError, match="^bucket_dir: cluster_backend 'gce' needs a gs:// bucket"):
+        job(bucket_dir="runs")
+    with pytest.raises(SpecError, match="^gce: cluster_backend 'gce' needs the gce param"):
+        job(gce="")
+
+
+def test_the_gce_param_round_trips_through_the_job_params() -> None:
+    spec = job(
+        gce={"project": "sync-proj-1", "zones": ["us-central1-a"], "gpus": ["t4"], "spot": ["worker", "ps"]}
+    )
+    assert JobSpec.from_params(json.loads(json.dumps(spec.to_params()))) == spec
+
+
+def test_shrinking_keeps_the_global_batch_so_steps_and_the_learning_rate_stay() -> None:
+    spec = job(num_workers=4, gce="project=sync-proj-1;zones=us-central1-a")
+    segment = spec.segment_spec(spec.plan_entries()[0], "r", "gs://b/runs/x")
+    total = segment.global_batch()
+    for active, expected in ((3, 2), (2, 2), (1, 1)):  # 3 does not divide 4 x batch: 2 workers
+        shrunk = segment.on_workers(active)
+        assert shrunk.num_workers == expected and shrunk.global_batch() == total
+        assert shrunk.resolved_hparams().learning_rate == segment.resolved_hparams().learning_rate
+    assert segment.on_workers(4) is segment
