@@ -14,6 +14,8 @@ Stdlib only, so tests, benchmarks and the CLI can load it by path:
     python3 scripts/testbed.py status --name ss
     python3 scripts/testbed.py link --name ss --host ss-h2 --profile cross-region
     python3 scripts/testbed.py clear-link --name ss --host ss-h2
+    python3 scripts/testbed.py add-host --name ss [--authorized-keys FILE]
+    python3 scripts/testbed.py remove-host --name ss --host ss-h4
     python3 scripts/testbed.py down --name ss [--force]
 
 Every name derives from the testbed name (at most 8 characters, [a-z0-9], a letter first, because
@@ -41,10 +43,11 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +116,9 @@ class TestHost:
     address: str  # cluster address, e.g. "10.77.0.10"
     ssh_port: int
     user: str
-    key_path: str  # private key (OpenSSH-format ed25519) that paramiko and ssh accept for `user`
+    # Private key (OpenSSH-format ed25519) that paramiko and ssh accept for `user`; "" for a host added
+    # with authorized_keys of its own (add_host), whose private keys the testbed does not have.
+    key_path: str
     interface: str  # the host's interface inside its namespace
 
 
@@ -296,8 +301,9 @@ def _apt_install(packages: list[str]) -> str | None:
     policy = Path("/usr/sbin/policy-rc.d")
     own_policy = not policy.exists()
     if own_policy:
-        policy.write_text("#!/bin/sh\n# syncswitch scripts/testbed.py: no service starts during its install\n"
-                          "exit 101\n")
+        policy.write_text(
+            "#!/bin/sh\n# syncswitch scripts/testbed.py: no service starts during its install\nexit 101\n"
+        )
         policy.chmod(0o755)
     try:
         proc = subprocess.run([*install, *packages], env=env, capture_output=True, text=True)
@@ -341,8 +347,12 @@ def ensure_prerequisites() -> str | None:
         if reason:
             return reason
         if _listening_on_port(SSH_PORT) and not had_sshd_listening:
-            print("testbed: warning: something now listens on port 22 in the root namespace (the "
-                  "package's own sshd?); the testbed does not need it", file=sys.stderr, flush=True)
+            print(
+                "testbed: warning: something now listens on port 22 in the root namespace (the "
+                "package's own sshd?); the testbed does not need it",
+                file=sys.stderr,
+                flush=True,
+            )
         if still_missing := _missing_tools():
             return f"still missing after apt-get install: {', '.join(still_missing)}"
     return _probe_netns()
@@ -400,12 +410,15 @@ class _Nfqueue:
 
     def _configure(self, max_len: int) -> None:
         self._request(self.MSG_CONFIG, [(self.CFG_CMD, struct.pack(">BBH", self.CMD_BIND, 0, 0))])
-        self._request(self.MSG_CONFIG, [
-            (self.CFG_PARAMS, struct.pack(">IB", 0, self.COPY_META)),
-            (self.CFG_QUEUE_MAXLEN, struct.pack(">I", max_len)),
-            (self.CFG_MASK, struct.pack(">I", self.FLAG_GSO)),
-            (self.CFG_FLAGS, struct.pack(">I", self.FLAG_GSO)),
-        ])
+        self._request(
+            self.MSG_CONFIG,
+            [
+                (self.CFG_PARAMS, struct.pack(">IB", 0, self.COPY_META)),
+                (self.CFG_QUEUE_MAXLEN, struct.pack(">I", max_len)),
+                (self.CFG_MASK, struct.pack(">I", self.FLAG_GSO)),
+                (self.CFG_FLAGS, struct.pack(">I", self.FLAG_GSO)),
+            ],
+        )
 
     def _message(self, msg_type: int, attrs: list[tuple[int, bytes]], flags: int) -> bytes:
         payload = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(self.queue_num))
@@ -413,8 +426,14 @@ class _Nfqueue:
             attr = struct.pack("=HH", 4 + len(value), attr_type) + value
             payload += attr + b"\0" * (-len(attr) % 4)
         self._seq += 1
-        header = struct.pack("=IHHII", 16 + len(payload), (self.SUBSYS_QUEUE << 8) | msg_type,
-                             self.NLM_F_REQUEST | flags, self._seq, 0)
+        header = struct.pack(
+            "=IHHII",
+            16 + len(payload),
+            (self.SUBSYS_QUEUE << 8) | msg_type,
+            self.NLM_F_REQUEST | flags,
+            self._seq,
+            0,
+        )
         return header + payload
 
     def _request(self, msg_type: int, attrs: list[tuple[int, bytes]]) -> None:
@@ -594,8 +613,10 @@ class _Names:
         return re.fullmatch(rf"{re.escape(self.testbed)}-(h\d+|out)", netns) is not None
 
     def is_ours_link(self, link: str) -> bool:
-        return link in (self.bridge, self.outside_bridge, self.outside_veth) or re.fullmatch(
-            rf"ssv-{re.escape(self.testbed)}-\d+", link) is not None
+        return (
+            link in (self.bridge, self.outside_bridge, self.outside_veth)
+            or re.fullmatch(rf"ssv-{re.escape(self.testbed)}-\d+", link) is not None
+        )
 
 
 class Testbed:
@@ -603,11 +624,14 @@ class Testbed:
 
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, name: str, hosts: int, *, subnet_index: int | None = None,
-                 state_dir: str | None = None) -> None:
+    def __init__(
+        self, name: str, hosts: int, *, subnet_index: int | None = None, state_dir: str | None = None
+    ) -> None:
         if not NAME_PATTERN.fullmatch(name):
-            raise ValueError(f"testbed name {name!r}: 1-8 characters of [a-z0-9], a letter first "
-                             "(interface names derived from it must fit Linux's 15 characters)")
+            raise ValueError(
+                f"testbed name {name!r}: 1-8 characters of [a-z0-9], a letter first "
+                "(interface names derived from it must fit Linux's 15 characters)"
+            )
         if not 0 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be between 0 and {MAX_HOSTS}, not {hosts}")
         if subnet_index is not None and not 0 <= subnet_index <= 255:
@@ -622,6 +646,12 @@ class Testbed:
         self.delay_mechanism: str | None = None  # "netem" or "nfqueue", found out by up()
         self._names = _Names(name)
         self._is_up = False
+        # add_host and remove_host may run in several threads (a fake cloud API serving requests):
+        # the lock guards self.hosts, the state file and known_hosts; the sets hold the indexes of hosts
+        # being created or removed, not in self.hosts and not free either.
+        self._lock = threading.RLock()
+        self._adding: set[int] = set()
+        self._removing: set[int] = set()
 
     # ----- addresses and paths
 
@@ -655,10 +685,16 @@ class Testbed:
     def _host_dir(self, host_name: str) -> Path:
         return self.state_dir / "hosts" / host_name
 
-    def _host_record(self, index: int) -> TestHost:
+    def _host_record(self, index: int, *, user: str = "root", key_path: str | None = None) -> TestHost:
         address = f"{CLUSTER_PREFIX}.{self._subnet()}.{FIRST_HOST_OCTET + index}"
-        return TestHost(name=self._names.host(index), address=address, ssh_port=SSH_PORT, user="root",
-                        key_path=self.key_path, interface=HOST_INTERFACE)
+        return TestHost(
+            name=self._names.host(index),
+            address=address,
+            ssh_port=SSH_PORT,
+            user=user,
+            key_path=self.key_path if key_path is None else key_path,
+            interface=HOST_INTERFACE,
+        )
 
     def host(self, host: TestHost | str) -> TestHost:
         """The TestHost for a host or host name of this testbed."""
@@ -716,8 +752,11 @@ class Testbed:
             raise
         for host in self.hosts:
             _log(self.name, f"host {host.name} up at {host.address}")
-        _log(self.name, f"up: {len(self.hosts)} hosts on {self.subnet} (gateway {self.gateway}, delays by "
-                        f"{self.delay_mechanism}) in {time.monotonic() - started:.2f}s")
+        _log(
+            self.name,
+            f"up: {len(self.hosts)} hosts on {self.subnet} (gateway {self.gateway}, delays by "
+            f"{self.delay_mechanism}) in {time.monotonic() - started:.2f}s",
+        )
         return self.hosts
 
     def _abort_up(self) -> None:
@@ -732,7 +771,8 @@ class Testbed:
         if leftovers:
             raise TestbedError(
                 f"testbed {self.name} already exists ({', '.join(leftovers)}); remove it with "
-                f"`python3 scripts/testbed.py down --name {self.name}` (add --force if its state is gone)")
+                f"`python3 scripts/testbed.py down --name {self.name}` (add --force if its state is gone)"
+            )
 
     def _free_subnet_index(self) -> int:
         used = _used_subnet_indexes()
@@ -757,8 +797,9 @@ class Testbed:
 
     def _probe_delay_mechanism(self) -> str:
         """netem when the kernel has it; else the userspace NFQUEUE delayer (some VM kernels lack it)."""
-        probe = _run(["tc", "qdisc", "add", "dev", self._names.bridge, "root", "netem", "delay", "1ms"],
-                     check=False)
+        probe = _run(
+            ["tc", "qdisc", "add", "dev", self._names.bridge, "root", "netem", "delay", "1ms"], check=False
+        )
         if probe.returncode != 0:
             return "nfqueue"
         _run(["tc", "qdisc", "del", "dev", self._names.bridge, "root"], check=False)
@@ -768,7 +809,9 @@ class Testbed:
     def _generate_key(path: str, comment: str) -> None:
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", path])
 
-    def _create_host(self, index: int, host: TestHost) -> None:
+    def _create_host(
+        self, index: int, host: TestHost, *, authorized_keys: str | None = None, users: Sequence[str] = ()
+    ) -> None:
         netns, veth = host.name, self._names.host_veth(index)
         _run(["ip", "netns", "add", netns])
         _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", HOST_INTERFACE, "netns", netns])
@@ -780,40 +823,58 @@ class Testbed:
         host_dir = self._host_dir(host.name)
         host_dir.mkdir(mode=0o700)
         self._generate_key(str(host_dir / "ssh_host_ed25519_key"), comment=host.name)
-        (host_dir / "sshd_config").write_text(self._sshd_config(host, host_dir))
+        keys_file = f"{self.key_path}.pub"
+        if authorized_keys is not None:
+            keys_file = str(host_dir / "authorized_keys")
+            Path(keys_file).write_text(authorized_keys.rstrip("\n") + "\n")
+        (host_dir / "sshd_config").write_text(self._sshd_config(host, host_dir, keys_file, users))
 
-    def _sshd_config(self, host: TestHost, host_dir: Path) -> str:
-        return "\n".join([
-            f"# sshd of testbed host {host.name}, written by scripts/testbed.py",
-            f"ListenAddress {host.address}:{SSH_PORT}",
-            f"HostKey {host_dir / 'ssh_host_ed25519_key'}",
-            f"PidFile {host_dir / 'sshd.pid'}",
-            f"AuthorizedKeysFile {self.key_path}.pub",
-            "PermitRootLogin prohibit-password",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            # No PAM: the account checks and session modules add nothing here and can fail in VMs
-            # and containers (pam_loginuid); key login only needs sshd's own checks.
-            "UsePAM no",
-            "StrictModes no",  # the key lives in the state dir, whatever its parents' modes are
-            "UseDNS no",
-            "PrintMotd no",
-            "PrintLastLog no",
-            # A backend may open one connection per process it starts; don't refuse a burst of them.
-            "MaxStartups 100",
-            "MaxSessions 100",
-            "Subsystem sftp internal-sftp",
-            "LogLevel ERROR",
-            "",
-        ])
+    def _sshd_config(
+        self,
+        host: TestHost,
+        host_dir: Path,
+        authorized_keys_file: str | None = None,
+        users: Sequence[str] = (),
+    ) -> str:
+        return "\n".join(
+            [
+                f"# sshd of testbed host {host.name}, written by scripts/testbed.py",
+                f"ListenAddress {host.address}:{SSH_PORT}",
+                f"HostKey {host_dir / 'ssh_host_ed25519_key'}",
+                f"PidFile {host_dir / 'sshd.pid'}",
+                f"AuthorizedKeysFile {authorized_keys_file or self.key_path + '.pub'}",
+                *([f"AllowUsers {' '.join(users)}"] if users else []),
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                # No PAM: the account checks and session modules add nothing here and can fail in VMs
+                # and containers (pam_loginuid); key login only needs sshd's own checks.
+                "UsePAM no",
+                "StrictModes no",  # the key lives in the state dir, whatever its parents' modes are
+                "UseDNS no",
+                "PrintMotd no",
+                "PrintLastLog no",
+                # A backend may open one connection per process it starts; don't refuse a burst of them.
+                "MaxStartups 100",
+                "MaxSessions 100",
+                "Subsystem sftp internal-sftp",
+                "LogLevel ERROR",
+                "",
+            ]
+        )
 
     def _write_known_hosts(self) -> None:
-        lines = []
-        for host in self.hosts:
-            key_type, key = (self._host_dir(host.name) / "ssh_host_ed25519_key.pub").read_text().split()[:2]
-            lines.append(f"{host.address} {key_type} {key}\n")
-        Path(self.known_hosts_path).write_text("".join(lines))
+        with self._lock:
+            lines = []
+            for host in self.hosts:
+                public_key = self._host_dir(host.name) / "ssh_host_ed25519_key.pub"
+                key_type, key = public_key.read_text().split()[:2]
+                lines.append(f"{host.address} {key_type} {key}\n")
+            path = Path(self.known_hosts_path)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(lines))
+            tmp.replace(path)  # a client reading it meanwhile sees the old or the new file, never half
 
     def _start_sshd(self, host: TestHost) -> None:
         """Start the host's sshd in its namespace; it daemonizes, so no child of ours lingers."""
@@ -821,8 +882,19 @@ class Testbed:
         host_dir = self._host_dir(host.name)
         with contextlib.suppress(FileNotFoundError):
             (host_dir / "sshd.pid").unlink()
-        _run(["ip", "netns", "exec", host.name, SSHD, "-f", str(host_dir / "sshd_config"),
-              "-E", str(host_dir / "sshd.log")])
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.name,
+                SSHD,
+                "-f",
+                str(host_dir / "sshd_config"),
+                "-E",
+                str(host_dir / "sshd.log"),
+            ]
+        )
 
     def _sshd_running(self, host: TestHost) -> bool:
         try:
@@ -868,15 +940,31 @@ class Testbed:
             return self.outside
         index = self._subnet()
         names = self._names
-        outside = OutsideNamespace(name=names.outside_netns,
-                                   address=f"{OUTSIDE_PREFIX}.{index}.{FIRST_HOST_OCTET}",
-                                   gateway=f"{OUTSIDE_PREFIX}.{index}.1", interface=HOST_INTERFACE)
+        outside = OutsideNamespace(
+            name=names.outside_netns,
+            address=f"{OUTSIDE_PREFIX}.{index}.{FIRST_HOST_OCTET}",
+            gateway=f"{OUTSIDE_PREFIX}.{index}.1",
+            interface=HOST_INTERFACE,
+        )
         _run(["ip", "link", "add", names.outside_bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{outside.gateway}/24", "dev", names.outside_bridge])
         _run(["ip", "link", "set", names.outside_bridge, "up"])
         _run(["ip", "netns", "add", outside.name])
-        _run(["ip", "link", "add", names.outside_veth, "type", "veth", "peer", "name", HOST_INTERFACE,
-              "netns", outside.name])
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                names.outside_veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                HOST_INTERFACE,
+                "netns",
+                outside.name,
+            ]
+        )
         _run(["ip", "link", "set", names.outside_veth, "master", names.outside_bridge, "up"])
         _run(["ip", "-n", outside.name, "link", "set", "lo", "up"])
         _run(["ip", "-n", outside.name, "addr", "add", f"{outside.address}/24", "dev", HOST_INTERFACE])
@@ -890,13 +978,15 @@ class Testbed:
 
     # ----- processes
 
-    def exec(self, host: TestHost | OutsideNamespace | str, argv: list[str],
-             **subprocess_kwargs: Any) -> subprocess.CompletedProcess:
+    def exec(
+        self, host: TestHost | OutsideNamespace | str, argv: list[str], **subprocess_kwargs: Any
+    ) -> subprocess.CompletedProcess:
         """subprocess.run(argv) inside the host's network namespace (`ip netns exec`)."""
         return subprocess.run(["ip", "netns", "exec", self._netns(host), *argv], **subprocess_kwargs)
 
-    def popen(self, host: TestHost | OutsideNamespace | str, argv: list[str],
-              **subprocess_kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, host: TestHost | OutsideNamespace | str, argv: list[str], **subprocess_kwargs: Any
+    ) -> subprocess.Popen:
         """subprocess.Popen(argv) inside the host's namespace; ip execs argv, so .pid is argv's pid."""
         return subprocess.Popen(["ip", "netns", "exec", self._netns(host), *argv], **subprocess_kwargs)
 
@@ -906,8 +996,15 @@ class Testbed:
 
     # ----- link shaping
 
-    def set_link(self, host: TestHost | str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0,
-                 rate_mbit: float | None = None, loss_pct: float = 0.0) -> None:
+    def set_link(
+        self,
+        host: TestHost | str,
+        *,
+        delay_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        rate_mbit: float | None = None,
+        loss_pct: float = 0.0,
+    ) -> None:
         """Shape the host's link to the cluster; replaces any earlier shape of that link.
 
         - rate_mbit: both directions, by an HTB class on each end of the host's veth (the host's
@@ -945,8 +1042,10 @@ class Testbed:
         if shape.is_unshaped:
             return "unshaped"
         rate = f"{shape.rate_mbit:g} Mbit/s" if shape.rate_mbit else "no rate limit"
-        return (f"one-way delay {shape.delay_ms:g} ms (+-{shape.jitter_ms:g} ms), {rate}, "
-                f"loss {shape.loss_pct:g}%")
+        return (
+            f"one-way delay {shape.delay_ms:g} ms (+-{shape.jitter_ms:g} ms), {rate}, "
+            f"loss {shape.loss_pct:g}%"
+        )
 
     @staticmethod
     def _shape_rate(tc: list[str], device: str, rate_mbit: float | None) -> None:
@@ -954,11 +1053,30 @@ class Testbed:
             return
         # quantum: HTB's default (rate / 10) is out of range at Gbit rates; one class needs no fairness.
         _run([*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "1"])
-        _run([*tc, "class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb",
-              "rate", f"{rate_mbit:g}mbit", "ceil", f"{rate_mbit:g}mbit", "quantum", "200000"])
+        _run(
+            [
+                *tc,
+                "class",
+                "add",
+                "dev",
+                device,
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                f"{rate_mbit:g}mbit",
+                "ceil",
+                f"{rate_mbit:g}mbit",
+                "quantum",
+                "200000",
+            ]
+        )
 
-    def _shape_netem(self, tc: list[str], device: str, shape: LinkShape, *, delay_ms: float,
-                     jitter_ms: float) -> None:
+    def _shape_netem(
+        self, tc: list[str], device: str, shape: LinkShape, *, delay_ms: float, jitter_ms: float
+    ) -> None:
         self._shape_rate(tc, device, shape.rate_mbit)
         if not (delay_ms or jitter_ms or shape.loss_pct):
             return
@@ -972,10 +1090,27 @@ class Testbed:
 
     def _start_delayer(self, host: TestHost, shape: LinkShape) -> None:
         host_dir = self._host_dir(host.name)
-        started = _run([sys.executable, os.path.abspath(__file__), DELAYER_COMMAND, "--testbed", self.name,
-                        "--netns", host.name, "--queue", "0", "--delay-ms", str(shape.delay_ms),
-                        "--jitter-ms", str(shape.jitter_ms), "--loss-pct", str(shape.loss_pct),
-                        "--log", str(host_dir / "delayer.log")])
+        started = _run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                DELAYER_COMMAND,
+                "--testbed",
+                self.name,
+                "--netns",
+                host.name,
+                "--queue",
+                "0",
+                "--delay-ms",
+                str(shape.delay_ms),
+                "--jitter-ms",
+                str(shape.jitter_ms),
+                "--loss-pct",
+                str(shape.loss_pct),
+                "--log",
+                str(host_dir / "delayer.log"),
+            ]
+        )
         (host_dir / "delayer.pid").write_text(started.stdout.strip())
         # Rules after the queue is bound: a queued packet with no listener would be dropped.
         iptables = ["ip", "netns", "exec", host.name, "iptables", "-w", "-t", "raw", "-A"]
@@ -1007,8 +1142,10 @@ class Testbed:
         veth = self._names.host_veth(self._names.host_index(target.name))
         self._stop_delayer(target)
         _run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
-        _run(["ip", "netns", "exec", target.name, "tc", "qdisc", "del", "dev", HOST_INTERFACE, "root"],
-             check=False)
+        _run(
+            ["ip", "netns", "exec", target.name, "tc", "qdisc", "del", "dev", HOST_INTERFACE, "root"],
+            check=False,
+        )
         if self.links.pop(target.name, None) is not None:
             self._save_state()
         if not quiet:
@@ -1032,12 +1169,106 @@ class Testbed:
         self._wait_for_sshds([target])
         _log(self.name, f"host {target.name} back at {target.address}")
 
+    # ----- hosts added and removed while the testbed is up (a cloud's instances come and go)
+
+    def add_host(self, authorized_keys: str | None = None, *, users: Sequence[str] = ()) -> TestHost:
+        """One more host, at the lowest index no current host has; returns when its sshd answers.
+
+        authorized_keys: text in authorized_keys format; the host's sshd then accepts those keys instead
+        of the testbed key (and the TestHost's key_path is ""). users: the only login names its sshd
+        allows (AllowUsers; they must exist on this machine, whose users the hosts share), the first
+        becoming TestHost.user; none given: any user, TestHost.user "root". Safe to call from several
+        threads at once; hosts are created in parallel.
+        """
+        if not self._is_up:
+            raise TestbedError(f"testbed {self.name} is not up: call up() first")
+        with self._lock:
+            taken = {self._names.host_index(h.name) for h in self.hosts} | self._adding | self._removing
+            index = next((i for i in range(MAX_HOSTS) if i not in taken), None)
+            if index is None:
+                raise TestbedError(f"testbed {self.name} has no free host index (at most {MAX_HOSTS} hosts)")
+            self._adding.add(index)
+        host = self._host_record(
+            index, user=users[0] if users else "root", key_path=None if authorized_keys is None else ""
+        )
+        try:
+            self._create_host(index, host, authorized_keys=authorized_keys, users=users)
+            self._start_sshd(host)
+            self._wait_for_sshds([host])
+        except BaseException:
+            try:
+                self._remove_host_resources(host)
+            finally:
+                with self._lock:
+                    self._adding.discard(index)
+            raise
+        with self._lock:
+            self._adding.discard(index)
+            self.hosts.append(host)
+            self.host_count = len(self.hosts)
+            self._write_known_hosts()
+            self._save_state()
+        _log(self.name, f"host {host.name} added at {host.address}")
+        return host
+
+    def remove_host(self, host: TestHost | str) -> None:
+        """Remove a host for good: every process in its namespace killed, the namespace, its veth and
+        its directory (keys, sshd config and log) deleted. A host already removed (or being removed by
+        another thread) is a no-op. Safe to call from several threads at once."""
+        name = host.name if isinstance(host, TestHost) else host
+        with self._lock:
+            target = next((h for h in self.hosts if h.name == name), None)
+            if target is None:
+                return
+            # Out of the list first (known_hosts is rewritten from it, and reads each host's key), but
+            # its index stays taken until its namespace and veth are gone.
+            self._removing.add(self._names.host_index(name))
+            self.hosts = [h for h in self.hosts if h.name != name]
+            self.host_count = len(self.hosts)
+            self._write_known_hosts()
+            self._save_state()
+        try:
+            killed = self._remove_host_resources(target)
+        finally:
+            with self._lock:
+                self._removing.discard(self._names.host_index(name))
+                if self.links.pop(name, None) is not None:
+                    self._save_state()
+        _log(self.name, f"host {name} removed ({killed} processes killed)")
+
+    def _remove_host_resources(self, host: TestHost) -> int:
+        """Kill the host's processes, delete its veth, namespace and directory; how many were killed."""
+        self._stop_delayer(host)
+        killed = _kill_netns_processes(host.name)
+        veth = self._names.host_veth(self._names.host_index(host.name))
+        # The veth first: deleting it takes its peer out of the namespace at once, whereas a deleted
+        # namespace's interfaces go later, in the kernel's own time, and the name could still be taken.
+        if veth in _link_names():
+            _run(["ip", "link", "delete", veth])
+        if host.name in _netns_names():
+            _run(["ip", "netns", "delete", host.name])
+        # Forget the gone host's MAC here and on every other host: a host added later at the same address
+        # has another one, and a stale neighbour entry would send its traffic nowhere for half a minute.
+        _run(["ip", "neigh", "flush", "to", host.address], check=False)
+        for other in list(self.hosts):
+            _run(["ip", "-n", other.name, "neigh", "flush", "to", host.address], check=False)
+        shutil.rmtree(self._host_dir(host.name), ignore_errors=True)
+        return killed
+
     # ----- state and tear down
 
     def _save_state(self) -> None:
+        with self._lock:
+            self._write_state()
+
+    def _write_state(self) -> None:
         state = {
             "name": self.name,
             "hosts": self.host_count,
+            # The hosts themselves: with add_host and remove_host their indexes need not be 0..hosts-1,
+            # and an added host may have keys and a user of its own. A state without them (written
+            # before hosts could be added) means hosts 0..hosts-1.
+            "host_records": [asdict(host) for host in self.hosts],
             "subnet_index": self.subnet_index,
             "delay_mechanism": self.delay_mechanism,
             "up": self._is_up,
@@ -1058,10 +1289,14 @@ class Testbed:
         except FileNotFoundError:
             raise TestbedError(
                 f"no testbed {name} here (no {testbed_dir / 'state.json'}); leftovers of a lost state go "
-                f"with `python3 scripts/testbed.py down --name {name} --force`") from None
+                f"with `python3 scripts/testbed.py down --name {name} --force`"
+            ) from None
         testbed = cls(name, state["hosts"], subnet_index=state["subnet_index"], state_dir=str(testbed_dir))
         testbed.delay_mechanism = state["delay_mechanism"]
-        testbed.hosts = [testbed._host_record(i) for i in range(testbed.host_count)]
+        if "host_records" in state:
+            testbed.hosts = [TestHost(**record) for record in state["host_records"]]
+        else:
+            testbed.hosts = [testbed._host_record(i) for i in range(testbed.host_count)]
         testbed.outside = OutsideNamespace(**state["outside"]) if state["outside"] else None
         testbed.links = {host: LinkShape(**shape) for host, shape in state["links"].items()}
         testbed._is_up = state["up"]
@@ -1106,14 +1341,17 @@ class Testbed:
             "delay_mechanism": self.delay_mechanism,
             "key_path": self.key_path,
             "known_hosts": self.known_hosts_path,
-            "hosts": [{
-                "name": host.name,
-                "address": host.address,
-                # Counted before the sshd probe, whose connection briefly adds an sshd child.
-                "processes": len(self.processes(host)),
-                "sshd": _ssh_banner(host.address, host.ssh_port, timeout=0.5),
-                "link": asdict(self.links[host.name]) if host.name in self.links else None,
-            } for host in self.hosts],
+            "hosts": [
+                {
+                    "name": host.name,
+                    "address": host.address,
+                    # Counted before the sshd probe, whose connection briefly adds an sshd child.
+                    "processes": len(self.processes(host)),
+                    "sshd": _ssh_banner(host.address, host.ssh_port, timeout=0.5),
+                    "link": asdict(self.links[host.name]) if host.name in self.links else None,
+                }
+                for host in self.hosts
+            ],
             "outside": asdict(self.outside) if self.outside else None,
         }
 
@@ -1143,8 +1381,12 @@ def _delayer_pids(testbed: str) -> list[int]:
 def _shape_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         return dict(PROFILES[args.profile])
-    return {"delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "rate_mbit": args.rate_mbit,
-            "loss_pct": args.loss_pct}
+    return {
+        "delay_ms": args.delay_ms,
+        "jitter_ms": args.jitter_ms,
+        "rate_mbit": args.rate_mbit,
+        "loss_pct": args.loss_pct,
+    }
 
 
 def _add_shape_options(parser: argparse.ArgumentParser) -> None:
@@ -1170,6 +1412,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_shape_options(link)
     clear = commands.add_parser("clear-link", help="remove one host's link shaping")
     clear.add_argument("--host", required=True)
+    add = commands.add_parser("add-host", help="add a host to a testbed that is up; print it as JSON")
+    add.add_argument(
+        "--authorized-keys",
+        metavar="FILE",
+        default=None,
+        help="keys the host's sshd accepts instead of the testbed key",
+    )
+    add.add_argument(
+        "--user",
+        dest="users",
+        action="append",
+        default=[],
+        help="a login name the host's sshd allows (repeatable; default: any)",
+    )
+    remove = commands.add_parser("remove-host", help="remove a host for good")
+    remove.add_argument("--host", required=True)
     delayer = commands.add_parser(DELAYER_COMMAND)  # internal: started by set_link()
     delayer.add_argument("--netns", required=True)
     delayer.add_argument("--queue", type=int, default=0)
@@ -1177,7 +1435,7 @@ def _parser() -> argparse.ArgumentParser:
     delayer.add_argument("--jitter-ms", type=float, default=0.0)
     delayer.add_argument("--loss-pct", type=float, default=0.0)
     delayer.add_argument("--log", required=True)
-    for sub in (up, down, link, clear, delayer, commands.choices["status"]):
+    for sub in (up, down, link, clear, add, remove, delayer, commands.choices["status"]):
         sub.add_argument("--name", "--testbed", dest="name", required=True, help="testbed name")
         if sub is not delayer:
             sub.add_argument("--state-dir", default=None)
@@ -1208,6 +1466,11 @@ def main(argv: list[str] | None = None) -> int:
                 testbed.set_link(args.host, **_shape_from_args(args))
             elif args.command == "clear-link":
                 testbed.clear_link(args.host)
+            elif args.command == "add-host":
+                keys = Path(args.authorized_keys).read_text() if args.authorized_keys else None
+                print(json.dumps(asdict(testbed.add_host(keys, users=args.users)), indent=2))
+            elif args.command == "remove-host":
+                testbed.remove_host(testbed.host(args.host))
     except (TestbedError, ValueError) as exc:
         print(f"testbed {args.name}: error: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import platform
 import shutil
@@ -124,6 +125,22 @@ class GcsEmulator:
         thread = threading.Thread(target=lambda: (time.sleep(seconds), self.start()), daemon=True)
         thread.start()
         return thread
+
+
+@contextlib.contextmanager
+def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = None) -> Iterator[GcsEmulator]:
+    """A GCS emulator on a testbed's gateway (reachable from this machine and every testbed host),
+    made this process's storage, with ``env`` set too, until the block ends."""
+    server = GcsEmulator(root, _free_port(), host=gateway)
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("STORAGE_EMULATOR_HOST", server.url)
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from airflow_runs import latest_step
-from conftest import GcsEmulator, _free_port
+from conftest import GcsEmulator, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
@@ -56,23 +56,10 @@ def bed() -> Iterator[tb.Testbed]:
 
 @pytest.fixture(scope="module")
 def cluster_env(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
-    """A GCS emulator on the testbed's gateway (reachable from this machine and every host), made the
-    storage of this module, and the testbed's known_hosts for host-key checking."""
+    """The module's storage on the testbed's gateway, and the testbed's known_hosts for host-key checks."""
     root = tmp_path_factory.mktemp("hosts-gcs")
-    server = GcsEmulator(root, _free_port(), host=bed.gateway)
-    server.start()
-    saved = {name: os.environ.get(name) for name in ("STORAGE_EMULATOR_HOST", KNOWN_HOSTS_ENV)}
-    os.environ["STORAGE_EMULATOR_HOST"] = server.url
-    os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
-    try:
+    with storage_on_gateway(bed.gateway, root, {KNOWN_HOSTS_ENV: bed.known_hosts_path}) as server:
         yield server
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        server.stop()
 
 
 @pytest.fixture

@@ -137,10 +137,13 @@ def test_gcs_writer_uploads_the_rest_on_close(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     layout = RunLayout(join(gcs_bucket, "run"))
     writer = _writer(layout, "worker", 2, flush_seconds=3600.0)
-    for i in range(5):
+    writer.emit("worker_step", worker=2, global_step=0.0, step_time=0.1)
+    wait_for(lambda: len(events.read_events(layout.metrics)) == 1, timeout=10, what="the first upload")
+    for i in range(1, 5):
         writer.emit("worker_step", worker=2, global_step=float(i), step_time=0.1)
-    # at most the very first event was uploaded: the flush interval has not passed since
-    assert len(events.read_events(layout.metrics)) <= 1
+    time.sleep(0.5)
+    # nothing more was uploaded: the flush interval has not passed since the first upload
+    assert len(events.read_events(layout.metrics)) == 1
 
     writer.close()
     writer.close()  # closing twice is harmless

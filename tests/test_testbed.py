@@ -6,6 +6,7 @@ the whole module; the up/down tests bring up small ones of their own.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -335,3 +336,76 @@ def test_a_failed_up_removes_what_it_created(prerequisites: None, monkeypatch: p
     with pytest.raises(tb.TestbedError, match="simulated failure"):
         testbed.up()
     _assert_nothing_left(testbed.name, testbed.state_dir)
+
+
+# ----- hosts added and removed while up
+
+
+def _ssh_login(host: tb.TestHost, key_path: str, known_hosts: str) -> str:
+    """Log in with key_path (checking the host key against known_hosts); what `hostname -I` prints."""
+    client = paramiko.SSHClient()
+    client.load_host_keys(known_hosts)
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect(
+        host.address,
+        port=host.ssh_port,
+        username=host.user,
+        key_filename=key_path,
+        look_for_keys=False,
+        allow_agent=False,
+        timeout=10,
+    )
+    try:
+        _, stdout, _ = client.exec_command("hostname -I", timeout=10)
+        return stdout.read().decode().strip()
+    finally:
+        client.close()
+
+
+def test_hosts_can_be_added_and_removed_while_up(prerequisites: None, tmp_path: Path) -> None:
+    own_key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(own_key)], check=True)
+    testbed = tb.Testbed(f"ssa{_RUN_ID}", 2)
+    try:
+        h0, h1 = testbed.up()
+        sleeper = testbed.popen(h0, ["sleep", "60"])
+        testbed.remove_host(h0)
+        assert sleeper.wait(timeout=5) == -9
+        assert testbed.hosts == [h1]
+        assert h0.name not in tb._netns_names() and h1.name in tb._netns_names()
+        links = tb._link_names()
+        assert f"ssv-{testbed.name}-0" not in links and f"ssv-{testbed.name}-1" in links
+        assert not (testbed.state_dir / "hosts" / h0.name).exists()
+        assert h0.address not in Path(testbed.known_hosts_path).read_text()
+        testbed.remove_host(h0)  # already removed: a no-op
+        testbed.remove_host(h0.name)
+
+        # The lowest free index comes back, with the keys given and not the testbed's.
+        added = testbed.add_host(authorized_keys=(tmp_path / "id_ed25519.pub").read_text())
+        assert (added.name, added.address, added.key_path) == (h0.name, h0.address, "")
+        assert _ssh_login(added, str(own_key), testbed.known_hosts_path) == added.address
+        with pytest.raises(paramiko.AuthenticationException):
+            _ssh_login(added, testbed.key_path, testbed.known_hosts_path)
+        assert _ssh_login(h1, testbed.key_path, testbed.known_hosts_path) == h1.address
+        third = testbed.add_host()
+        assert third.name == f"{testbed.name}-h2"
+        assert _ssh_login(third, testbed.key_path, testbed.known_hosts_path) == third.address
+        assert testbed.hosts == [h1, added, third]
+        assert tb.Testbed.existing(testbed.name).hosts == testbed.hosts  # non-contiguous, own keys
+        assert testbed.host_count == 3
+    finally:
+        testbed.down()
+    _assert_nothing_left(testbed.name, testbed.state_dir)
+
+
+def test_existing_reads_a_state_without_host_records(bed: tb.Testbed) -> None:
+    """A state file written before hosts could be added has only the host count."""
+    state_path = bed.state_dir / "state.json"
+    saved = state_path.read_text()
+    state = json.loads(saved)
+    del state["host_records"]
+    try:
+        state_path.write_text(json.dumps(state))
+        assert tb.Testbed.existing(bed.name).hosts == bed.hosts
+    finally:
+        state_path.write_text(saved)

@@ -616,7 +616,7 @@ def _runtime_uri(layout: RunLayout) -> str:
 def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
     """Until every host takes an SSH login and has the runtime (a VM boots, then its startup script
     installs it)."""
-    deadline = time.monotonic() + SSH_READY_S
+    deadline, last_reason = time.monotonic() + SSH_READY_S, ""
     for host in hosts:
         record = {
             "name": host.label,
@@ -638,4 +638,7 @@ def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
                 raise ClusterError(
                     f"VM {host.label} did not take an SSH login within {SSH_READY_S:.0f}s: {reason}"
                 )
+            if reason != last_reason:
+                log.info("waiting for VM %s: %s", host.label, reason)
+                last_reason = reason
             time.sleep(2.0)

@@ -1,0 +1,300 @@
+"""The gce backend end to end against a FAKE Compute Engine API (tests/fake_compute.py).
+
+There is no Compute Engine emulator. The fake speaks the real REST API to the real clients
+(compute_v1, the provider's ComputeEngineHook), and its instances are real hosts of the network-
+namespace testbed: an insert starts a host with sshd that takes the run's SSH key from the metadata,
+a delete removes it, a scripted preemption kills it, a scripted stock-out refuses an insert. Everything
+above the HTTP boundary is the code users run: the backend, the hosts backend, the DAG, real TF.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow_runs import latest_step
+from conftest import storage_on_gateway
+from fake_compute import FakeComputeEngine
+from proc_utils import wait_for
+from syncswitch import storage
+from syncswitch.costs import Catalog
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch.state import read_state
+from syncswitch_airflow.backends import ClusterError
+from syncswitch_airflow.backends.gce import GceBackend
+from syncswitch_airflow.hooks.compute import ENDPOINT_ENV
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import testbed as tb  # noqa: E402
+
+pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
+
+PROJECT = "sync-fake-1"
+ZONES = "us-central1-a us-central1-b"  # the chief and worker 1 in different zones, like a zone array
+_RUN_ID = os.getpid() % 10000
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[tb.Testbed]:
+    reason = tb.ensure_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    testbed = tb.Testbed(f"sgc{_RUN_ID}", 0)  # hosts come and go with the fake's instances
+    testbed.up()
+    try:
+        yield testbed
+    finally:
+        testbed.down()
+
+
+@pytest.fixture(scope="module")
+def fake(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeComputeEngine]:
+    """The fake API, the storage on the testbed's gateway, and an anonymous Google connection."""
+    connection = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
+    with FakeComputeEngine(bed, PROJECT) as api:
+        env = {ENDPOINT_ENV: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
+        with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("gce-gcs"), env):
+            yield api
+
+
+@pytest.fixture
+def bucket(fake: FakeComputeEngine) -> str:
+    name = f"gce-{uuid.uuid4().hex[:12]}"
+    storage.gcs_client().create_bucket(name)
+    return f"gs://{name}/runs"
+
+
+@pytest.fixture
+def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "work"
+    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
+    return root
+
+
+def gce_param(**overrides: Any) -> dict[str, Any]:  # noqa: ANN401
+    # The VMs share this machine's filesystem and users: the runtime is this interpreter's, and the
+    # login is root's (on Compute Engine the guest agent creates the ssh-keys user).
+    return {
+        "project": PROJECT,
+        "zones": ZONES,
+        "gpus": "k80",
+        "python": sys.executable,
+        "ssh_user": "root",
+        **overrides,
+    }
+
+
+def conf(bucket: str, **overrides: Any) -> dict[str, Any]:  # noqa: ANN401
+    return {
+        "job_name": "gce",
+        "cluster_backend": "gce",
+        "bucket_dir": bucket,
+        "num_workers": 2,
+        "num_ps": 1,
+        "gce": gce_param(),
+        **overrides,
+    }
+
+
+def assert_nothing_left(fake: FakeComputeEngine, bed: tb.Testbed) -> None:
+    """No instance or firewall in the fake, no host on the testbed (every instance's host is gone)."""
+    assert fake.instances() == {}, f"instances left: {list(fake.instances())}"
+    assert fake.firewalls() == {}, f"firewalls left: {list(fake.firewalls())}"
+    assert bed.hosts == [], f"hosts left: {[h.name for h in bed.hosts]}"
+
+
+# ---- provisioning ---------------------------------------------------------------------------------
+
+
+def test_a_stock_out_fails_provisioning_naming_the_vm_and_leaves_nothing(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    backend = GceBackend()
+    job = JobSpec.from_params(conf(bucket))
+    fake.stock_out("us-central1-b")  # worker 1's zone
+    layout = RunLayout.for_run(bucket, "gce", "stock-out")
+    with pytest.raises(ClusterError) as caught:
+        backend.provision(job, layout)
+    message = str(caught.value)
+    assert "-w1" in message and "us-central1-b" in message and "ZONE_RESOURCE_POOL_EXHAUSTED" in message
+    assert_nothing_left(fake, bed)
+    assert backend.capacity().holders() == []
+    vms = read_state(layout)["vms"]
+    assert {vm["state"] for name, vm in vms.items() if name.endswith("-w1")} == {"failed"}
+
+
+def test_the_reaper_deletes_the_vms_of_a_run_whose_teardown_never_came(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    backend = GceBackend()
+    job = JobSpec.from_params(conf(bucket, gce=gce_param(gpus="none", max_run_seconds=3600)))
+    layout = RunLayout.for_run(bucket, "gce", "abandoned")
+    handle = backend.provision(job, layout)
+    assert len(fake.instances()) == 3 and len(bed.hosts) == 3
+    # While the run is within its time limit and not finished, the reaper leaves it alone.
+    assert backend.reap(PROJECT) == []
+    assert len(fake.instances()) == 3
+    # An hour later (the run's teardown never came), everything of it goes.
+    expires = fake.instances()[handle["hosts"][0]["name"]]["labels"]["syncswitch-expires"]
+    reaped = backend.reap(PROJECT, now=float(expires))
+    assert sorted(reaped) == sorted(h["name"] for h in handle["hosts"])
+    assert_nothing_left(fake, bed)
+    backend.capacity().release(handle["run"])
+
+
+# ---- end to end through the DAG -------------------------------------------------------------------
+
+
+class Preempter:
+    """Preempts the VM standing in worker 1's place once a segment reaches a step (in the background,
+    while dag.test() runs the DAG in this thread)."""
+
+    def __init__(self, fake: FakeComputeEngine, bucket: str, job_name: str) -> None:
+        self.fake, self.root = fake, f"{bucket}/{job_name}"
+        self.done: list[str] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def at(self, plan: list[tuple[int, str, float]]) -> Preempter:
+        self._thread = threading.Thread(target=self._run, args=(plan,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, plan: list[tuple[int, str, float]]) -> None:
+        try:
+            for index, protocol, step in plan:
+                self._wait(lambda i=index, p=protocol, s=step: self._step(i, p) >= s)
+                worker = next(name for name in self.fake.instances() if "-w1" in name)
+                self.fake.preempt(worker)
+                self.done.append(worker)
+        except BaseException as exc:  # reported by stop()
+            self.errors.append(exc)
+
+    def _step(self, index: int, protocol: str) -> float:
+        runs = storage.list_dirs(self.root)  # names: the DAG run's folder, once it has one
+        return latest_step(RunLayout(f"{self.root}/{runs[0]}"), index, protocol) if runs else 0.0
+
+    def _wait(self, predicate: Callable[[], bool]) -> None:
+        while not self._stop.is_set():
+            if predicate():
+                return
+            self._stop.wait(0.5)
+        raise RuntimeError("stopped before the preemption point")
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.errors:
+            raise self.errors[0]
+        return self.done
+
+
+def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every_second(  # noqa: ANN001
+    dag, fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    run_conf = conf(
+        bucket,
+        switch_order="101",
+        train_steps=[400, 3000, 40],
+        ckpt_frequency=[50, 500, 40],
+        stall_seconds=300,
+    )
+    preempter = Preempter(fake, bucket, "gce").at([(0, "bsp", 60), (1, "asp", 1200)])
+    try:
+        dag_run = dag.test(run_conf=run_conf)
+    finally:
+        preempted = preempter.stop()
+
+    assert len(preempted) == 2, preempted
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket, "gce", dag_run.run_id)
+    state = read_state(layout)
+    # Training ended exactly on target, each segment resuming where the last one ended.
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [400, 3400, 3440]
+    assert state["segments"]["0"]["start_step"] >= 50  # the BSP retry resumed from a checkpoint
+    # Both revocations were noticed and replaced; the events name the preemptions.
+    events = state["cluster_events"]
+    revoked = [e for e in events if e["kind"] == "revoked"]
+    assert [e["vm"] for e in revoked] == preempted and all(e["preempted"] for e in revoked)
+    replaced = {e["vm"]: e["by"] for e in events if e["kind"] == "replaced"}
+    assert set(replaced) == set(preempted)
+    vms = state["vms"]
+    assert {name: vm["state"] for name, vm in vms.items()} == {
+        **{name: "revoked" for name in preempted},
+        **{name: "deleted" for name in vms if name not in preempted},
+    }
+    # The bill: the fake's active seconds of every VM at the catalog's prices.
+    cost = state["cost"]
+    catalog = Catalog.load()
+    expected = sum(
+        catalog.hourly(r["zone"], r["machine_type"], r["gpu_type"], r["gpu_count"], r["spot"])
+        * r["active_seconds"]
+        / 3600
+        for r in fake.records()
+    )
+    assert cost["total"] == pytest.approx(expected, rel=0.01)
+    assert cost["savings"] > 0 and cost["total"] < cost["on_demand_total"]
+    assert sum(cost["per_protocol"].values()) + cost["unattributed"] == pytest.approx(cost["total"], abs=1e-3)
+    by_vm = {v["name"]: v for v in cost["per_vm"]}
+    for record in fake.records():
+        assert by_vm[record["name"]]["active_seconds"] == pytest.approx(record["active_seconds"], abs=1.0)
+    # The report shows both; the history record carries the cost.
+    summary = storage.read_json(f"{layout.report}/summary.json")
+    assert summary["cost"]["total"] == cost["total"] and len(summary["cluster_events"]) == len(events)
+    html = storage.read_text(f"{layout.report}/index.html")
+    assert "Cluster events" in html and preempted[0] in html and "same VMs on-demand" in html
+    assert_nothing_left(fake, bed)
+
+
+def wait_until_ended(backend: GceBackend, handle: dict, index: int, timeout: float) -> None:
+    wait_for(
+        lambda: not backend.segment_status(handle, index).running, timeout=timeout, what="segment end", poll=2
+    )
+
+
+def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kept(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    backend = GceBackend()
+    job = JobSpec.from_params(
+        conf(
+            bucket,
+            switch_order="1",
+            train_steps=[600],
+            ckpt_frequency=[50],
+            gce=gce_param(on_revocation="shrink"),
+        )
+    )
+    layout = RunLayout.for_run(bucket, "gce", "shrink")
+    handle = backend.provision(job, layout)
+    try:
+        (segment,) = job.plan("shrink", layout.root)
+        backend.launch_segment(handle, segment)
+        wait_for(lambda: latest_step(layout, 0, "bsp") >= 60, timeout=300, what="BSP at step 60", poll=0.5)
+        worker = next(name for name in fake.instances() if name.endswith("-w1"))
+        fake.preempt(worker)
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code not in (0, None)
+
+        backend.launch_segment(handle, segment)  # what the segment task's retry does
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        state = read_state(layout)
+        result = storage.read_json(layout.segment_result(0, "bsp"))
+        assert result["end_step"] == 600 and result["start_step"] >= 50
+        (shrunk,) = [e for e in state["cluster_events"] if e["kind"] == "shrunk"]
+        assert shrunk["workers"] == 1 and shrunk["planned_workers"] == 2
+        assert shrunk["hparams"] == f"batch_size={2 * segment.resolved_hparams().batch_size}"
+        assert not [name for name in fake.instances() if "-r" in name], "shrink must not replace"
+    finally:
+        backend.teardown(handle)
+    assert_nothing_left(fake, bed)
