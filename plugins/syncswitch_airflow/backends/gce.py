@@ -40,6 +40,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.api_core.exceptions import Conflict
 from google.cloud import compute_v1
 from syncswitch import state, storage
 from syncswitch.gce import (
@@ -227,6 +228,8 @@ class GceBackend:
             body = instance_body(vm, gce, labels, cloud["tag"], metadata)
             try:
                 self.hook.insert_instance(body=body, zone=vm.zone, project_id=gce.project)
+            except Conflict:  # a retried provisioning: this run's VM of that name exists already
+                log.info("run %s: VM %s exists already; using it", layout.root, vm.name)
             except Exception as exc:
                 state.record_vm(layout, vm.name, state="failed", ended_at=time.time(), error=str(exc)[:300])
                 raise ClusterError(
