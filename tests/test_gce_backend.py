@@ -24,7 +24,7 @@ from fake_compute import FakeComputeEngine
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.costs import Catalog
-from syncswitch.layout import RunLayout
+from syncswitch.layout import JobHistoryLayout, RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow.backends import ClusterError
@@ -252,6 +252,8 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     # The report shows both; the history record carries the cost.
     summary = storage.read_json(f"{layout.report}/summary.json")
     assert summary["cost"]["total"] == cost["total"] and len(summary["cluster_events"]) == len(events)
+    record = storage.read_json(JobHistoryLayout.for_job(bucket, "gce").record(dag_run.run_id))
+    assert record["cost"]["total"] == cost["total"] and record["cost"]["savings"] == cost["savings"]
     html = storage.read_text(f"{layout.report}/index.html")
     assert "Cluster events" in html and preempted[0] in html and "same VMs on-demand" in html
     assert_nothing_left(fake, bed)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from syncswitch import storage
+from syncswitch.costs import cost_headline
 from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
@@ -448,6 +449,9 @@ class RunSession:
             "dag_run_seconds": round(time.monotonic() - self.started, 3),
             # Every online-policy decision (switch, switch back, stay) with its reason and numbers.
             "online_switches": summary.get("online_switches") or [],
+            # gce clusters: revocations and replacements, and the run's bill (null elsewhere).
+            "cluster_events": summary.get("cluster_events") or [],
+            "cost": cost_headline(summary.get("cost")),
             "report": summary.get("index_html"),
         }
         if error:

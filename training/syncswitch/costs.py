@@ -439,3 +439,11 @@ def run_ledger(
         if s.get("started_at") is not None
     ]
     return ledger(vms, segments, catalog or Catalog.load(), now=now)
+
+
+def cost_headline(cost: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A ledger's totals (what the history record and ``syncswitch run``'s JSON carry); None if none."""
+    if not cost:
+        return None
+    keys = ("currency", "total", "on_demand_total", "savings", "savings_fraction", "per_protocol")
+    return {key: cost.get(key) for key in keys}

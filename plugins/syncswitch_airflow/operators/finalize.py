@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
-from syncswitch.costs import run_ledger
+from syncswitch.costs import cost_headline, run_ledger
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
@@ -117,13 +117,5 @@ def history_record(
         "policy": decision or None,
         "started_at": started,
         "finished_at": finished,
-        "cost": _cost_summary((state or {}).get("cost")),
+        "cost": cost_headline((state or {}).get("cost")),
     }
-
-
-def _cost_summary(cost: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The history's view of a run's bill (the whole ledger stays in state.json)."""
-    if not cost:
-        return None
-    keys = ("currency", "total", "on_demand_total", "savings", "savings_fraction", "per_protocol")
-    return {key: cost[key] for key in keys}
