@@ -156,6 +156,35 @@ def test_gcs_writer_uploads_the_rest_on_close(
 # --- state -------------------------------------------------------------------------------------
 
 
+def test_a_long_stream_goes_on_in_bounded_parts_that_every_reader_sees(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "buffers"))
+    (tmp_path / "buffers").mkdir()
+    tail = events.EventTail(layout.metrics)
+    seen: list[float] = []
+    with _writer(layout, "chief", 0, flush_seconds=0.05, part_bytes=1000) as writer:
+        for i in range(40):
+            writer.emit("step", global_step=float(i), loss=1.0)
+            if i % 10 == 9:  # a watcher reading while parts are finished and new ones begin
+                wait_for(
+                    lambda i=i: (
+                        seen.extend(r["global_step"] for r in tail.read_new("step")) or seen[-1:] == [i]
+                    ),
+                    timeout=10,
+                    what=f"step {i} tailed",
+                )
+    uri = layout.segment_events(0, "bsp", "chief", 0)
+    files = storage.list_files(layout.metrics)
+    assert files[0] == uri and len(files) > 5
+    assert files[1:] == [events.part_uri(uri, n) for n in range(1, len(files))]
+    for name in files:  # every part stops at about part_bytes (one event past it at most)
+        assert len(storage.read_bytes(name)) < 1000 + 300
+    assert [r["global_step"] for r in events.read_events(layout.metrics)] == [float(i) for i in range(40)]
+    assert seen == [float(i) for i in range(40)]  # each event tailed once
+    assert list((tmp_path / "buffers").glob("events-*")) == [], "a part's local buffer was left"
+
+
 def test_new_read_and_update_state(layout: RunLayout) -> None:
     assert state.read_state(layout) is None
     initial = state.new_state(layout, "run-1", {"job_name": "resnet-cifar", "total_steps": 100})

@@ -62,6 +62,17 @@ EVENT_TYPES = (
 )
 
 
+PART_BYTES = 4 * 1024 * 1024  # an event file's size before its writer goes on in a new part
+
+
+def part_uri(uri: str, part: int) -> str:
+    """The ``part``-th file of an event stream: ``chief-0.jsonl``, then ``chief-0.part0001.jsonl``..."""
+    if part == 0:
+        return uri
+    base, ext = os.path.splitext(uri)
+    return f"{base}.part{part:04d}{ext}"
+
+
 class EventWriter:
     """Appends events for one process.
 
@@ -69,6 +80,10 @@ class EventWriter:
     to) events go to a local file that a background thread uploads whole, at most every
     ``flush_seconds``; ``close()`` uploads the last time. Training never waits for the bucket: during
     an outage the uploader logs once, keeps every event in the local file and tries again later.
+
+    A stream goes on in a new part file (``part_uri``) once its current one holds ``part_bytes``: a
+    finished part is uploaded one last time and never again, so a flush of a days-long job uploads at
+    most one part, and no event file grows without bound. Readers take every ``.jsonl`` of a folder.
     """
 
     def __init__(
@@ -81,6 +96,7 @@ class EventWriter:
         role: str,
         task: int,
         flush_seconds: float = 2.0,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         self.uri = uri
         self._common = {
@@ -92,13 +108,9 @@ class EventWriter:
         }
         self._lock = threading.Lock()
         self._remote = storage.is_remote(uri)
-        if self._remote:
-            fd, self._local_path = tempfile.mkstemp(prefix="events-", suffix=".jsonl")
-            os.close(fd)
-        else:
-            self._local_path = uri
-            os.makedirs(os.path.dirname(uri) or ".", exist_ok=True)
-        self._file = open(self._local_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._part, self._part_bytes = 0, part_bytes
+        self._finished: list[tuple[str, str]] = []  # (local file, uri) of remote parts to upload last
+        self._open_part()
         self._flush_seconds = flush_seconds
         self._dirty = threading.Event()
         self._closing = threading.Event()
@@ -107,14 +119,32 @@ class EventWriter:
             self._uploader = threading.Thread(target=self._upload_loop, name="event-upload", daemon=True)
             self._uploader.start()
 
+    def _open_part(self) -> None:
+        self._uri = part_uri(self.uri, self._part)
+        if self._remote:
+            fd, self._local_path = tempfile.mkstemp(prefix="events-", suffix=".jsonl")
+            os.close(fd)
+        else:
+            self._local_path = self._uri
+            os.makedirs(os.path.dirname(self._uri) or ".", exist_ok=True)
+        self._file = open(self._local_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._written = self._file.tell()
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         if event not in EVENT_TYPES:
             raise ValueError(f"unknown event type {event!r}; expected one of {EVENT_TYPES}")
         record = {"event": event, **self._common, "wall_time": time.time(), **fields}
-        line = json.dumps(record, default=float)
+        line = json.dumps(record, default=float) + "\n"
         with self._lock:
-            self._file.write(line + "\n")
+            self._file.write(line)
             self._file.flush()
+            self._written += len(line)
+            if self._written >= self._part_bytes:
+                self._file.close()
+                if self._remote:
+                    self._finished.append((self._local_path, self._uri))
+                self._part += 1
+                self._open_part()
         self._dirty.set()
         return record
 
@@ -125,7 +155,7 @@ class EventWriter:
                 continue
             self._dirty.clear()
             try:
-                storage.upload_file(self._local_path, self.uri, retry_seconds=0)
+                self._upload(retry_seconds=0)
             except storage.BucketUnavailable as exc:
                 self._dirty.set()  # still to upload
                 if not failing:
@@ -137,6 +167,17 @@ class EventWriter:
                 failing = False
             self._closing.wait(self._flush_seconds)
 
+    def _upload(self, retry_seconds: float | None = None) -> None:
+        """Finished parts once each (then their local copy goes), then the current part."""
+        with self._lock:
+            finished, current = list(self._finished), (self._local_path, self._uri)
+        for local, uri in finished:
+            storage.upload_file(local, uri, retry_seconds=retry_seconds)
+            with self._lock:
+                self._finished.remove((local, uri))
+            os.unlink(local)
+        storage.upload_file(*current, retry_seconds=retry_seconds)
+
     def close(self) -> None:
         with self._lock:
             if self._file.closed:
@@ -145,7 +186,7 @@ class EventWriter:
         if self._remote:
             self._closing.set()
             self._uploader.join()
-            storage.upload_file(self._local_path, self.uri)  # the last upload waits out an outage
+            self._upload()  # the last upload waits out an outage
             os.unlink(self._local_path)
 
     def __enter__(self) -> EventWriter:
