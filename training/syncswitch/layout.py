@@ -6,11 +6,13 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     checkpoints/ckpt-<samples>/         one TF checkpoint; manifest.json is written last, so a folder
                                         without it is an incomplete write and is never "latest"
     metrics/seg-<ii>-<protocol>/        JSON-lines events of one segment, one file per process
-        <role>-<task>.jsonl             (schema: syncswitch.events)
+        <role>-<task>.jsonl             (schema: syncswitch.events), then <role>-<task>.part0001.jsonl,
+                                        ... (a stream goes on in a new part every 4 MB)
     metrics/seg-<ii>-<protocol>/result.json   SegmentResult written by the chief when the segment ends
     tensorboard/                        scalars of the whole logical run, keyed by global step
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
     report/                             summary.json, index.html, *.png
+    cluster/syncswitch-runtime.tar.gz   gce clusters: the runtime the VMs' startup script installs
 
 A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job_name>/``
 (:class:`JobHistoryLayout`)::
