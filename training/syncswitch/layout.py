@@ -35,6 +35,9 @@ from dataclasses import dataclass
 _CKPT_RE = re.compile(r"ckpt-(\d{12})$")
 
 
+CLUSTER_RUNTIME = "cluster/syncswitch-runtime.tar.gz"
+
+
 def join(*parts: str) -> str:
     """Join URI or path parts with single slashes (works for gs:// and local paths)."""
     head, *rest = parts
@@ -104,6 +107,16 @@ class RunLayout:
     @property
     def report(self) -> str:
         return join(self.root, "report")
+
+    @property
+    def cluster_runtime(self) -> str:
+        return join(self.root, CLUSTER_RUNTIME)
+
+    @classmethod
+    def of_cluster_runtime(cls, uri: str) -> RunLayout | None:
+        """The run whose ``cluster_runtime`` is ``uri`` (how the gce reaper finds a VM's run)."""
+        suffix = "/" + CLUSTER_RUNTIME
+        return cls(uri.removesuffix(suffix)) if uri.endswith(suffix) else None
 
 
 HISTORY_DIR = "_history"

@@ -65,7 +65,6 @@ from syncswitch_airflow.hooks.compute import ComputeHook
 CAPACITY_ENV = "SYNCSWITCH_GCE_CLUSTERS"
 SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
 GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
-RUNTIME_SUFFIX = "/cluster/syncswitch-runtime.tar.gz"  # under the run folder: the reaper finds the run
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
 STARTUP_SCRIPT = Path(__file__).resolve().parents[3] / "images" / "gce-startup.sh"
 RUNTIME_PACKAGE = Path(__file__).resolve().parents[3] / "training" / "syncswitch"
@@ -210,7 +209,7 @@ class GceBackend:
     @staticmethod
     def _upload_runtime(layout: RunLayout) -> None:
         """What the VMs' startup script installs (images/gce-startup.sh): this runtime, as it is here."""
-        storage.write_bytes(_runtime_uri(layout), _runtime_tarball())
+        storage.write_bytes(layout.cluster_runtime, _runtime_tarball())
 
     def _create_vms(
         self,
@@ -484,9 +483,10 @@ def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: flo
         return "its time limit passed"
     metadata = {item.key: item.value for item in instance.metadata.items}
     runtime = metadata.get("syncswitch-runtime", "")
-    if not runtime.endswith(RUNTIME_SUFFIX):
+    run = RunLayout.of_cluster_runtime(runtime)  # the metadata names the run's folder
+    if run is None:
         return ""
-    run_state = state.read_state(RunLayout(runtime.removesuffix(RUNTIME_SUFFIX))) or {}
+    run_state = state.read_state(run) or {}
     finished = run_state.get("timings", {}).get("finished")
     if run_state.get("status") in ("success", "failed") and finished and now - finished > REAP_GRACE_S:
         return f"its run ended ({run_state['status']}) {now - finished:.0f}s ago"
@@ -607,13 +607,9 @@ def _metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str
         "ssh-keys": f"{gce.ssh_user}:{public_key}",
         "block-project-ssh-keys": "true",
         "startup-script": STARTUP_SCRIPT.read_text(),
-        "syncswitch-runtime": _runtime_uri(layout),
+        "syncswitch-runtime": layout.cluster_runtime,
         "syncswitch-python": gce.python,
     }
-
-
-def _runtime_uri(layout: RunLayout) -> str:
-    return layout.root + RUNTIME_SUFFIX
 
 
 def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
