@@ -19,6 +19,7 @@ from syncswitch.spec import JobSpec
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
+REAPER = "sync_switch_reaper"
 
 SLOT_TASKS = ("segment_{}.bsp", "segment_{}.asp", "segment_{}.watch_stragglers")
 
@@ -32,7 +33,7 @@ def bag() -> DagBag:
 
 @pytest.fixture(scope="module")
 def dag(bag: DagBag):  # noqa: ANN201 - airflow DAG
-    assert {"sync_switch", "job_digits_nightly"} <= set(bag.dag_ids)
+    assert {"sync_switch", "job_digits_nightly", REAPER} <= set(bag.dag_ids)
     return bag.dags["sync_switch"]
 
 
@@ -221,8 +222,19 @@ def test_every_param_of_every_dag_accepts_its_default(bag: DagBag) -> None:
     """What the Trigger form submits unchanged must validate: no required field left empty."""
     for dag_id, dag in bag.dags.items():
         values = copy.deepcopy(dag.params).validate()
+        if dag_id == REAPER:
+            assert values == {"projects": []}
+            continue
         JobSpec.from_params(values)  # and the job it describes is valid
         assert values["data_dir"] is None or values["data_dir"], dag_id
+
+
+def test_the_reaper_runs_hourly_and_refuses_a_malformed_project(bag: DagBag) -> None:
+    dag = bag.dags[REAPER]
+    assert dag.task_ids == ["reap"] and dag.max_active_runs == 1 and not dag.catchup
+    params = copy.deepcopy(dag.params)
+    with pytest.raises(ParamValidationError, match="projects"):
+        params["projects"] = ["My Project"]
 
 
 # ---- recurring jobs from files -----------------------------------------------------------------
