@@ -105,6 +105,25 @@ def test_host_flags_select_the_hosts_backend() -> None:
     assert JobSpec.from_params(dag_conf(spec)) == spec  # the DAG's conf carries the hosts through
 
 
+def test_the_gce_flag_carries_the_gpu_and_zone_arrays_through_the_dag_conf() -> None:
+    spec, _options, _notes = parse(
+        [
+            *("--cluster-backend", "gce", "--bucket-dir", "gs://b/runs", "--num-worker", "4"),
+            *(
+                "--gce",
+                "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;"
+                "gpus=k80 k80 p100 v100",
+            ),
+        ]
+    )
+    assert spec.gce is not None and spec.gce.zones[3] == "us-east1-c"
+    assert [g.type for g in spec.gce.gpus] == ["nvidia-tesla-k80"] * 2 + [
+        "nvidia-tesla-p100",
+        "nvidia-tesla-v100",
+    ]
+    assert JobSpec.from_params(dag_conf(spec)) == spec
+
+
 def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,6 +157,10 @@ def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
         (["--no-such-flag", "1"], "--no-such-flag"),
         (["--cluster-backend", "hosts", "--host", "address=10.0.0.2,key=/k"], "bucket_dir"),
         (["--cluster-backend", "hosts", "--host", "address=10.0.0.2,role=boss"], "hosts"),
+        (
+            ["--cluster-backend", "gce", "--gce", "project=sync-proj-1;zones=us-central1-a;gpus=h100"],
+            "gce.gpus",
+        ),
     ],
 )
 def test_bad_input_fails_fast_naming_the_field(args: list[str], field: str, tmp_path: Path) -> None:

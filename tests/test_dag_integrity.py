@@ -266,6 +266,11 @@ def test_the_example_job_file_is_a_scheduled_dag_with_its_defaults(bag: DagBag) 
             "bad.yaml: end_date: must be on",
         ),
         ("owner: me\n", "bad.yaml: owner: unknown key"),
+        (
+            "params:\n  cluster_backend: gce\n  bucket_dir: gs://b/runs\n"
+            "  gce: {project: sync-proj-1, zones: [mars-1a]}\n",
+            "bad.yaml: params.gce.zones:",
+        ),
         ("params: [1, 2]\n", "bad.yaml: params: must be a mapping"),
     ],
 )
