@@ -87,6 +87,12 @@ def test_a_spot_gpu_worker_request_has_every_field_compute_engine_needs() -> Non
     assert {i["key"] for i in body["metadata"]["items"]} == {"ssh-keys"}
 
 
+def test_spot_none_puts_every_vm_on_demand() -> None:
+    spec = job(gce=GCE + ";spot=none")
+    assert spec.gce.spot == () and not any(v.spot for v in vm_plan(spec.gce, spec.job_name, RUN, 4, 1))
+    assert JobSpec.from_params(spec.to_params()) == spec
+
+
 def test_the_chief_and_the_parameter_server_are_on_demand_and_keep_a_time_limit() -> None:
     spec = job(gce=GCE + ";subnetwork=train-sub;max_run_seconds=7200")
     chief, *_, ps = vm_plan(spec.gce, spec.job_name, RUN, 4, 1)

@@ -12,7 +12,7 @@ The ``gce`` param (a dict, or ``key=value`` text separated by ``;``)::
     machine_types     one machine type, or one per worker (default n1-standard-8)
     gpus              one GPU spec, or one per worker: "k80", "v100:2", "none" ("gpu array")
     ps_machine_type   the parameter servers' machine type (default n1-standard-4), no GPU
-    spot              roles on spot VMs: "worker" (default), "ps"; never "chief"
+    spot              roles on spot VMs: "worker" (default), "ps", or "none"; never "chief"
     network, subnetwork   the VPC (default "default"); VMs get internal addresses only
     image             boot image (default projects/debian-cloud/global/images/family/debian-12)
     python            the interpreter with the training runtime on the VMs (images/gce-startup.sh)
@@ -114,7 +114,7 @@ class GceSpec:
                 _gpu(catalog, i, text) for i, text in enumerate(_per_worker("gpus", get("gpus"), num_workers))
             ),
             ps_machine_type=str(get("ps_machine_type")),
-            spot=tuple(_words(get("spot"))),
+            spot=tuple(w for w in _words(get("spot")) if w != "none"),  # "none": all on-demand
             network=str(get("network")),
             subnetwork=str(get("subnetwork") or ""),
             image=str(get("image")),
@@ -184,6 +184,7 @@ class GceSpec:
         data["gpus"] = [g.to_text() for g in self.gpus]
         for key in ("zones", "machine_types", "spot"):
             data[key] = list(data[key])
+        data["spot"] = data["spot"] or ["none"]  # empty would read back as the default
         return data
 
 
