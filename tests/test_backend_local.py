@@ -54,8 +54,9 @@ def handle(backend: LocalBackend, tmp_path: Path) -> dict:
 
 def test_get_backend_names_the_known_backends() -> None:
     assert isinstance(get_backend("local"), LocalBackend)
-    with pytest.raises(ClusterError, match="available: local, hosts"):
-        get_backend("gce")
+    assert get_backend("gce").name == "gce" and get_backend("hosts").name == "hosts"
+    with pytest.raises(ClusterError, match="available: local, hosts, gce"):
+        get_backend("slurm")
 
 
 def test_provision_creates_the_work_folder_idempotently(backend: LocalBackend, tmp_path: Path) -> None:
