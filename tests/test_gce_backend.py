@@ -204,11 +204,11 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     run_conf = conf(
         bucket,
         switch_order="101",
-        train_steps=[400, 1200, 40],
-        ckpt_frequency=[50, 400, 40],
+        train_steps=[300, 900, 40],
+        ckpt_frequency=[50, 300, 40],
         stall_seconds=300,
     )
-    preempter = Preempter(fake, bucket, "gce").at([(0, "bsp", 60), (1, "asp", 600)])
+    preempter = Preempter(fake, bucket, "gce").at([(0, "bsp", 60), (1, "asp", 500)])
     try:
         dag_run = dag.test(run_conf=run_conf)
     finally:
@@ -219,7 +219,7 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     layout = RunLayout.for_run(bucket, "gce", dag_run.run_id)
     state = read_state(layout)
     # Training ended exactly on target, each segment resuming where the last one ended.
-    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [400, 1600, 1640]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [300, 1200, 1240]
     assert state["segments"]["0"]["start_step"] >= 50  # the BSP retry resumed from a checkpoint
     # Both revocations were noticed and replaced; the events name the preemptions.
     events = state["cluster_events"]
@@ -273,7 +273,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
         conf(
             bucket,
             switch_order="1",
-            train_steps=[600],
+            train_steps=[400],
             ckpt_frequency=[50],
             gce=gce_param(on_revocation="shrink"),
         )
@@ -294,7 +294,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
         assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
         state = read_state(layout)
         result = storage.read_json(layout.segment_result(0, "bsp"))
-        assert result["end_step"] == 600 and result["start_step"] >= 50
+        assert result["end_step"] == 400 and result["start_step"] >= 50
         (shrunk,) = [e for e in state["cluster_events"] if e["kind"] == "shrunk"]
         assert shrunk["workers"] == 1 and shrunk["planned_workers"] == 2
         assert shrunk["hparams"] == f"batch_size={2 * segment.resolved_hparams().batch_size}"
