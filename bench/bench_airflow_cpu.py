@@ -133,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-seconds", type=float, default=45.0)
     p.add_argument("--first-segment-steps", type=int, default=6000, help="the BSP segment sampled in")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--only", default="", help="measure only the settings whose name contains this text")
     args = p.parse_args(argv)
     machine = machine_line()
     results: dict[str, dict[str, Any]] = {}
     work_root = Path(tempfile.mkdtemp(prefix="bench-airflow-cpu-"))
     try:
         for index, (name, settings) in enumerate(SETTINGS.items()):
-            results[name] = measure(name, settings, args, work_root / str(index))
+            if args.only in name:
+                results[name] = measure(name, settings, args, work_root / str(index))
     except BenchError as exc:
         print(f"bench_airflow_cpu: {exc}", file=sys.stderr)
         return 1

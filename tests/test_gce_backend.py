@@ -10,6 +10,7 @@ above the HTTP boundary is the code users run: the backend, the hosts backend, t
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import uuid
@@ -24,6 +25,7 @@ from fake_compute import FakeComputeEngine
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.costs import Catalog
+from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import JobHistoryLayout, RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
@@ -62,6 +64,10 @@ def fake(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         env = {ENDPOINT_ENV: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
         with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("gce-gcs"), env):
             yield api
+    # The testbed's hosts share this machine's filesystem: what a VM kept on its boot disk (deleted
+    # with the VM on Compute Engine) is still here. Remove it as the deletions would have.
+    for folder in Path(DEFAULT_WORK_ROOT).glob("gce-*@ss-gce-*"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
