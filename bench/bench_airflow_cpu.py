@@ -171,7 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         markdown_table(
-            ["setting", "switch gap BSP -> ASP (s)"], [[n, fmt(r["gap"], 1)] for n, r in results.items()]
+            ["setting", "switch gaps (s)", "mean gap (s)"],
+            [
+                [
+                    n,
+                    " ".join(fmt(g, 1) for g in r["gaps"]),
+                    fmt(sum(r["gaps"]) / len(r["gaps"]), 1) if r["gaps"] else "-",
+                ]
+                for n, r in results.items()
+            ],
         )
     )
     return 0
