@@ -174,9 +174,22 @@ def gcs_emulator(gcs_server: GcsEmulator) -> str:
 @pytest.fixture
 def gcs_bucket(gcs_emulator: str) -> str:
     """A fresh, uniquely named bucket in the emulator, as ``gs://<bucket>``."""
-    name = f"test-{uuid.uuid4().hex[:16]}"
+    return new_bucket("test")
+
+
+def new_bucket(prefix: str) -> str:
+    """A fresh, uniquely named bucket in the storage this process uses now, as ``gs://<bucket>``."""
+    name = f"{prefix}-{uuid.uuid4().hex[:16]}"
     storage.gcs_client().create_bucket(name)
     return f"{storage.GS_PREFIX}{name}"
+
+
+@pytest.fixture
+def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's cluster work folders (the backends read SYNCSWITCH_WORK_DIR per call)."""
+    root = tmp_path / "work"
+    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
+    return root
 
 
 @pytest.fixture

@@ -13,14 +13,13 @@ import os
 import shutil
 import sys
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from airflow_runs import latest_step
-from conftest import storage_on_gateway
+from conftest import new_bucket, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from proc_utils import wait_for
 from syncswitch import storage
@@ -72,16 +71,7 @@ def fake(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture
 def bucket(fake: FakeComputeEngine) -> str:
-    name = f"gce-{uuid.uuid4().hex[:12]}"
-    storage.gcs_client().create_bucket(name)
-    return f"gs://{name}/runs"
-
-
-@pytest.fixture
-def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "work"
-    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
-    return root
+    return f"{new_bucket('gce')}/runs"
 
 
 def gce_param(**overrides: Any) -> dict[str, Any]:  # noqa: ANN401

@@ -14,14 +14,13 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from airflow_runs import latest_step
-from conftest import GcsEmulator, storage_on_gateway
+from conftest import GcsEmulator, new_bucket, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
@@ -64,16 +63,7 @@ def cluster_env(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture
 def bucket(cluster_env: GcsEmulator) -> str:
-    name = f"hosts-{uuid.uuid4().hex[:12]}"
-    storage.gcs_client().create_bucket(name)
-    return f"gs://{name}/runs"
-
-
-@pytest.fixture
-def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "work"
-    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
-    return root
+    return f"{new_bucket('hosts')}/runs"
 
 
 def host_params(bed: tb.Testbed, key: str | None = None) -> list[str]:

@@ -34,14 +34,6 @@ pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 SMALL_JOB = {"job_name": "e2e", "total_steps": 120, "ckpt_frequency": [30]}
 
 
-@pytest.fixture
-def work_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's cluster work folders (the local backend reads SYNCSWITCH_WORK_DIR per call)."""
-    root = tmp_path / "work"
-    monkeypatch.setenv("SYNCSWITCH_WORK_DIR", str(root))
-    return root
-
-
 def run_dag(dag, conf: dict[str, Any]):  # noqa: ANN001, ANN201 - airflow types
     # The straggler sensors run for real: under dag.test they end at once when their segment has
     # ended or has not started yet, so the sequential run cannot deadlock.

@@ -211,6 +211,12 @@ class VmPlan:
         return dataclasses.replace(self, name=f"{base}-r{attempt}")
 
 
+def host_role(role: str) -> str:
+    """The role a VM's host plays in the hosts backend's placement: parameter servers on their own
+    VMs; any other VM takes worker i in both protocols (the chief VM first: worker 0)."""
+    return "ps" if role == "ps" else "any"
+
+
 def run_label(run_key: str) -> str:
     """A label value for a run id: Airflow run ids have ':' and '+', labels take [a-z0-9_-]{0,63}."""
     readable = re.sub(r"[^a-z0-9_-]", "-", run_key.lower()).strip("-")[:50]
@@ -225,7 +231,7 @@ def vm_plan(spec: GceSpec, job_name: str, run_key: str, num_workers: int, num_ps
             name=f"{prefix}-chief" if i == 0 else f"{prefix}-w{i}",
             role="chief" if i == 0 else "worker",
             task=i,
-            host_role="any",  # ASP worker i and BSP worker i both run on VM i (the chief VM is first)
+            host_role=host_role("chief" if i == 0 else "worker"),
             zone=spec.worker_zone(i),
             machine_type=spec.worker_machine(i),
             gpu=spec.worker_gpu(i),
@@ -238,7 +244,7 @@ def vm_plan(spec: GceSpec, job_name: str, run_key: str, num_workers: int, num_ps
             name=f"{prefix}-ps{j}",
             role="ps",
             task=j,
-            host_role="ps",
+            host_role=host_role("ps"),
             zone=spec.zones[0],
             machine_type=spec.ps_machine_type,
             gpu=GpuSpec(),

@@ -51,6 +51,7 @@ from syncswitch.gce import (
     GceSpec,
     GpuSpec,
     VmPlan,
+    host_role,
     run_label,
     vm_plan,
 )
@@ -517,7 +518,7 @@ def _vm_from_record(vm: dict[str, Any]) -> VmPlan:
         name=vm["name"],
         role=vm["role"],
         task=vm["task"],
-        host_role="ps" if vm["role"] == "ps" else "any",
+        host_role=host_role(vm["role"]),
         zone=vm["zone"],
         machine_type=vm["machine_type"],
         gpu=GpuSpec(vm.get("gpu_type", ""), int(vm.get("gpu_count", 0))),
@@ -593,7 +594,7 @@ def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostS
             address=vm["address"],
             key=cloud["key"],
             user=gce["ssh_user"],
-            role="ps" if vm["role"] == "ps" else "any",
+            role=host_role(vm["role"]),
             python=gce["python"],
             name=vm["name"],
         )

@@ -13,7 +13,6 @@ anonymous one).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,14 +121,3 @@ class ComputeHook(ComputeEngineHook):
     def firewalls_named(self, project_id: str, prefix: str) -> list[str]:
         client = self._client(compute_v1.FirewallsClient)
         return [f.name for f in client.list(request={"project": project_id}) if f.name.startswith(prefix)]
-
-
-def wait_until(predicate: Any, timeout: float, poll: float = 2.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll)
