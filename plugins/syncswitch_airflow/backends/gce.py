@@ -440,9 +440,11 @@ class GceBackend:
             targets[instance.name] = instance.zone.rsplit("/", 1)[-1]
 
         def delete(name: str) -> str:
-            self.hook.delete_instance_if_exists(name, targets[name], project)
+            done = self.hook.delete_instance_if_exists(name, targets[name], project)
             if recorded.get(name, {}).get("state") in ("running", "requested"):
-                state.record_vm(layout, name, state="deleted", ended_at=time.time())
+                # Compute Engine's end of the deletion, not this poll's: the ledger bills what GCE bills.
+                ended = _timestamp(done.end_time) if done is not None else None
+                state.record_vm(layout, name, state="deleted", ended_at=ended or time.time())
             return name
 
         with ThreadPoolExecutor(max_workers=max(min(len(targets), 16), 1)) as pool:

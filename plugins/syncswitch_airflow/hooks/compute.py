@@ -74,13 +74,18 @@ class ComputeHook(ComputeEngineHook):
         except NotFound:
             return None
 
-    def delete_instance_if_exists(self, name: str, zone: str, project_id: str) -> bool:
-        """Delete and wait; an instance that is already gone counts as deleted. True if it existed."""
+    def delete_instance_if_exists(self, name: str, zone: str, project_id: str) -> compute_v1.Operation | None:
+        """Delete and wait; returns the finished operation (its end_time is when Compute Engine stopped
+        billing the VM), or None when the instance was already gone (a spot VM may delete itself)."""
         try:
-            self.delete_instance(resource_id=name, zone=zone, project_id=project_id)
+            operation = self._client(compute_v1.InstancesClient).delete(
+                request={"instance": name, "project": project_id, "zone": zone}
+            )
         except NotFound:
-            return False
-        return True
+            return None
+        self.wait_zone_operation(operation.name, zone, project_id)
+        operations = self._client(compute_v1.ZoneOperationsClient)
+        return operations.get(request={"project": project_id, "zone": zone, "operation": operation.name})
 
     def instances_labelled(self, project_id: str, labels: dict[str, str]) -> Iterator[compute_v1.Instance]:
         """Every instance of the project, in any zone, that carries all of ``labels``."""
