@@ -30,6 +30,7 @@ SETTINGS = {
     "scheduler idle sleep 0.1 s (the setting before)": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.1"},
     "scheduler idle sleep 1 s": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0"},
     "scheduler idle sleep 2 s (now)": {},
+    "scheduler idle sleep 3 s": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "3.0"},
 }
 # A long first BSP segment to sample in, then five short segments: five switch gaps per setting.
 SWITCH_ORDER = "101010"
@@ -133,14 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-seconds", type=float, default=45.0)
     p.add_argument("--first-segment-steps", type=int, default=6000, help="the BSP segment sampled in")
     p.add_argument("--keep", action="store_true")
-    p.add_argument("--only", default="", help="measure only the settings whose name contains this text")
+    p.add_argument(
+        "--only",
+        default="",
+        help="measure only the settings whose name contains one of these comma-separated texts",
+    )
     args = p.parse_args(argv)
     machine = machine_line()
     results: dict[str, dict[str, Any]] = {}
     work_root = Path(tempfile.mkdtemp(prefix="bench-airflow-cpu-"))
     try:
         for index, (name, settings) in enumerate(SETTINGS.items()):
-            if args.only in name:
+            if any(text.strip() in name for text in args.only.split(",")):
                 results[name] = measure(name, settings, args, work_root / str(index))
     except BenchError as exc:
         print(f"bench_airflow_cpu: {exc}", file=sys.stderr)

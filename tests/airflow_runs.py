@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from proc_utils import wait_for
-from syncswitch import storage
+from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
@@ -25,6 +25,17 @@ def trigger(airflow: EmbeddedAirflow, conf: dict[str, Any], dag_id: str = DAG_ID
 def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
     steps = read_events(layout.segment_metrics(index, protocol), event="step")
     return steps[-1]["global_step"] if steps else 0.0
+
+
+def checkpoint_step(layout: RunLayout) -> float:
+    """The global step of the run's newest complete checkpoint (0 before the first).
+
+    Tests that kill a node mid-segment wait on this rather than on step events: a checkpoint is in the
+    bucket the moment it is complete, step events only at their writer's next upload (seconds later,
+    while a digits segment runs dozens of steps a second). The kill then lands just past the
+    checkpoint, far from the segment's end, on a fast machine as on a slow one."""
+    latest = checkpoints.latest(layout)
+    return float(latest["global_step"]) if latest else 0.0
 
 
 def wait_for_step(layout: RunLayout, index: int, protocol: str, step: float, timeout: float = 300) -> None:

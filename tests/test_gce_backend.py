@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_runs import latest_step
+from airflow_runs import checkpoint_step
 from conftest import new_bucket, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from proc_utils import wait_for
@@ -149,8 +149,8 @@ def test_the_reaper_deletes_the_vms_of_a_run_whose_teardown_never_came(
 
 
 class Preempter:
-    """Preempts the VM standing in worker 1's place once a segment reaches a step (in the background,
-    while dag.test() runs the DAG in this thread)."""
+    """Preempts the VM standing in worker 1's place once the run has a checkpoint at a step (in the
+    background, while dag.test() runs the DAG in this thread)."""
 
     def __init__(self, fake: FakeComputeEngine, bucket: str, job_name: str) -> None:
         self.fake, self.root = fake, f"{bucket}/{job_name}"
@@ -159,30 +159,30 @@ class Preempter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def at(self, plan: list[tuple[int, str, float]]) -> Preempter:
-        self._thread = threading.Thread(target=self._run, args=(plan,), daemon=True)
+    def at(self, checkpoint_steps: list[float]) -> Preempter:
+        self._thread = threading.Thread(target=self._run, args=(checkpoint_steps,), daemon=True)
         self._thread.start()
         return self
 
-    def _run(self, plan: list[tuple[int, str, float]]) -> None:
+    def _run(self, checkpoint_steps: list[float]) -> None:
         try:
-            for index, protocol, step in plan:
-                self._wait(lambda i=index, p=protocol, s=step: self._step(i, p) >= s)
+            for step in checkpoint_steps:
+                self._wait(lambda s=step: self._checkpoint_step() >= s)
                 worker = next(name for name in self.fake.instances() if "-w1" in name)
                 self.fake.preempt(worker)
                 self.done.append(worker)
         except BaseException as exc:  # reported by stop()
             self.errors.append(exc)
 
-    def _step(self, index: int, protocol: str) -> float:
+    def _checkpoint_step(self) -> float:
         runs = storage.list_dirs(self.root)  # names: the DAG run's folder, once it has one
-        return latest_step(RunLayout(f"{self.root}/{runs[0]}"), index, protocol) if runs else 0.0
+        return checkpoint_step(RunLayout(f"{self.root}/{runs[0]}")) if runs else 0.0
 
     def _wait(self, predicate: Callable[[], bool]) -> None:
         while not self._stop.is_set():
             if predicate():
                 return
-            self._stop.wait(0.5)
+            self._stop.wait(0.2)
         raise RuntimeError("stopped before the preemption point")
 
     def stop(self) -> list[str]:
@@ -200,11 +200,13 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     run_conf = conf(
         bucket,
         switch_order="101",
-        train_steps=[300, 900, 40],
+        train_steps=[400, 900, 40],
         ckpt_frequency=[50, 300, 40],
         stall_seconds=300,
     )
-    preempter = Preempter(fake, bucket, "gce").at([(0, "bsp", 60), (1, "asp", 500)])
+    # Worker 1's VM goes just past BSP's first checkpoint (step 50 of 0..400) and ASP's first at or
+    # past step 700 (of 400..1300): far from either segment's end.
+    preempter = Preempter(fake, bucket, "gce").at([50, 700])
     try:
         dag_run = dag.test(run_conf=run_conf)
     finally:
@@ -215,7 +217,7 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     layout = RunLayout.for_run(bucket, "gce", dag_run.run_id)
     state = read_state(layout)
     # Training ended exactly on target, each segment resuming where the last one ended.
-    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [300, 1200, 1240]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [400, 1300, 1340]
     assert state["segments"]["0"]["start_step"] >= 50  # the BSP retry resumed from a checkpoint
     # Both revocations were noticed and replaced; the events name the preemptions.
     events = state["cluster_events"]
@@ -279,11 +281,16 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
     try:
         (segment,) = job.plan("shrink", layout.root)
         backend.launch_segment(handle, segment)
-        wait_for(lambda: latest_step(layout, 0, "bsp") >= 60, timeout=300, what="BSP at step 60", poll=0.5)
+        wait_for(
+            lambda: checkpoint_step(layout) >= 50, timeout=300, what="BSP's checkpoint at step 50", poll=0.2
+        )
         worker = next(name for name in fake.instances() if name.endswith("-w1"))
         fake.preempt(worker)
         wait_until_ended(backend, handle, 0, timeout=300)
-        assert backend.segment_status(handle, 0).exit_code not in (0, None)
+        ended = backend.segment_status(handle, 0)
+        assert ended.exit_code not in (0, None), (
+            f"the segment ended ({ended.exit_code}) before the preemption"
+        )
 
         backend.launch_segment(handle, segment)  # what the segment task's retry does
         wait_until_ended(backend, handle, 0, timeout=300)

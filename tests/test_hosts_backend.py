@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_runs import latest_step
+from airflow_runs import checkpoint_step, latest_step
 from conftest import GcsEmulator, new_bucket, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
@@ -267,8 +267,10 @@ def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cl
 
         bed.revive_host(bed.hosts[2])
         backend.launch_segment(handle, bsp)
-        wait_for(lambda: latest_step(layout, 1, "bsp") >= 3060, timeout=300, what="BSP at 3060", poll=0.5)
-        checkpoint_before = latest_checkpoint_step(layout)
+        wait_for(
+            lambda: checkpoint_step(layout) >= 3050, timeout=300, what="BSP's checkpoint at 3050", poll=0.2
+        )
+        checkpoint_before = checkpoint_step(layout)
         bed.kill_host(bed.hosts[3])  # BSP worker 2
         wait_until_ended(backend, handle, 1, timeout=300)
         status = backend.segment_status(handle, 1)
@@ -309,11 +311,6 @@ def wait_until_ended(backend: HostsBackend, handle: dict, index: int, timeout: f
 
 def read_state_result(layout: RunLayout, index: int, protocol: str) -> dict[str, Any]:
     return storage.read_json(layout.segment_result(index, protocol))
-
-
-def latest_checkpoint_step(layout: RunLayout) -> float:
-    manifests = [u for u in storage.list_files(layout.checkpoints) if u.endswith("/manifest.json")]
-    return max(storage.read_json(u)["global_step"] for u in manifests)
 
 
 def host_is_up(bed: tb.Testbed, host: tb.TestHost) -> bool:

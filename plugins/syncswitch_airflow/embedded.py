@@ -147,8 +147,9 @@ class EmbeddedAirflow:
             "API__BASE_URL": base_url,
             "API__WORKERS": "1",
             # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24
-            # cores at a 0.1 s idle sleep, 0.04 at 1 s (bench/bench_airflow_cpu.py). Segments end
-            # from the triggerer (no task process to resume), which pays for the longer sleep.
+            # cores at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers
+            # wake it between sleeps; bench/bench_airflow_cpu.py). Segments end from the triggerer
+            # (no task process to resume), which pays for the longer sleep.
             "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0",
             # Look for new DAG files every minute but reparse a known file only every 10 minutes:
             # each parse imports the operators, CPU that training needs on 2 cores. start()
