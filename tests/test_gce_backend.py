@@ -14,6 +14,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 from airflow_runs import checkpoint_step
 from conftest import new_bucket, storage_on_gateway
 from fake_compute import FakeComputeEngine
+from google.cloud import compute_v1
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.costs import Catalog
@@ -30,7 +32,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.gce import GceBackend
-from syncswitch_airflow.hooks.compute import ENDPOINT_ENV
+from syncswitch_airflow.hooks.compute import ENDPOINT_ENV, ComputeHook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import testbed as tb  # noqa: E402
@@ -104,6 +106,35 @@ def assert_nothing_left(fake: FakeComputeEngine, bed: tb.Testbed) -> None:
     assert fake.instances() == {}, f"instances left: {list(fake.instances())}"
     assert fake.firewalls() == {}, f"firewalls left: {list(fake.firewalls())}"
     assert bed.hosts == [], f"hosts left: {[h.name for h in bed.hosts]}"
+
+
+# ---- the hook --------------------------------------------------------------------------------------
+
+
+def test_the_hooks_operation_waits_are_safe_from_many_threads(
+    fake: FakeComputeEngine,
+) -> None:
+    """The backend creates and deletes VMs from a thread pool. The provider's own wait shares one
+    httplib2 connection, and two threads' polls on it read each other's answers (IncompleteRead in CI's
+    teardown); ours give each wait its own client."""
+    hook = ComputeHook()
+    rule = compute_v1.Firewall(
+        name="ss-threads",
+        network="global/networks/default",
+        allowed=[compute_v1.Allowed(I_p_protocol="tcp")],
+        source_tags=["ss-threads"],
+        target_tags=["ss-threads"],
+    )
+    operation = compute_v1.FirewallsClient(
+        credentials=hook.get_credentials(), client_options=hook.get_client_options()
+    ).insert(request={"project": PROJECT, "firewall_resource": rule})
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            done = list(pool.map(lambda _: hook.wait_global_operation(operation.name, PROJECT), range(64)))
+        assert {d.name for d in done} == {operation.name} and all(d.end_time for d in done)
+    finally:
+        hook.delete_firewall_if_exists("ss-threads", PROJECT)
+    assert fake.firewalls() == {}
 
 
 # ---- provisioning ---------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Compute Engine for the ``gce`` backend: Airflow's ComputeEngineHook, plus what it lacks.
 
-The provider's hook creates, reads and deletes instances and waits on their operations; this adds
+The provider's hook owns the credentials, the client options and reading instances; this adds
 listing a run's instances by label, firewall rules, a non-blocking insert (a replacement requested
-from a status poll must not hold the triggerer) and preemption notices.
+from a status poll must not hold the triggerer), preemption notices, and operation waits that are
+safe from several threads (the provider's share one discovery connection: see ``get_conn``).
 
 ``api_endpoint`` (or ``$SYNCSWITCH_GCE_API_ENDPOINT``) points every client at another endpoint: a
 Private Service Connect endpoint in production, the fake Compute Engine API in the tests
@@ -13,9 +14,11 @@ anonymous one).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from airflow.providers.common.compat.sdk import AirflowException
 from airflow.providers.google.cloud.hooks.compute import ComputeEngineHook
 from google.api_core.client_options import ClientOptions
 from google.api_core.exceptions import NotFound
@@ -39,7 +42,10 @@ class ComputeHook(ComputeEngineHook):
         return super().get_client_options(api_endpoint_override or self.api_endpoint or None)
 
     def get_conn(self) -> Any:
-        """The discovery client the provider waits on operations with; its base URL includes the path."""
+        """The discovery client the provider's own methods wait on operations with; its base URL
+        includes the path. Ours do not use it: it holds one httplib2 connection, which is not
+        thread-safe, and the backend creates and deletes VMs from several threads at once (two
+        threads' polls on it have read each other's answers: IncompleteRead)."""
         if not self.api_endpoint:
             return super().get_conn()
         if not self._conn:
@@ -63,9 +69,17 @@ class ComputeHook(ComputeEngineHook):
         operation = client.insert(request={"instance_resource": body, "project": project_id, "zone": zone})
         return operation.name
 
-    def wait_zone_operation(self, operation: str, zone: str, project_id: str) -> None:
-        """Wait until the operation is done; raises with Compute Engine's error codes if it failed."""
-        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation, zone=zone)
+    def wait_zone_operation(self, operation: str, zone: str, project_id: str) -> compute_v1.Operation:
+        """Wait until the zone operation is done and return it; raises with Compute Engine's error codes
+        if it failed."""
+        client = self._client(compute_v1.ZoneOperationsClient)
+        request = {"project": project_id, "zone": zone, "operation": operation}
+        return _wait_done(lambda: client.get(request=request))
+
+    def wait_global_operation(self, operation: str, project_id: str) -> compute_v1.Operation:
+        """The same for a global operation (firewall rules)."""
+        client = self._client(compute_v1.GlobalOperationsClient)
+        return _wait_done(lambda: client.get(request={"project": project_id, "operation": operation}))
 
     def find_instance(self, name: str, zone: str, project_id: str) -> compute_v1.Instance | None:
         """The instance, or None when it does not exist (a spot VM may delete itself)."""
@@ -83,9 +97,7 @@ class ComputeHook(ComputeEngineHook):
             )
         except NotFound:
             return None
-        self.wait_zone_operation(operation.name, zone, project_id)
-        operations = self._client(compute_v1.ZoneOperationsClient)
-        return operations.get(request={"project": project_id, "zone": zone, "operation": operation.name})
+        return self.wait_zone_operation(operation.name, zone, project_id)
 
     def instances_labelled(self, project_id: str, labels: dict[str, str]) -> Iterator[compute_v1.Instance]:
         """Every instance of the project, in any zone, that carries all of ``labels``."""
@@ -112,7 +124,7 @@ class ComputeHook(ComputeEngineHook):
         except NotFound:
             pass
         operation = client.insert(request={"project": project_id, "firewall_resource": body})
-        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation.name)
+        self.wait_global_operation(operation.name, project_id)
 
     def delete_firewall_if_exists(self, name: str, project_id: str) -> bool:
         client = self._client(compute_v1.FirewallsClient)
@@ -120,9 +132,31 @@ class ComputeHook(ComputeEngineHook):
             operation = client.delete(request={"project": project_id, "firewall": name})
         except NotFound:
             return False
-        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation.name)
+        self.wait_global_operation(operation.name, project_id)
         return True
 
     def firewalls_named(self, project_id: str, prefix: str) -> list[str]:
         client = self._client(compute_v1.FirewallsClient)
         return [f.name for f in client.list(request={"project": project_id}) if f.name.startswith(prefix)]
+
+
+OPERATION_POLL_SECONDS = 1.0
+OPERATION_TIMEOUT_SECONDS = 900.0
+
+
+def _wait_done(get: Callable[[], compute_v1.Operation]) -> compute_v1.Operation:
+    """Poll an operation until DONE (with a client of the caller's own); AirflowException with Compute
+    Engine's codes (e.g. ZONE_RESOURCE_POOL_EXHAUSTED) if it failed, TimeoutError if it never ends."""
+    deadline = time.monotonic() + OPERATION_TIMEOUT_SECONDS
+    while True:
+        operation = get()
+        if operation.status == compute_v1.Operation.Status.DONE:
+            errors = list(operation.error.errors) if operation.error else []
+            if errors:
+                described = "; ".join(f"{e.code}: {e.message}" for e in errors)
+                status = f"{operation.http_error_status_code} {operation.http_error_message}".strip()
+                raise AirflowException(f"{status}: {described}")
+            return operation
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"operation {operation.name} not done after {OPERATION_TIMEOUT_SECONDS:.0f} s")
+        time.sleep(OPERATION_POLL_SECONDS)
