@@ -8,7 +8,8 @@ gateway). Only the network is separate: the filesystem, the PID namespace and th
 loss), hosts can be "lost" (every process killed, link down) and revived, and an outside namespace on
 another subnet can check that a host port is not reachable from outside the cluster network.
 
-Stdlib only, so tests, benchmarks and the CLI can load it by path:
+Stdlib only (with the stdlib-only ``syncswitch.linkdelay`` from training/, whose NFQUEUE delayer
+shapes links where the kernel has no netem), so tests, benchmarks and the CLI can load it by path:
 
     python3 scripts/testbed.py up --name ss --hosts 4 [--profile same-zone]
     python3 scripts/testbed.py status --name ss
@@ -29,28 +30,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
-import random
 import re
-import select
 import shlex
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+from syncswitch import linkdelay  # noqa: E402 - found through the line above when loaded by path
 
 STATE_ROOT = "/run/syncswitch-testbed"  # tmpfs: gone after a reboot, like the namespaces themselves
 SSHD = "/usr/sbin/sshd"
@@ -362,192 +361,10 @@ def ensure_prerequisites() -> str | None:
 # the userspace delayer: used when the kernel has no sch_netem
 
 
-class _Nfqueue:
-    """One NFQUEUE (netfilter queue) in a given network namespace, over raw netlink.
-
-    Packets an iptables `-j NFQUEUE` rule sends to the queue wait in the kernel until we give a
-    verdict; copy mode "meta" means only the packet id and hook reach us, not the payload.
-    """
-
-    NETLINK_NETFILTER = 12
-    SUBSYS_QUEUE = 3
-    MSG_PACKET, MSG_VERDICT, MSG_CONFIG, MSG_VERDICT_BATCH = 0, 1, 2, 3
-    CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN, CFG_MASK, CFG_FLAGS = 1, 2, 3, 4, 5
-    CMD_BIND = 1
-    COPY_META = 1
-    FLAG_GSO = 4  # take GSO packets whole instead of making the kernel segment them for us
-    ATTR_PACKET_HDR, ATTR_VERDICT_HDR = 1, 2
-    NLM_F_REQUEST, NLM_F_ACK = 1, 4
-    NLMSG_ERROR = 2
-    NF_DROP, NF_ACCEPT = 0, 1
-    HOOK_PRE_ROUTING, HOOK_LOCAL_OUT = 0, 3
-    SOL_NETLINK, NETLINK_NO_ENOBUFS = 270, 5
-    SO_RCVBUFFORCE = 33
-
-    def __init__(self, netns: str, queue_num: int, max_len: int = 65536) -> None:
-        self.queue_num = queue_num
-        self._seq = 0
-        self.sock = self._socket_in(netns)
-        self._configure(max_len)
-
-    def _socket_in(self, netns: str) -> socket.socket:
-        """A netlink socket belongs to the namespace it was created in: create it there, come back."""
-        home = os.open("/proc/self/ns/net", os.O_RDONLY)
-        try:
-            _setns(f"/run/netns/{netns}")
-            try:
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, self.NETLINK_NETFILTER)
-            finally:
-                _setns_fd(home)
-        finally:
-            os.close(home)
-        sock.bind((0, 0))
-        sock.setsockopt(socket.SOL_SOCKET, self.SO_RCVBUFFORCE, 16 << 20)
-        # Lost notifications are harmless (the next batch verdict releases those packets too), so
-        # never fail a recv with ENOBUFS.
-        sock.setsockopt(self.SOL_NETLINK, self.NETLINK_NO_ENOBUFS, 1)
-        return sock
-
-    def _configure(self, max_len: int) -> None:
-        self._request(self.MSG_CONFIG, [(self.CFG_CMD, struct.pack(">BBH", self.CMD_BIND, 0, 0))])
-        self._request(
-            self.MSG_CONFIG,
-            [
-                (self.CFG_PARAMS, struct.pack(">IB", 0, self.COPY_META)),
-                (self.CFG_QUEUE_MAXLEN, struct.pack(">I", max_len)),
-                (self.CFG_MASK, struct.pack(">I", self.FLAG_GSO)),
-                (self.CFG_FLAGS, struct.pack(">I", self.FLAG_GSO)),
-            ],
-        )
-
-    def _message(self, msg_type: int, attrs: list[tuple[int, bytes]], flags: int) -> bytes:
-        payload = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(self.queue_num))
-        for attr_type, value in attrs:
-            attr = struct.pack("=HH", 4 + len(value), attr_type) + value
-            payload += attr + b"\0" * (-len(attr) % 4)
-        self._seq += 1
-        header = struct.pack(
-            "=IHHII",
-            16 + len(payload),
-            (self.SUBSYS_QUEUE << 8) | msg_type,
-            self.NLM_F_REQUEST | flags,
-            self._seq,
-            0,
-        )
-        return header + payload
-
-    def _request(self, msg_type: int, attrs: list[tuple[int, bytes]]) -> None:
-        """Send a configuration message and wait for the kernel's acknowledgement (or its error)."""
-        self.sock.send(self._message(msg_type, attrs, self.NLM_F_ACK))
-        reply = self.sock.recv(65536)
-        _length, reply_type = struct.unpack_from("=IH", reply)
-        if reply_type == self.NLMSG_ERROR:
-            (error,) = struct.unpack_from("=i", reply, 16)
-            if error:
-                raise OSError(-error, f"NFQUEUE {self.queue_num} config: {os.strerror(-error)}")
-
-    def verdict(self, packet_id: int, verdict: int) -> None:
-        attr = (self.ATTR_VERDICT_HDR, struct.pack(">II", verdict, packet_id))
-        self.sock.send(self._message(self.MSG_VERDICT, [attr], 0))
-
-    def accept_up_to(self, packet_id: int) -> None:
-        """Accept every queued packet with an id up to packet_id, in one message."""
-        attr = (self.ATTR_VERDICT_HDR, struct.pack(">II", self.NF_ACCEPT, packet_id))
-        self.sock.send(self._message(self.MSG_VERDICT_BATCH, [attr], 0))
-
-    def packets(self, buffer: bytearray) -> Iterator[tuple[int, int]]:
-        """(packet id, hook) of each packet waiting on the socket, without blocking."""
-        while True:
-            try:
-                size = self.sock.recv_into(buffer, len(buffer), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            offset = 0
-            while offset + 16 <= size:
-                length, msg_type = struct.unpack_from("=IH", buffer, offset)
-                if length < 16:
-                    break
-                if msg_type == (self.SUBSYS_QUEUE << 8) | self.MSG_PACKET:
-                    header = self._attribute(buffer, offset + 20, offset + length, self.ATTR_PACKET_HDR)
-                    if header is not None:
-                        packet_id, _proto, hook = struct.unpack_from(">IHB", buffer, header)
-                        yield packet_id, hook
-                offset += (length + 3) & ~3
-
-    @staticmethod
-    def _attribute(buffer: bytearray, start: int, end: int, wanted: int) -> int | None:
-        while start + 4 <= end:
-            attr_len, attr_type = struct.unpack_from("=HH", buffer, start)
-            if attr_len < 4:
-                return None
-            if attr_type & 0x3FFF == wanted:
-                return start + 4
-            start += (attr_len + 3) & ~3
-        return None
-
-
-def _setns_fd(fd: int) -> None:
-    if hasattr(os, "setns"):  # Python >= 3.12
-        os.setns(fd, os.CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _setns(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _setns_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _run_delayer(queue: _Nfqueue, shape: LinkShape) -> None:
-    """Hold inbound packets for the link's round-trip delay; drop `loss_pct` of packets both ways.
-
-    Release times never decrease (jitter does not reorder packets), so the packets due at any moment
-    are exactly those up to the last due id and one batch verdict releases them all.
-    """
-    round_trip_s = 2 * shape.delay_ms / 1000
-    jitter_s = shape.jitter_ms / 1000
-    loss = shape.loss_pct / 100
-    waiting: deque[tuple[float, int]] = deque()  # (release time, packet id)
-    last_release = 0.0
-    buffer = bytearray(1 << 16)
-    while True:
-        timeout = max(0.0, waiting[0][0] - time.monotonic()) if waiting else None
-        readable, _, _ = select.select([queue.sock], [], [], timeout)
-        if readable:
-            now = time.monotonic()
-            for packet_id, hook in queue.packets(buffer):
-                if loss and random.random() < loss:
-                    queue.verdict(packet_id, _Nfqueue.NF_DROP)
-                elif hook != _Nfqueue.HOOK_PRE_ROUTING:  # outbound packets only go through for loss
-                    queue.verdict(packet_id, _Nfqueue.NF_ACCEPT)
-                else:
-                    release = now + round_trip_s + (random.uniform(-jitter_s, jitter_s) if jitter_s else 0.0)
-                    last_release = max(release, last_release)
-                    waiting.append((last_release, packet_id))
-        now = time.monotonic()
-        due_id = None
-        while waiting and waiting[0][0] <= now:
-            due_id = waiting.popleft()[1]
-        if due_id is not None:
-            queue.accept_up_to(due_id)
-
-
-def _set_timer_slack_ns(nanoseconds: int) -> None:
-    """Wake up within microseconds of a packet's release time instead of the default 50 us slack."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(29, nanoseconds, 0, 0, 0)  # PR_SET_TIMERSLACK
-
-
 def _delayer_main(args: argparse.Namespace) -> int:
     """Bind the host's queue (errors go to the caller), then detach and serve it until killed."""
     shape = LinkShape(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, loss_pct=args.loss_pct)
-    queue = _Nfqueue(args.netns, args.queue)
+    queue = linkdelay.Nfqueue(args.queue, netns=args.netns)
     child = os.fork()
     if child:
         print(child, flush=True)  # the caller records it; we return at once so it never waits on us
@@ -558,10 +375,15 @@ def _delayer_main(args: argparse.Namespace) -> int:
         os.dup2(log.fileno(), 2)
     with open(os.devnull) as null:
         os.dup2(null.fileno(), 0)
-    _set_timer_slack_ns(1000)
+    linkdelay.set_timer_slack_ns(1000)
     print(f"delayer for {args.netns}: {shape}", flush=True)
     try:
-        _run_delayer(queue, shape)
+        linkdelay.run_delayer(
+            queue,
+            round_trip_s=2 * shape.delay_ms / 1000,
+            jitter_s=shape.jitter_ms / 1000,
+            loss=shape.loss_pct / 100,
+        )
     except BaseException:
         traceback.print_exc()
     os._exit(1)  # a forked child must never return into the code that called main()

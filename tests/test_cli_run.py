@@ -148,6 +148,10 @@ def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
         (["--hparams", "learning_rate"], "hparams"),
         (["--hparams", "no_such_key=1"], "hparams"),
         (["--straggler", "worker=1,start=20"], "straggler"),
+        (["--straggler", "worker=1,start=2,duration=5,slowdown=2,delay_ms=30"], "straggler"),
+        (["--straggler", "worker=1,start=2,duration=5,delay_ms=-3"], "straggler"),
+        (["--straggler", "worker=1,start=2,duration=5,delay_ms=30,every=4"], "straggler"),
+        (["--straggler", "worker=1,start=2,duration=5,delay_ms=30"], "stragglers"),  # a local cluster
         (["--straggler", "worker=5,start=0,duration=10,slowdown=2"], "stragglers"),
         (["--num-worker", "0"], "num_workers"),
         (["--bsp-fraction", "1.5"], "bsp_fraction"),

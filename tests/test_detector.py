@@ -146,6 +146,24 @@ def test_bsp_lockstep_with_equal_step_times_still_names_the_slow_worker() -> Non
     assert not any(v.straggling for v in blind)
 
 
+def test_bsp_names_the_worker_behind_a_slow_link_by_its_round_trip_to_its_peers() -> None:
+    """A delayed link leaves every worker's compute time alone (all wait in the all-reduce alike);
+    the slow worker's smallest round trip to a peer is what rises (syncswitch.peers)."""
+    events = bsp_stream(3, 60, no_straggler)
+    for e in events:
+        slow_link = e["worker"] == 2 and 10.0 <= e["wall_time"] - T0 < 30.0
+        e["peer_rtt"] = 0.030 if slow_link else 0.0002
+
+    verdicts = run(events, protocol="bsp")
+    assert [c for c, _ in changes(verdicts)] == ["raised", "cleared"]
+    raised = next(v for v in verdicts if v.change == "raised")
+    assert raised.workers == [2] and raised.slowdown >= 1.5 and 10.0 <= raised.since - T0 <= 15.0
+    # Without the round trips the same run shows nothing: compute time cannot see a slow link.
+    for e in events:
+        e.pop("peer_rtt")
+    assert not any(v.straggling for v in run(events, protocol="bsp"))
+
+
 def test_a_single_spike_does_not_flap() -> None:
     # Counted samples start at 0.25 s (the first is skipped as warm-up): window 2 is [10.25, 15.25).
     spike = straggler(1, 10.25, 15.25, 3.0)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,127 @@ def xcoms(dag_run: Any) -> list[Any]:  # noqa: ANN401
             )
         )
         return [row[0] for row in rows]
+
+
+# ---- network stragglers ---------------------------------------------------------------------------
+
+
+def connect_ms(bed: tb.Testbed, source: tb.TestHost, target: tb.TestHost) -> float:
+    """The smallest of five TCP connects from ``source`` to ``target``'s sshd, in ms."""
+    probe = (
+        "import socket, sys, time\n"
+        "best = 1e9\n"
+        "for _ in range(5):\n"
+        "    t = time.perf_counter()\n"
+        "    socket.create_connection((sys.argv[1], 22), timeout=5).close()\n"
+        "    best = min(best, time.perf_counter() - t)\n"
+        "print(best * 1000)\n"
+    )
+    done = bed.exec(source, [sys.executable, "-c", probe, target.address], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
+
+
+def linkdelay_rules(bed: tb.Testbed, host: tb.TestHost) -> list[str]:
+    listing = bed.exec(host, ["iptables", "-w", "-t", "mangle", "-S"], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if "syncswitch-linkdelay" in line]
+
+
+def test_a_link_delay_slows_one_hosts_round_trips_and_restores_the_link(bed: tb.Testbed) -> None:
+    """syncswitch.linkdelay (the network straggler) on one host: +30 ms on every round trip through
+    its link while it runs; back to normal on SIGTERM with nothing left; after a SIGKILL its rule lets
+    packets through (--queue-bypass) and ``clear`` removes it."""
+    slow, peer, other = bed.hosts[1], bed.hosts[2], bed.hosts[3]
+    assert connect_ms(bed, peer, slow) < 10
+    command = [sys.executable, "-m", "syncswitch.linkdelay", "--address", slow.address]
+    delay = [*command, "--delay-ms", "30", "--duration", "120"]
+    delayer = bed.popen(slow, delay, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: linkdelay_rules(bed, slow), timeout=20, what="the link delay's rule")
+        assert 30 <= connect_ms(bed, peer, slow) < 60  # into the slow host
+        assert 30 <= connect_ms(bed, slow, other) < 60  # out of it
+        assert connect_ms(bed, peer, other) < 10  # the other links are untouched
+    finally:
+        delayer.terminate()
+    assert delayer.wait(timeout=15) == 0
+    assert "restored (nfqueue)" in delayer.stdout.read() or bed.delay_mechanism == "netem"
+    assert linkdelay_rules(bed, slow) == []
+    assert connect_ms(bed, peer, slow) < 10
+
+    killed = bed.popen(slow, delay, stdout=subprocess.DEVNULL)
+    wait_for(lambda: linkdelay_rules(bed, slow), timeout=20, what="the link delay's rule")
+    killed.kill()
+    killed.wait(timeout=15)
+    assert connect_ms(bed, peer, slow) < 10  # no listener: the queue is bypassed, not a black hole
+    bed.exec(slow, [sys.executable, "-m", "syncswitch.linkdelay", "clear"], check=True, capture_output=True)
+    assert linkdelay_rules(bed, slow) == []
+
+
+def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_asp(
+    bed: tb.Testbed, bucket: str, work_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The original's network straggler: worker 1's link +30 ms per round trip, on a live BSP segment
+    on the hosts. Its compute time does not change; its round trip to its peers does. The straggler
+    sensor's trigger names worker 1, greedy decides to switch, and the sensor's switch (plan rewrite +
+    graceful stop request) ends the BSP segment early at a checkpoint. No delay or process is left.
+
+    Not through dag.test(): it runs one task at a time, so the sensor never watches a running segment
+    (the greedy e2e under the real scheduler is test_embedded_airflow's, with a CPU straggler). The
+    segment-task state the trigger asks Airflow's execution API for is stubbed as "running"."""
+    from syncswitch.state import create_run
+    from syncswitch_airflow.detector import Verdict
+    from syncswitch_airflow.policies import get_policy
+    from syncswitch_airflow.sensors.straggler import apply_switch, decision_record, policy_context
+    from syncswitch_airflow.triggers import straggler as straggler_trigger
+    from test_straggler_trigger import first_event
+
+    spec_job = job(
+        bed,
+        bucket,
+        switch_order="10",
+        train_steps=[4000, 100],
+        ckpt_frequency=[100],
+        online_policy="greedy",
+        max_online_switches=2,
+        stragglers=["worker=1,start=2,duration=600,delay_ms=30"],
+    )
+    run_id = f"net-{_RUN_ID}"
+    layout = RunLayout.for_run(bucket, "hosts", run_id)
+    backend = HostsBackend()
+    handle = backend.provision(spec_job, layout)
+    try:
+        create_run(layout, run_id, spec_job.to_params(), spec_job.plan_entries(), handle)
+        item = spec_job.plan_entries()[0]
+        spec = spec_job.segment_spec(item, run_id, layout.root)
+        backend.launch_segment(handle, spec.replace(straggler_reference_time=time.time()))
+        monkeypatch.setattr(straggler_trigger, "task_state", lambda *_: "running")
+        trigger = straggler_trigger.StragglerTrigger(
+            run_dir=layout.root,
+            index=0,
+            protocol="bsp",
+            segment_task={"dag_id": "sync_switch", "run_id": run_id, "task_id": "segment_0.run_segment"},
+            poll_interval=1.0,
+        )
+        payload = first_event(trigger, timeout=240)
+        assert (payload["status"], payload.get("change")) == ("verdict", "raised"), payload
+        verdict = Verdict.from_dict(payload["verdict"])
+        assert verdict.workers == [1] and verdict.signal == "compute_time" and verdict.slowdown >= 1.5
+
+        state = read_state(layout)
+        decision = get_policy("greedy").decide(policy_context(state, item, verdict, 10.0))
+        assert decision.action == "switch", decision
+        apply_switch(layout, item, decision_record(state, item, decision, "raised"))
+        wait_until_ended(backend, handle, 0, timeout=300)
+        result = read_state_result(layout, 0, "bsp")
+        assert result["stopped_early"] and 0 < result["end_step"] < 4000, result
+        plan = [(e["protocol"], e["origin"]) for e in read_state(layout)["plan"]]
+        assert plan == [("bsp", "plan"), ("asp", "online"), ("asp", "plan")]
+    finally:
+        backend.teardown(handle)
+    injected = read_events(layout.metrics, event="straggler")
+    assert injected and {(e["kind"], e["delay_ms"]) for e in injected} == {("network", 30.0)}
+    assert_hosts_clean(bed)
+    assert all(linkdelay_rules(bed, host) == [] for host in bed.hosts)
 
 
 # ---- lost hosts -----------------------------------------------------------------------------------

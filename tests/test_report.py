@@ -30,7 +30,7 @@ from syncswitch_airflow.report import (
 T0 = 1_700_000_000.0
 RUN_ID = "manual__2025-01-01T00_00_00"
 GLOBAL_BATCH = 64  # 2 workers x 32
-STRAGGLER = {"worker": 1, "slowdown": 4.0, "start": T0 + 60.0, "end": T0 + 75.0}
+STRAGGLER = {"worker": 1, "slowdown": 4.0, "delay_ms": None, "start": T0 + 60.0, "end": T0 + 75.0}
 DECISION = {
     "time": T0 + 63.0,
     "segment": 1,

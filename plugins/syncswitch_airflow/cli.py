@@ -76,7 +76,7 @@ NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--online-policy": ("online_policy", {}),
     "--straggler": (
         "stragglers",
-        {"action": "append", "metavar": "worker=1,start=20,duration=60,slowdown=4"},
+        {"action": "append", "metavar": "worker=1,start=20,duration=60,slowdown=4|delay_ms=30"},
     ),
     "--max-online-switches": ("max_online_switches", {}),
     "--cluster-backend": ("cluster_backend", {}),

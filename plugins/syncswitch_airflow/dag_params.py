@@ -31,7 +31,7 @@ from syncswitch.spec import (
 MAX_SEGMENT_SLOTS = 6
 BUCKET_DIR_ENV = "SYNCSWITCH_BUCKET_DIR"
 # Four k=v pairs; JobSpec.from_params checks the keys and values and names what is wrong.
-STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3}\s*\w+\s*=\s*[^,=\s]+\s*$"
+STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$"
 
 
 def default_bucket_dir(project_dir: str | Path) -> str:
@@ -201,8 +201,10 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
             type="array",
             items={"type": "string", "pattern": STRAGGLER_PATTERN},
             title="Injected stragglers",
-            description="One item per slow worker: worker=1,start=20,duration=60,slowdown=4 (seconds "
-            "after the first BSP segment starts; slowdown = times slower).",
+            description="One item per slow worker: worker=1,start=20,duration=60,slowdown=4 (CPU: times "
+            "slower) or worker=1,start=20,duration=60,delay_ms=30 (network: ms added to every round trip "
+            "of the worker's link; hosts or gce backends), optionally every=120 to repeat; seconds after "
+            "the first BSP segment starts.",
         ),
         "seed": _int(d.seed, "Seed", "Random seed.", 0),
         "pin_cores": Param(

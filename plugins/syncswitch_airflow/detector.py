@@ -4,8 +4,12 @@ Input: ``worker_step`` events (``syncswitch.events``), fed incrementally in wall
 
 Signal. In BSP every worker's ``step_time`` is the same (the all-reduce is a barrier), so the signal
 is ``compute_time``: the local forward and backward pass before the all-reduce. A straggler shows a
-high compute time (and almost no all-reduce wait). In ASP each worker closes its own steps, so the
-signal is the worker's ``step_time``. A SIGSTOP duty-cycled worker raises exactly these.
+high compute time (and almost no all-reduce wait). A slow link does not raise it (every worker waits
+in the all-reduce alike), so where workers report ``peer_rtt`` (their smallest round trip to a peer,
+syncswitch.peers) the BSP signal is ``compute_time + (n - 1) * peer_rtt`` for n workers: a ring
+all-reduce crosses each worker's link 2(n - 1) times a step, each half a round trip. In ASP each worker
+closes its own steps, so the signal is the worker's ``step_time``, which a slow link raises directly.
+A SIGSTOP duty-cycled worker and a delayed link raise exactly these.
 
 Windows. Time is cut into windows of ``window_seconds`` aligned on the first sample. A window is
 closed once a sample at least ``lateness`` seconds past its end has been seen, so events that reach
@@ -203,7 +207,8 @@ class StragglerDetector:
         if self.signal == "compute_time":
             compute = event.get("compute_time")
             if compute is not None and float(compute) > 0:
-                return float(compute)
+                link_crossings = max(len(self._samples_seen) - 1, 1)
+                return float(compute) + link_crossings * float(event.get("peer_rtt") or 0.0)
         step = event.get("step_time")
         if step is not None and float(step) > 0:
             return float(step)

@@ -308,7 +308,13 @@ def _straggler_windows(state: dict[str, Any], events: list[dict[str, Any]]) -> l
     for e in events:
         if e.get("event") == "straggler" and e.get("start") is not None and e.get("end") is not None:
             key = (int(e["worker"]), round(float(e["start"]), 3), round(float(e["end"]), 3))
-            windows[key] = {"worker": key[0], "slowdown": e.get("slowdown"), "start": key[1], "end": key[2]}
+            windows[key] = {
+                "worker": key[0],
+                "slowdown": e.get("slowdown"),
+                "delay_ms": e.get("delay_ms"),
+                "start": key[1],
+                "end": key[2],
+            }
     reference = (state.get("timings") or {}).get("first_bsp_start")
     if not windows and reference is not None:
         from syncswitch.spec import StragglerSpec
@@ -319,6 +325,7 @@ def _straggler_windows(state: dict[str, Any], events: list[dict[str, Any]]) -> l
             windows[(spec.worker, start, start + spec.duration)] = {
                 "worker": spec.worker,
                 "slowdown": spec.slowdown,
+                "delay_ms": spec.delay_ms,
                 "start": start,
                 "end": start + spec.duration,
             }
@@ -523,8 +530,10 @@ def _mark_stragglers(ax, data: RunData, axis: str) -> None:  # noqa: ANN001
             lw=0.8,
             label="injected straggler window",
         )
-        slowdown = window.get("slowdown")
-        text = f"worker {window['worker']}" + (f" x{slowdown:g}" if slowdown else "")
+        slowdown, delay_ms = window.get("slowdown"), window.get("delay_ms")
+        text = f"worker {window['worker']}" + (
+            f" +{delay_ms:g} ms" if delay_ms else f" x{slowdown:g}" if slowdown else ""
+        )
         ax.text(start, 0.06, f" {text}", transform=top, fontsize=8, color=STRAGGLER_COLOR)
 
 

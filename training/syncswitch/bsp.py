@@ -11,9 +11,13 @@ its peers in the all-reduce, which singles out a straggler in lockstep.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from typing import Any
 
+from syncswitch.peers import PeerProbe, bsp_peers
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
     ChiefReporter,
@@ -74,9 +78,12 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         return strategy.experimental_local_results(value)[0]
 
     @tf.function
-    def train_steps(iterator: Any, first_step: Any, count: Any, stop_vote: Any) -> tuple[Any, Any]:
+    def train_steps(
+        iterator: Any, first_step: Any, count: Any, stop_vote: Any, last_wall: Any
+    ) -> tuple[Any, Any]:
         """``count`` steps from BSP step ``first_step``; returns (this worker's per-step [loss, own
-        seconds, step seconds], all-reduced [per-step losses..., stop votes, step seconds of all])."""
+        seconds, step seconds], all-reduced [per-step losses..., stop votes, step seconds of all,
+        wall seconds per step of the previous call of all])."""
         records = tf.TensorArray(tf.float32, size=count)
         for j in tf.range(count):
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
@@ -89,7 +96,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 j, tf.stack([local(loss), tf.cast(local(own), tf.float32), tf.cast(local(step), tf.float32)])
             )
         mine = records.stack()
-        votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, 2])])
+        votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, 2]), last_wall])
         totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.concat([mine[:, 0], votes], 0), axis=None)
         return mine, totals
 
@@ -98,9 +105,11 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     reporter = ChiefReporter(ctx, events, global_batch, samples) if ctx.is_chief else None
     if ctx.is_chief:
         segment_start_event(ctx, events, start_step, schedule, restored)
-    worker_timer = WorkerTimer(events, ctx.task)
+    # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
+    probe = PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)).start()
+    worker_timer = WorkerTimer(events, ctx.task, probe=probe)
     stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
-    executions, step_seconds = 0, None
+    executions, step_seconds, last_wall = 0, None, 0.0
 
     def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
         if not ctx.is_chief:
@@ -115,15 +124,19 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             k = 1 if executions < WARMUP_EXECUTIONS + 1 else steps_per_execution(hp, step_seconds)
             count = min(k, spec.until_step - step, _steps_to_checkpoint(spec.ckpt_frequency, step))
             vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
+            called = time.perf_counter()
             mine, totals = train_steps(
                 iterator,
                 tf.constant(float(step), tf.float64),
                 tf.constant(count, tf.int32),
                 tf.constant(vote, tf.float32),
+                tf.constant(last_wall, tf.float32),
             )
             mine, totals = mine.numpy(), totals.numpy()
+            last_wall = (time.perf_counter() - called) / count
             executions += 1
             losses, stop, all_seconds = totals[:count], totals[count], float(totals[count + 1])
+            all_wall = float(totals[count + 2])
             for j in range(count):
                 # In lockstep every worker's step time is equal; its own share (the step minus the
                 # wait for peers) is what singles out a straggler, whatever slows it.
@@ -132,8 +145,11 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 )
             samples += count * global_batch
             updates += count
-            if executions > 1:  # the first call traces the graph
-                measured = all_seconds / (count * spec.num_workers)
+            if executions > 2:  # the first call traces the graph; the second reports its wall time
+                # The in-graph step time misses what a slow link adds between steps (a delayed peer
+                # holds the collective's launch), so the previous call's wall time per step counts
+                # too. Both are all-reduced: every worker takes the same k, or the collectives part.
+                measured = max(all_seconds / (count * spec.num_workers), all_wall / spec.num_workers)
                 if step_seconds is None and not hp.steps_per_execution and reporter is not None:
                     steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
                 step_seconds = measured
@@ -174,6 +190,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             evaluation=evaluate_if_asked(ctx, checkpoint_uri),
         )
     finally:
+        probe.close()
         if stop_signal is not None:
             stop_signal.close()
         events.close()

@@ -62,7 +62,8 @@ def build_train_parser() -> argparse.ArgumentParser:
         "--straggler",
         action="append",
         default=[],
-        help="worker=1,start=20,duration=60,slowdown=4 (repeatable; start is seconds after launch)",
+        help="worker=1,start=20,duration=60,slowdown=4 (CPU) or ...,delay_ms=30 (network; a cluster of "
+        "hosts), optionally every=S to repeat; repeatable; start is seconds after launch",
     )
     p.add_argument("--watchdog-seconds", type=float, default=60.0)
     p.add_argument("--pin-cores", action="store_true", help="pin each process to one core")

@@ -23,11 +23,13 @@ Per event type, the extra keys are:
                    own share of a step: BSP = step_time minus the time blocked waiting for peers in
                    the collectives, so input, compute and a frozen process all count; ASP = the
                    closure's forward and backward pass on the worker), wait_time (BSP: waiting for
-                   peers; ASP: the rest of the closure, i.e. the PS round trip)
+                   peers; ASP: the rest of the closure, i.e. the PS round trip), peer_rtt (BSP,
+                   when measured: the worker's smallest TCP round trip to a peer, s; syncswitch.peers)
     checkpoint     global_step, samples, uri, seconds
     eval           global_step, test_accuracy, test_loss (and seconds: how long it took, for an
                    evaluation at a checkpoint during training)
-    straggler      injected slowdown window: worker, slowdown, start, end (epoch seconds)
+    straggler      injected slow episode: worker, kind (cpu | network), slowdown (cpu) or delay_ms
+                   (network, per round trip), start, end (epoch seconds)
     watchdog       worker, reason (a stalled worker was killed)
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)

@@ -18,7 +18,7 @@ Protocol: a Unix socket in the abstract namespace (no 108-byte path limit, nothi
 reachable only from this host's network namespace), and with ``--listen`` a TCP socket bound to the
 host's cluster-internal address only. One connection per node, one JSON object per line:
     client -> server  {"argv": [node args], "env": {...}, "log": PATH, "cpu": N or null, "name": "worker-1",
-                       "files": {PATH: TEXT}, "token": T}
+                       "files": {PATH: TEXT}, "program": "node" | "linkdelay", "token": T}
     server -> client  {"pid": 1234}              once the node is forked
     client -> server  {"signal": 19}             any number of times: signal the node (SIGSTOP/CONT/KILL)
     server -> client  {"returncode": 0}          when it exits (Popen's convention: -N = killed by signal N)
@@ -132,8 +132,15 @@ def log(message: str) -> None:
     print(f"{stamp} forkserver: {message}", flush=True)
 
 
-def _die_with_parent() -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(signum: int = signal.SIGKILL) -> None:
+    _prctl(PR_SET_PDEATHSIG, signum)
+
+
+# What a forked child runs: "node" a cluster process (syncswitch.node), "linkdelay" a network
+# straggler (syncswitch.linkdelay). A link delay must restore the link when it ends, so it gets
+# SIGTERM, not SIGKILL, when its lease or the server goes away.
+PROGRAMS = ("node", "linkdelay")
+STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM}
 
 
 # ---- server -------------------------------------------------------------------------------------
@@ -156,6 +163,7 @@ class Lease:
     buffer: bytes = b""
     pid: int | None = None
     name: str = "node"
+    program: str = "node"
 
 
 class ForkServer:
@@ -259,6 +267,8 @@ class ForkServer:
     def _fork(self, lease: Lease, request: dict[str, Any]) -> None:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
             raise ValueError("a request needs 'argv' (a list) and 'log' (a path)")
+        if request.setdefault("program", "node") not in PROGRAMS:
+            raise ValueError(f"'program' must be one of {PROGRAMS}, got {request['program']!r}")
         for path, text in dict(request.get("files") or {}).items():
             storage.write_text(path, str(text))
         os.makedirs(os.path.dirname(request["log"]) or ".", exist_ok=True)
@@ -269,7 +279,7 @@ class ForkServer:
         if pid == 0:
             self._close_inherited()
             run_node(request, server_pid)  # never returns
-        lease.pid, lease.name = pid, str(request.get("name", "node"))
+        lease.pid, lease.name, lease.program = pid, str(request.get("name", "node")), request["program"]
         self._send(lease, {"pid": pid})
         log(f"forked {lease.name} as pid {pid}")
 
@@ -303,10 +313,10 @@ class ForkServer:
 
     def _release(self, lease: Lease, *, kill: bool) -> None:
         if kill and lease.pid is not None:
-            log(f"killing {lease.name} (pid {lease.pid}): its lease was closed")
+            log(f"stopping {lease.name} (pid {lease.pid}): its lease was closed")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(lease.pid, signal.SIGCONT)  # a SIGSTOPped straggler must not linger
-                os.kill(lease.pid, signal.SIGKILL)
+                os.kill(lease.pid, STOP_SIGNALS[lease.program])
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.selector.unregister(lease.conn)
         self.leases.pop(lease.conn.fileno(), None)
@@ -328,7 +338,8 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
     """In the forked child: become the requested node, run it, and exit with its status."""
     code = 1
     try:
-        _die_with_parent()
+        program = request.get("program", "node")
+        _die_with_parent(STOP_SIGNALS[program])
         if os.getppid() != server_pid:  # the server died before the line above took effect
             return
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -345,9 +356,14 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
         os.environ.update(request.get("env", {}))
         if request.get("cpu") is not None:
             os.sched_setaffinity(0, {int(request["cpu"])})
-        from syncswitch import node
+        if program == "linkdelay":
+            from syncswitch import linkdelay
 
-        code = node.main(request["argv"])
+            code = linkdelay.main(request["argv"])
+        else:
+            from syncswitch import node
+
+            code = node.main(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the server
@@ -523,11 +539,21 @@ def fork_node(
     name: str,
     cpu: int | None = None,
     files: dict[str, str] | None = None,
+    program: str = "node",
 ) -> ForkedProcess:
-    """Ask the server (a folder on this host, or a ServerRef) to fork a node running ``syncswitch.node``
-    with ``argv``, after writing ``files`` on the server's host."""
+    """Ask the server (a folder on this host, or a ServerRef) to fork a child running ``program``
+    (``syncswitch.node`` or ``syncswitch.linkdelay``) with ``argv``, after writing ``files`` on the
+    server's host."""
     ref = server if isinstance(server, ServerRef) else ServerRef(server_dir=server)
-    request = {"argv": argv, "env": env, "log": log, "name": name, "cpu": cpu, "files": files or {}}
+    request = {
+        "argv": argv,
+        "env": env,
+        "log": log,
+        "name": name,
+        "cpu": cpu,
+        "files": files or {},
+        "program": program,
+    }
     conn, answer, rest = _request(ref, request, f"fork {name}")
     if "pid" not in answer:
         conn.close()

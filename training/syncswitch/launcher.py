@@ -41,6 +41,7 @@ POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
 BSP_ABORT_GRACE_SECONDS = 30.0
 DUTY_CYCLE_SECONDS = 0.2
+LINK_RESTORE_SECONDS = 5.0  # for a link delay to put the link back after SIGTERM
 KILL_WAIT_SECONDS = 10.0
 # How long a failed chief waits for its peers' fate to be known before the failure is reported: a node
 # on a lost host is seen gone when its lease's TCP keepalive gives up (forkserver.TCP_KEEPALIVE: ~17 s),
@@ -180,6 +181,7 @@ class SegmentCluster:
 
     def start(self) -> None:
         """Fork every node from its host's fork server; each reads its role from TF_CONFIG."""
+        self._check_stragglers()
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
         cores = os.cpu_count() or 1
@@ -286,7 +288,7 @@ class SegmentCluster:
         """
         self._stop_injection.set()
         for thread in self._injectors:
-            thread.join(timeout=2)
+            thread.join(timeout=LINK_RESTORE_SECONDS + 1)
         alive = [n for n in self.nodes if n.process is not None and n.process.poll() is None]
         for node in alive:
             node.process.send_signal(signal.SIGCONT)
@@ -321,6 +323,15 @@ class SegmentCluster:
             node.process.kill()
             os.unlink(request)
 
+    def _check_stragglers(self) -> None:
+        for straggler in self.spec.stragglers:
+            node = next((n for n in self.nodes if n.role == "worker" and n.task == straggler.worker), None)
+            if straggler.kind == "network" and node is not None and node.address.startswith("127."):
+                raise ValueError(
+                    f"straggler {straggler.to_text()!r}: a network straggler delays its worker's host link, "
+                    "and this cluster's nodes all share 127.0.0.1; run it on a cluster of hosts"
+                )
+
     def _start_injectors(self) -> None:
         reference = self.spec.straggler_reference_time or self.launched_at
         for straggler in self.spec.stragglers:
@@ -337,20 +348,36 @@ class SegmentCluster:
             self._injectors.append(thread)
 
     def _inject(self, node: Node, straggler: StragglerSpec, reference: float) -> None:
-        """Run the worker 1/slowdown of the time: stopped for (1 - 1/s) of every 0.2 s cycle."""
-        start, end = reference + straggler.start, reference + straggler.start + straggler.duration
-        if time.time() >= end:
-            return
-        if self._stop_injection.wait(max(start - time.time(), 0)):
-            return
-        self._log(
-            f"straggler: worker {straggler.worker} {straggler.slowdown:g}x slower until "
-            f"{end - time.time():.0f}s from now"
-        )
-        with self._events() as events:
-            events.emit(
-                "straggler", worker=straggler.worker, slowdown=straggler.slowdown, start=start, end=end
+        """Slow the worker down for each of the straggler's episodes that has not ended yet."""
+        for start, end in straggler.episodes(reference):
+            if time.time() >= end:
+                continue
+            if self._stop_injection.wait(max(start - time.time(), 0)) or node.process.poll() is not None:
+                return
+            self._log(
+                f"straggler: worker {straggler.worker} {straggler.describe()} ({straggler.kind}) until "
+                f"{end - time.time():.0f}s from now"
             )
+            with self._events() as events:
+                events.emit(
+                    "straggler",
+                    worker=straggler.worker,
+                    kind=straggler.kind,
+                    slowdown=straggler.slowdown,
+                    delay_ms=straggler.delay_ms,
+                    start=start,
+                    end=end,
+                )
+            if straggler.kind == "network":
+                self._delay_link(node, straggler, end)
+            else:
+                self._duty_cycle(node, straggler, end)
+            if self._stop_injection.is_set():
+                return
+            self._log(f"straggler: worker {straggler.worker} back to full speed")
+
+    def _duty_cycle(self, node: Node, straggler: StragglerSpec, end: float) -> None:
+        """Run the worker 1/slowdown of the time: stopped for (1 - 1/s) of every 0.2 s cycle."""
         run_for = DUTY_CYCLE_SECONDS / straggler.slowdown
         stop_for = DUTY_CYCLE_SECONDS - run_for
         while time.time() < end and node.process.poll() is None:
@@ -359,7 +386,31 @@ class SegmentCluster:
             node.process.send_signal(signal.SIGCONT)
             if stopped or self._stop_injection.wait(run_for):
                 break
-        self._log(f"straggler: worker {straggler.worker} back to full speed")
+
+    def _delay_link(self, node: Node, straggler: StragglerSpec, end: float) -> None:
+        """Delay the worker's host link until ``end``: syncswitch.linkdelay, forked on that host by its
+        fork server, restores the link when its time is up, on SIGTERM, or when its lease is lost."""
+        address = forkserver.split_address(node.address)[0]
+        argv = ["--address", address, "--delay-ms", f"{straggler.delay_ms:g}"]
+        shaper = forkserver.fork_node(
+            node.server,
+            [*argv, "--duration", f"{end - time.time():.3f}"],
+            env={},
+            log=os.path.join(os.path.dirname(node.log_path), f"linkdelay-{straggler.worker}.log"),
+            name=f"ss-linkdelay-{straggler.worker}",
+            program="linkdelay",
+        )
+        while shaper.poll() is None:
+            if self._stop_injection.wait(0.5):
+                shaper.terminate()
+                break
+        try:
+            code = shaper.wait(timeout=LINK_RESTORE_SECONDS)
+        except subprocess.TimeoutExpired:
+            shaper.kill()
+            code = None
+        if code != 0 and not self._stop_injection.is_set():
+            self._log(f"straggler: worker {straggler.worker}'s link delay ended with {code}; see its log")
 
     def _events(self) -> EventWriter:
         return EventWriter(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,13 @@ _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class StragglerSpec:
-    """Make ``worker`` ``slowdown`` times slower for ``duration`` s, ``start`` s after the reference time.
+    """Slow ``worker`` down for ``duration`` s, ``start`` s after the reference time, and again every
+    ``every`` s when given. Two kinds, as in the original:
+
+    - CPU (``slowdown``): the worker runs ``slowdown`` times slower (SIGSTOP/SIGCONT duty cycle).
+    - network (``delay_ms``): the worker's link adds ``delay_ms`` to every round trip (``tc netem``, or
+      syncswitch.linkdelay's NFQUEUE delayer where the kernel has no netem). Needs the worker on a host
+      of its own: cluster_backend hosts or gce.
 
     The reference is the start of the first BSP segment in a pipeline run, or the launch of
     ``syncswitch train``.
@@ -48,43 +55,74 @@ class StragglerSpec:
     worker: int
     start: float
     duration: float
-    slowdown: float
+    slowdown: float | None = None
+    delay_ms: float | None = None
+    every: float | None = None
+
+    EXAMPLE = (
+        "worker=1,start=20,duration=60,slowdown=4 or worker=1,start=20,duration=60,delay_ms=30[,every=120]"
+    )
+
+    @property
+    def kind(self) -> str:
+        return "network" if self.delay_ms is not None else "cpu"
+
+    def describe(self) -> str:
+        """What it does to the worker, for logs and plots: 'x4' or '+30 ms'."""
+        return f"+{self.delay_ms:g} ms" if self.delay_ms is not None else f"x{self.slowdown:g}"
 
     @classmethod
     def parse(cls, text: str | dict) -> StragglerSpec:
         """Parse ``worker=1,start=20,duration=60,slowdown=4`` (or the same keys as a dict)."""
         name = "straggler"
         if isinstance(text, dict):
-            pairs = {str(k): str(v) for k, v in text.items()}
+            pairs = {str(k): str(v) for k, v in text.items() if v is not None}
         else:
             pairs = {}
             for item in str(text).split(","):
                 key, sep, value = item.strip().partition("=")
                 if not sep:
-                    raise SpecError(
-                        name, f"malformed item {item!r}; expected worker=1,start=20,duration=60,slowdown=4"
-                    )
+                    raise SpecError(name, f"malformed item {item!r}; expected {cls.EXAMPLE}")
                 pairs[key.strip()] = value.strip()
-        expected = {"worker", "start", "duration", "slowdown"}
-        if set(pairs) != expected:
-            raise SpecError(name, f"needs exactly the keys {sorted(expected)}, got {sorted(pairs)}")
-        try:
-            spec = cls(
-                int(pairs["worker"]),
-                float(pairs["start"]),
-                float(pairs["duration"]),
-                float(pairs["slowdown"]),
+        required, optional = {"worker", "start", "duration"}, {"every"}
+        kinds = {"slowdown", "delay_ms"} & set(pairs)
+        unknown = set(pairs) - required - optional - {"slowdown", "delay_ms"}
+        if not required <= set(pairs) or len(kinds) != 1 or unknown:
+            raise SpecError(
+                name,
+                "needs worker, start, duration and exactly one of slowdown (CPU) or delay_ms (network), "
+                f"optionally every; got {sorted(pairs)}; e.g. {cls.EXAMPLE}",
             )
+        try:
+            values = {k: int(v) if k == "worker" else float(v) for k, v in pairs.items()}
         except ValueError:
             raise SpecError(name, f"values must be numbers: {text!r}") from None
-        if spec.worker < 0 or spec.start < 0 or spec.duration <= 0 or spec.slowdown <= 1:
-            raise SpecError(name, "needs worker >= 0, start >= 0, duration > 0 and slowdown > 1")
+        spec = cls(**values)
+        if spec.worker < 0 or spec.start < 0 or spec.duration <= 0:
+            raise SpecError(name, "needs worker >= 0, start >= 0 and duration > 0")
+        if spec.slowdown is not None and spec.slowdown <= 1:
+            raise SpecError(name, f"slowdown must be > 1 (times slower), got {spec.slowdown:g}")
+        if spec.delay_ms is not None and not 0 < spec.delay_ms <= 10_000:
+            raise SpecError(name, f"delay_ms must be in (0, 10000] ms per round trip, got {spec.delay_ms:g}")
+        if spec.every is not None and spec.every <= spec.duration:
+            raise SpecError(
+                name, f"every ({spec.every:g} s) must be longer than duration ({spec.duration:g} s)"
+            )
         return spec
 
     def to_text(self) -> str:
-        return (
-            f"worker={self.worker},start={self.start:g},duration={self.duration:g},slowdown={self.slowdown:g}"
-        )
+        text = f"worker={self.worker},start={self.start:g},duration={self.duration:g},"
+        text += f"delay_ms={self.delay_ms:g}" if self.delay_ms is not None else f"slowdown={self.slowdown:g}"
+        return text + (f",every={self.every:g}" if self.every is not None else "")
+
+    def episodes(self, reference: float) -> Iterator[tuple[float, float]]:
+        """(start, end) wall times of each slow episode: one, or one every ``every`` s without end."""
+        start = reference + self.start
+        while True:
+            yield start, start + self.duration
+            if self.every is None:
+                return
+            start += self.every
 
 
 @dataclass(frozen=True)
@@ -334,6 +372,12 @@ class JobSpec:
             if s.worker >= self.num_workers:
                 raise SpecError(
                     "stragglers", f"worker {s.worker} does not exist; workers are 0..{self.num_workers - 1}"
+                )
+            if s.kind == "network" and self.cluster_backend == "local":
+                raise SpecError(
+                    "stragglers",
+                    f"{s.to_text()!r}: a network straggler (delay_ms) delays a host's link, and every node "
+                    "of cluster_backend 'local' shares one host; use cluster_backend 'hosts' or 'gce'",
                 )
         if not self.bucket_dir:
             raise SpecError("bucket_dir", "must be a local folder or a gs://bucket/prefix URI")

@@ -23,6 +23,7 @@ from syncswitch import checkpoints, storage
 from syncswitch.events import EventWriter
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
 from syncswitch.layout import RunLayout
+from syncswitch.peers import PeerProbe
 from syncswitch.spec import SegmentSpec, switch_config
 
 LOG_INTERVAL_SECONDS = 1.0
@@ -497,8 +498,8 @@ def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, float]
 class WorkerTimer:
     """Per-worker `worker_step` events (the straggler detector's input), averaged over ~0.25 s."""
 
-    def __init__(self, events: EventWriter, worker: int) -> None:
-        self.events, self.worker = events, worker
+    def __init__(self, events: EventWriter, worker: int, probe: PeerProbe | None = None) -> None:
+        self.events, self.worker, self.probe = events, worker, probe
         self._steps: list[tuple[float, float, float]] = []
         self._last_emit = time.monotonic()
         self._global_step = 0.0
@@ -527,6 +528,7 @@ class WorkerTimer:
             step_time=step_time,
             compute_time=compute_time,
             wait_time=wait_time,
+            **({"peer_rtt": self.probe.rtt} if self.probe is not None and self.probe.rtt is not None else {}),
         )
         self._steps.clear()
         self._last_emit = time.monotonic()

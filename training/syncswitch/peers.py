@@ -1,0 +1,57 @@
+"""Each BSP worker's round trip to its peers: the straggler signal of a slow link.
+
+In lockstep a slow link does not raise the straggling worker's own compute time (every worker waits
+in the all-reduce alike), so the detector also needs to know whose link is slow. A worker times a TCP
+connect (one SYN / SYN-ACK round trip) to each peer's TensorFlow server every second. A worker with
+a slow link sees it to every peer; a healthy worker only towards the slow one, so the minimum over
+the peers singles out the straggler (with at least three workers; two see the same link).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+PROBE_INTERVAL_SECONDS = 1.0
+CONNECT_TIMEOUT_SECONDS = 2.0
+
+
+class PeerProbe:
+    """Times a TCP connect to each of ``peers`` ("host:port") every second on a daemon thread;
+    ``rtt`` is the latest round's minimum over the peers, in seconds (None before the first)."""
+
+    def __init__(self, peers: list[str]) -> None:
+        self.peers = [(host, int(port)) for host, _, port in (p.rpartition(":") for p in peers)]
+        self.rtt: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-probe", daemon=True)
+
+    def start(self) -> PeerProbe:
+        if self.peers:
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_SECONDS):
+            times = [t for t in map(self._connect_time, self.peers) if t is not None]
+            if times:
+                self.rtt = min(times)
+
+    @staticmethod
+    def _connect_time(peer: tuple[str, int]) -> float | None:
+        started = time.perf_counter()
+        try:
+            with socket.create_connection(peer, timeout=CONNECT_TIMEOUT_SECONDS):
+                return time.perf_counter() - started
+        except OSError:  # a peer that is gone or not listening yet says nothing about the link
+            return None
+
+
+def bsp_peers(tf_config: dict, task: int) -> list[str]:
+    """The other BSP workers' addresses, from TF_CONFIG."""
+    workers = tf_config.get("cluster", {}).get("worker", [])
+    return [address for i, address in enumerate(workers) if i != task]
