@@ -6,8 +6,16 @@ elastic, and once without a straggler (greedy) to count false switches.
     .venv/bin/python bench/bench_policies.py --reference        # also: no policy, no straggler
     .venv/bin/python bench/bench_policies.py -- --total-steps 2000 --bsp-fraction 0.5
                                          # flags after -- follow the default job flags (later flags win)
+    .venv/bin/python bench/bench_policies.py --testbed --policies none greedy
+                                         # network straggler: 1 PS + 3 workers, each on a testbed
+                                         # host, worker 1's link +30 ms per round trip (issue 10)
 
-Every run is one `syncswitch run --json-only` on the local backend, one after the other on the same
+With --testbed (root) the cluster is the hosts backend on a 5-host network-namespace testbed
+(scripts/testbed.py: chief, three workers, a parameter server) with checkpoints in a GCS emulator on
+the testbed's gateway, and the default job is the digits CNN, whose BSP a 30 ms link slows about
+fivefold. Otherwise every run is on the local backend.
+
+Every run is one `syncswitch run --json-only`, one after the other on the same
 embedded Airflow (kept up between runs, stopped at the end). "time" is the DAG run wall (trigger ->
 run finished); "speed-up" is the no-policy run's time over this run's. Switches are the online
 decisions that changed the plan (state.json ``decisions`` with action switch / switch_back); without a
@@ -17,11 +25,15 @@ straggler every switch is a false one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from _common import (
@@ -39,6 +51,7 @@ from _common import (
     tail,
 )
 
+PROJECT_DIR = Path(__file__).resolve().parents[1]
 SPEEDUP_GOAL = 1.1
 RUN_TIMEOUT_SECONDS = 2 * 3600.0
 SWITCH_ACTIONS = ("switch", "switch_back")
@@ -63,6 +76,25 @@ DEFAULT_JOB_FLAGS = (
     "0.8",
 )
 DEFAULT_STRAGGLER = "worker=1,start=60,duration=300,slowdown=6"
+# --testbed: the network straggler of the original (tc netem delay on one worker's link). Digits
+# suffices here: a slow link costs BSP several round trips per step, ASP only the slow worker's own.
+TESTBED_JOB_FLAGS = (
+    "--problem",
+    "digits",
+    "--model",
+    "cnn",
+    "--switch-order",
+    "10",
+    "--train-steps",
+    "2000",
+    "200",
+    "--ckpt-frequency",
+    "200",
+    "--num-ps",
+    "1",
+)
+TESTBED_STRAGGLER = "worker=1,start=20,duration=3600,delay_ms=30"
+TESTBED_ROLES = ("chief", "worker", "worker", "worker", "ps")
 
 
 @dataclass(frozen=True)
@@ -85,7 +117,7 @@ class Outcome:
     error: str | None = None
 
 
-def cases(reference: bool) -> list[Case]:
+def cases(reference: bool, policies: list[str]) -> list[Case]:
     chosen = [
         Case("no policy, straggler", "none", True),
         Case("greedy, straggler", "greedy", True),
@@ -94,7 +126,7 @@ def cases(reference: bool) -> list[Case]:
     ]
     if reference:
         chosen.append(Case("no policy, no straggler", "none", False))
-    return chosen
+    return [c for c in chosen if c.policy in policies]
 
 
 # ---- running ---------------------------------------------------------------------------------------
@@ -234,14 +266,49 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         epilog=f"Arguments after -- are `syncswitch run` flags added after the default job flags "
         f"({' '.join(DEFAULT_JOB_FLAGS)}); a later flag wins.",
     )
-    p.add_argument(
-        "--straggler", default=DEFAULT_STRAGGLER, help="the transient straggler (syncswitch run form)"
-    )
+    p.add_argument("--straggler", help="the transient straggler (syncswitch run form)")
     p.add_argument("--reference", action="store_true", help="also run: no policy, no straggler")
+    p.add_argument("--policies", nargs="+", default=["none", "greedy", "elastic"], help="which to run")
+    p.add_argument("--testbed", action="store_true", help="hosts backend on a testbed, network straggler")
     add_airflow_home_argument(p)
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
     own, extra = split_passthrough(argv)
-    return p.parse_args(own), [*DEFAULT_JOB_FLAGS, *extra]
+    args = p.parse_args(own)
+    args.straggler = args.straggler or (TESTBED_STRAGGLER if args.testbed else DEFAULT_STRAGGLER)
+    return args, [*(TESTBED_JOB_FLAGS if args.testbed else DEFAULT_JOB_FLAGS), *extra]
+
+
+@contextlib.contextmanager
+def testbed_cluster() -> Iterator[list[str]]:
+    """A 5-host testbed and a GCS emulator on its gateway (this process's storage, and what the
+    embedded Airflow started below inherits); yields the `syncswitch run` flags of that cluster."""
+    sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "tests")]
+    import testbed as tb
+    from conftest import GcsEmulator, _free_port
+    from syncswitch import storage
+    from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV
+
+    reason = tb.ensure_prerequisites()
+    if reason:
+        raise BenchError(f"--testbed needs the testbed: {reason}")
+    bed = tb.Testbed(f"bp{os.getpid() % 10000}", len(TESTBED_ROLES))
+    hosts = bed.up()
+    gcs_root = Path(tempfile.mkdtemp(prefix="bench-policies-gcs-"))
+    gcs = GcsEmulator(gcs_root, _free_port(), host=bed.gateway)
+    gcs.start()
+    os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+    os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
+    try:
+        bucket = f"bench-policies-{uuid.uuid4().hex[:8]}"
+        storage.gcs_client().create_bucket(bucket)
+        flags = ["--cluster-backend", "hosts", "--bucket-dir", f"gs://{bucket}/runs"]
+        for host, role in zip(hosts, TESTBED_ROLES, strict=True):
+            flags += ["--host", f"address={host.address},key={bed.key_path},role={role},name={host.name}"]
+        yield flags
+    finally:
+        gcs.stop()
+        bed.down()
+        shutil.rmtree(gcs_root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,8 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = tempfile.mkdtemp(prefix="bench-policies-")
     outcomes: list[Outcome] = []
     failed = False
+    with contextlib.ExitStack() as stack:
+        if args.testbed:
+            job_flags = [*job_flags, *stack.enter_context(testbed_cluster())]
+        failed = run_cases(args, job_flags, work_dir, outcomes)
+    print_report(outcomes, job_flags, args, machine)
+    return 1 if failed else 0
+
+
+def run_cases(args: argparse.Namespace, job_flags: list[str], work_dir: str, outcomes: list[Outcome]) -> bool:
+    """Every chosen case, one after the other on one embedded Airflow; True if any failed."""
+    failed = False
     try:
-        for case in cases(args.reference):
+        for case in cases(args.reference, args.policies):
             load = load_1m()
             log(f"{case.name}: starting (load {load:.1f})")
             try:
@@ -270,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"run folders and logs kept in {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
-    print_report(outcomes, job_flags, args, machine)
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

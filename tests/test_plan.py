@@ -124,3 +124,16 @@ def test_entry_by_slot() -> None:
 def test_check_catches_broken_plans(broken: list[dict], message: str) -> None:
     with pytest.raises(PlanError, match=message):
         plans.check(broken)
+
+
+def test_straggler_specs_of_both_kinds_round_trip_and_repeat() -> None:
+    from itertools import islice
+
+    from syncswitch.spec import StragglerSpec
+
+    cpu = StragglerSpec.parse("worker=1,start=20,duration=60,slowdown=4")
+    network = StragglerSpec.parse({"worker": 2, "start": 5, "duration": 10, "delay_ms": 30, "every": 60})
+    assert [StragglerSpec.parse(s.to_text()) for s in (cpu, network)] == [cpu, network]
+    assert (cpu.kind, cpu.describe(), network.kind, network.describe()) == ("cpu", "x4", "network", "+30 ms")
+    assert list(cpu.episodes(1000.0)) == [(1020.0, 1080.0)]
+    assert list(islice(network.episodes(1000.0), 3)) == [(1005.0, 1015.0), (1065.0, 1075.0), (1125.0, 1135.0)]

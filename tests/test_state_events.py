@@ -185,6 +185,36 @@ def test_a_long_stream_goes_on_in_bounded_parts_that_every_reader_sees(
     assert list((tmp_path / "buffers").glob("events-*")) == [], "a part's local buffer was left"
 
 
+def test_a_long_stream_stays_under_its_budget_by_thinning_old_timings_only(
+    layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Days of events in a bounded stream: old parts lose every other worker_step / step event, the
+    oldest the most (down to a few per part); checkpoints and the other rare events all stay, and so
+    does recent history."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "buffers"))
+    (tmp_path / "buffers").mkdir()
+    part, budget = 20_000, 100_000
+    with _writer(layout, "worker", 1, flush_seconds=0.05, part_bytes=part, stream_bytes=budget) as writer:
+        for i in range(6000):
+            writer.emit("worker_step", worker=1, global_step=float(i), step_time=0.01, compute_time=0.01)
+            if i % 100 == 0:
+                writer.emit("checkpoint", global_step=float(i), uri=f"ckpt-{i}")
+    files = storage.list_files(layout.metrics)
+    texts = [storage.read_text(uri) for uri in files]
+    line = max(len(t) for text in texts for t in text.splitlines(keepends=True))
+    floor = len(files) * events.MIN_TIMINGS_PER_PART * line
+    assert len(files) > 50 and sum(map(len, texts)) <= budget + part + floor  # unthinned: ~1.4 MB
+    kept = events.read_events(layout.metrics)
+    checkpoints = [r["global_step"] for r in kept if r["event"] == "checkpoint"]
+    assert checkpoints == [float(i) for i in range(0, 6000, 100)]  # every rare event stays
+    steps = [r["global_step"] for r in kept if r["event"] == "worker_step"]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert steps[-150:] == [float(i) for i in range(5850, 6000)]  # recent history is whole
+    for text in texts[:-10]:  # no stretch of the run vanishes: every part keeps a few timings
+        assert text.count('"worker_step"') >= events.MIN_TIMINGS_PER_PART
+    assert list((tmp_path / "buffers").glob("events-*")) == [], "a part's local buffer was left"
+
+
 def test_new_read_and_update_state(layout: RunLayout) -> None:
     assert state.read_state(layout) is None
     initial = state.new_state(layout, "run-1", {"job_name": "resnet-cifar", "total_steps": 100})

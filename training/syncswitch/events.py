@@ -65,6 +65,14 @@ EVENT_TYPES = (
 
 
 PART_BYTES = 4 * 1024 * 1024  # an event file's size before its writer goes on in a new part
+STREAM_BYTES = 64 * 1024 * 1024  # what one process's finished parts may hold in all
+# High-rate timings, thinned in old parts to keep a stream under STREAM_BYTES; every other event
+# (segment start and end, checkpoints, evaluations, stragglers...) is kept whole.
+THINNED_EVENTS = ("worker_step", "step")
+# A thinned part keeps at least this many of them (about 1 kB, 1/4000 of a part), so no stretch of a
+# run's history vanishes: a stream is bounded by STREAM_BYTES plus that much per part.
+MIN_TIMINGS_PER_PART = 4
+_THINNED_PREFIXES = tuple(f'{{"event": "{name}"'.encode() for name in THINNED_EVENTS)
 
 
 def part_uri(uri: str, part: int) -> str:
@@ -83,9 +91,15 @@ class EventWriter:
     ``flush_seconds``; ``close()`` uploads the last time. Training never waits for the bucket: during
     an outage the uploader logs once, keeps every event in the local file and tries again later.
 
-    A stream goes on in a new part file (``part_uri``) once its current one holds ``part_bytes``: a
-    finished part is uploaded one last time and never again, so a flush of a days-long job uploads at
-    most one part, and no event file grows without bound. Readers take every ``.jsonl`` of a folder.
+    A stream goes on in a new part file (``part_uri``) once its current one holds ``part_bytes``, so
+    a flush of a days-long job uploads one part (and a thinned one now and then), and no event file
+    grows without bound. Nor does the stream: once its finished parts hold more than
+    ``stream_bytes``, every other high-rate timing event (``THINNED_EVENTS``) is dropped from the
+    oldest finished parts first (down to MIN_TIMINGS_PER_PART each), again at every new part while
+    needed: recent history stays whole and the oldest is the most thinned, as TensorBoard
+    downsamples long scalar series. Thinning
+    rewrites a finished part in place (and uploads it again); a reader that was part-way into that
+    part (more than a part behind) may see a few events twice. Readers take every ``.jsonl`` of a folder.
     """
 
     def __init__(
@@ -99,6 +113,7 @@ class EventWriter:
         task: int,
         flush_seconds: float = 2.0,
         part_bytes: int = PART_BYTES,
+        stream_bytes: int = STREAM_BYTES,
     ) -> None:
         self.uri = uri
         self._common = {
@@ -110,8 +125,9 @@ class EventWriter:
         }
         self._lock = threading.Lock()
         self._remote = storage.is_remote(uri)
-        self._part, self._part_bytes = 0, part_bytes
-        self._finished: list[tuple[str, str]] = []  # (local file, uri) of remote parts to upload last
+        self._part, self._part_bytes, self._stream_bytes = 0, part_bytes, stream_bytes
+        self._closed: list[tuple[str, str]] = []  # (local file, uri) of every finished part, oldest first
+        self._finished: list[tuple[str, str]] = []  # (local file, uri) of remote parts to upload again
         self._open_part()
         self._flush_seconds = flush_seconds
         self._dirty = threading.Event()
@@ -143,12 +159,32 @@ class EventWriter:
             self._written += len(line)
             if self._written >= self._part_bytes:
                 self._file.close()
+                self._closed.append((self._local_path, self._uri))
                 if self._remote:
                     self._finished.append((self._local_path, self._uri))
                 self._part += 1
                 self._open_part()
+                self._thin_closed_parts()
         self._dirty.set()
         return record
+
+    def _thin_closed_parts(self) -> None:
+        """Halve the timing events of finished parts, oldest first, until they fit ``stream_bytes``
+        (or hold nothing more to thin). Called under the lock, once per new part."""
+        total = sum(os.path.getsize(local) for local, _ in self._closed)
+        while total > self._stream_bytes:
+            thinned = False
+            for part in self._closed:
+                if total <= self._stream_bytes:
+                    break
+                before = os.path.getsize(part[0])
+                if _thin_file(part[0]):
+                    thinned = True
+                    total -= before - os.path.getsize(part[0])
+                    if self._remote and part not in self._finished:
+                        self._finished.append(part)
+            if not thinned:
+                return
 
     def _upload_loop(self) -> None:
         failing = False
@@ -177,7 +213,6 @@ class EventWriter:
             storage.upload_file(local, uri, retry_seconds=retry_seconds)
             with self._lock:
                 self._finished.remove((local, uri))
-            os.unlink(local)
         storage.upload_file(*current, retry_seconds=retry_seconds)
 
     def close(self) -> None:
@@ -189,13 +224,31 @@ class EventWriter:
             self._closing.set()
             self._uploader.join()
             self._upload()  # the last upload waits out an outage
-            os.unlink(self._local_path)
+            for local in [self._local_path, *(local for local, _ in self._closed)]:
+                os.unlink(local)
 
     def __enter__(self) -> EventWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _thin_file(path: str) -> bool:
+    """Drop every other timing event of a finished part holding more than MIN_TIMINGS_PER_PART of
+    them; True if any went."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    timings = [i for i, line in enumerate(lines) if line.startswith(_THINNED_PREFIXES)]
+    if len(timings) <= MIN_TIMINGS_PER_PART:
+        return False
+    dropped = set(timings[1::2][: len(timings) - MIN_TIMINGS_PER_PART])
+    kept = b"".join(line for i, line in enumerate(lines) if i not in dropped)
+    temporary = f"{path}.thinning"
+    with open(temporary, "wb") as f:
+        f.write(kept)
+    os.replace(temporary, path)  # a reader sees the old part or the thinned one, never half of it
+    return True
 
 
 def parse_lines(text: str) -> Iterator[dict[str, Any]]:
