@@ -92,6 +92,10 @@ TESTBED_JOB_FLAGS = (
     "200",
     "--num-ps",
     "1",
+    # Three workers at least: the detector names a slow link by each worker's smallest round trip to
+    # a peer, and with two workers both see the same link.
+    "--num-worker",
+    "3",
 )
 TESTBED_STRAGGLER = "worker=1,start=20,duration=3600,delay_ms=30"
 TESTBED_ROLES = ("chief", "worker", "worker", "worker", "ps")

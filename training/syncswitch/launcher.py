@@ -392,14 +392,18 @@ class SegmentCluster:
         fork server, restores the link when its time is up, on SIGTERM, or when its lease is lost."""
         address = forkserver.split_address(node.address)[0]
         argv = ["--address", address, "--delay-ms", f"{straggler.delay_ms:g}"]
-        shaper = forkserver.fork_node(
-            node.server,
-            [*argv, "--duration", f"{end - time.time():.3f}"],
-            env={},
-            log=os.path.join(os.path.dirname(node.log_path), f"linkdelay-{straggler.worker}.log"),
-            name=f"ss-linkdelay-{straggler.worker}",
-            program="linkdelay",
-        )
+        try:
+            shaper = forkserver.fork_node(
+                node.server,
+                [*argv, "--duration", f"{end - time.time():.3f}"],
+                env={},
+                log=os.path.join(os.path.dirname(node.log_path), f"linkdelay-{straggler.worker}.log"),
+                name=f"ss-linkdelay-{straggler.worker}",
+                program="linkdelay",
+            )
+        except forkserver.ForkServerUnavailable as exc:
+            self._log(f"straggler: could not delay worker {straggler.worker}'s link: {exc}")
+            return
         while shaper.poll() is None:
             if self._stop_injection.wait(0.5):
                 shaper.terminate()
