@@ -291,7 +291,7 @@ def _mangle(action: str, interface: str) -> list[str]:
 
 
 def _our_rules() -> list[str]:
-    """Our leftover rules as ``iptables -D`` arguments (the interface each names)."""
+    """The interfaces that our leftover NFQUEUE rules name."""
     done = _run([*_tool("iptables"), "-w", "-t", "mangle", "-S", "PREROUTING"], check=False)
     interfaces = []
     for line in done.stdout.splitlines():
@@ -318,6 +318,8 @@ def clear() -> list[str]:
 
 
 def _apply_netem(interface: str, delay_ms: float) -> bool:
+    # Replaces the interface's root qdisc; deleting ours later puts the kernel's default back (a
+    # hand-made root qdisc, e.g. a rate limit, is not restored).
     add = [*_tool("tc"), "qdisc", "replace", "dev", interface, "root", "handle", NETEM_HANDLE]
     return _run([*add, "netem", "delay", f"{delay_ms:g}ms"], check=False).returncode == 0
 
