@@ -34,6 +34,9 @@ from syncswitch.trainer import (
     steps_per_execution_event,
 )
 
+# A call's wall time at most, when steps per call are automatic: workers report timings once per call.
+MAX_CALL_SECONDS = 1.0
+
 
 def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     """One MultiWorkerMirroredStrategy worker. Returns the segment result on the chief."""
@@ -109,7 +112,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     probe = PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)).start()
     worker_timer = WorkerTimer(events, ctx.task, probe=probe)
     stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
-    executions, step_seconds, last_wall = 0, None, 0.0
+    executions, step_seconds, wall_per_step, last_wall = 0, None, None, 0.0
 
     def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
         if not ctx.is_chief:
@@ -121,7 +124,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     try:
         while samples < until_samples:
             step = samples // global_batch
-            k = 1 if executions < WARMUP_EXECUTIONS + 1 else steps_per_execution(hp, step_seconds)
+            k = 1 if executions < WARMUP_EXECUTIONS + 1 else _steps_per_call(hp, step_seconds, wall_per_step)
             count = min(k, spec.until_step - step, _steps_to_checkpoint(spec.ckpt_frequency, step))
             vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
             called = time.perf_counter()
@@ -146,10 +149,9 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             samples += count * global_batch
             updates += count
             if executions > 2:  # the first call traces the graph; the second reports its wall time
-                # The in-graph step time misses what a slow link adds between steps (a delayed peer
-                # holds the collective's launch), so the previous call's wall time per step counts
-                # too. Both are all-reduced: every worker takes the same k, or the collectives part.
-                measured = max(all_seconds / (count * spec.num_workers), all_wall / spec.num_workers)
+                # Both are all-reduced: every worker takes the same k, or the collectives part.
+                measured = all_seconds / (count * spec.num_workers)
+                wall_per_step = all_wall / spec.num_workers
                 if step_seconds is None and not hp.steps_per_execution and reporter is not None:
                     steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
                 step_seconds = measured
@@ -194,6 +196,18 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         if stop_signal is not None:
             stop_signal.close()
         events.close()
+
+
+def _steps_per_call(hp: Any, step_seconds: float | None, wall_per_step: float | None) -> int:
+    """Steps per call: sized on the in-graph step time (the per-call overhead is amortized), and
+    capped so that a call's wall time stays under MAX_CALL_SECONDS when automatic. A slow link adds
+    its delays between the in-graph timestamps (a delayed peer holds the collective's launch): there
+    a call sized on in-graph time took 3.5 s, and each worker's timings, reported once per call, came
+    too rarely for the straggler detector's 5 s windows."""
+    k = steps_per_execution(hp, step_seconds)
+    if hp.steps_per_execution or not wall_per_step:
+        return k
+    return max(1, min(k, int(MAX_CALL_SECONDS / wall_per_step)))
 
 
 def _steps_to_checkpoint(frequency: int, step: int) -> int:
