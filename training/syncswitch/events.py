@@ -210,9 +210,11 @@ class EventWriter:
         with self._lock:
             finished, current = list(self._finished), (self._local_path, self._uri)
         for local, uri in finished:
+            version = os.stat(local).st_mtime_ns
             storage.upload_file(local, uri, retry_seconds=retry_seconds)
             with self._lock:
-                self._finished.remove((local, uri))
+                if os.stat(local).st_mtime_ns == version:  # else thinned meanwhile: upload it again
+                    self._finished.remove((local, uri))
         storage.upload_file(*current, retry_seconds=retry_seconds)
 
     def close(self) -> None:
