@@ -31,6 +31,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV, HostsBackend
+from test_testbed import _connect as connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import testbed as tb  # noqa: E402
@@ -244,18 +245,9 @@ def xcoms(dag_run: Any) -> list[Any]:  # noqa: ANN401
 
 def connect_ms(bed: tb.Testbed, source: tb.TestHost, target: tb.TestHost) -> float:
     """The smallest of five TCP connects from ``source`` to ``target``'s sshd, in ms."""
-    probe = (
-        "import socket, sys, time\n"
-        "best = 1e9\n"
-        "for _ in range(5):\n"
-        "    t = time.perf_counter()\n"
-        "    socket.create_connection((sys.argv[1], 22), timeout=5).close()\n"
-        "    best = min(best, time.perf_counter() - t)\n"
-        "print(best * 1000)\n"
-    )
-    done = bed.exec(source, [sys.executable, "-c", probe, target.address], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return float(done.stdout)
+    result = connect(bed, source, target.address, tb.SSH_PORT, count=5, timeout=5.0)
+    assert isinstance(result, float), f"{source.name} -> {target.name}: {result}"
+    return result
 
 
 def linkdelay_rules(bed: tb.Testbed, host: tb.TestHost) -> list[str]:

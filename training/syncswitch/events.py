@@ -97,9 +97,9 @@ class EventWriter:
     ``stream_bytes``, every other high-rate timing event (``THINNED_EVENTS``) is dropped from the
     oldest finished parts first (down to MIN_TIMINGS_PER_PART each), again at every new part while
     needed: recent history stays whole and the oldest is the most thinned, as TensorBoard
-    downsamples long scalar series. Thinning
-    rewrites a finished part in place (and uploads it again); a reader that was part-way into that
-    part (more than a part behind) may see a few events twice. Readers take every ``.jsonl`` of a folder.
+    downsamples long scalar series. Thinning rewrites a finished part in place (and uploads it
+    again); a reader that was part-way into that part (more than a part behind) may see a few events
+    twice. Readers take every ``.jsonl`` of a folder.
     """
 
     def __init__(

@@ -323,9 +323,12 @@ class SegmentCluster:
             node.process.kill()
             os.unlink(request)
 
+    def _worker(self, task: int) -> Node | None:
+        return next((n for n in self.nodes if n.role == "worker" and n.task == task), None)
+
     def _check_stragglers(self) -> None:
         for straggler in self.spec.stragglers:
-            node = next((n for n in self.nodes if n.role == "worker" and n.task == straggler.worker), None)
+            node = self._worker(straggler.worker)
             if straggler.kind == "network" and node is not None and node.address.startswith("127."):
                 raise ValueError(
                     f"straggler {straggler.to_text()!r}: a network straggler delays its worker's host link, "
@@ -335,7 +338,7 @@ class SegmentCluster:
     def _start_injectors(self) -> None:
         reference = self.spec.straggler_reference_time or self.launched_at
         for straggler in self.spec.stragglers:
-            node = next((n for n in self.nodes if n.role == "worker" and n.task == straggler.worker), None)
+            node = self._worker(straggler.worker)
             if node is None:
                 continue
             thread = threading.Thread(
