@@ -42,10 +42,10 @@ class ComputeHook(ComputeEngineHook):
         return super().get_client_options(api_endpoint_override or self.api_endpoint or None)
 
     def get_conn(self) -> Any:
-        """The discovery client the provider's own methods wait on operations with; its base URL
-        includes the path. Ours do not use it: it holds one httplib2 connection, which is not
-        thread-safe, and the backend creates and deletes VMs from several threads at once (two
-        threads' polls on it have read each other's answers: IncompleteRead)."""
+        """The provider's discovery client, pointed at our endpoint (its base URL includes the path).
+        Nothing of ours waits on it: it holds one httplib2 connection, which is not thread-safe, and
+        the backend creates and deletes VMs from several threads at once (two threads' polls on it
+        have read each other's answers: IncompleteRead). See ``_wait_for_operation_to_complete``."""
         if not self.api_endpoint:
             return super().get_conn()
         if not self._conn:
@@ -57,6 +57,16 @@ class ComputeHook(ComputeEngineHook):
                 client_options={"api_endpoint": f"{self.api_endpoint}/compute/{self.api_version}/"},
             )
         return self._conn
+
+    def _wait_for_operation_to_complete(
+        self, project_id: str, operation_name: str, zone: str | None = None
+    ) -> None:
+        """The provider's ``insert_instance`` (and its other writes) wait here; its own version polls
+        through ``get_conn``'s shared connection. Ours gives each wait a client of its own."""
+        if zone is None:
+            self.wait_global_operation(operation_name, project_id)
+        else:
+            self.wait_zone_operation(operation_name, zone, project_id)
 
     def _client(self, cls: type) -> Any:
         return cls(credentials=self.get_credentials(), client_options=self.get_client_options())
