@@ -148,9 +148,18 @@ class EmbeddedAirflow:
             "API__WORKERS": "1",
             # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24
             # cores at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers
-            # wake it between sleeps; bench/bench_airflow_cpu.py). Segments end from the triggerer
-            # (no task process to resume), which pays for the longer sleep.
+            # wake it between sleeps: see below; bench/bench_airflow_cpu.py). Segments end from the
+            # triggerer (no task process to resume), which pays for the longer sleep.
             "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0",
+            # Each scheduler timer that comes due between two idle sleeps cuts the sleep short: one
+            # more whole scheduling loop. These four came due ~13 times a minute; relaxed, ~3. No
+            # deferral of ours has a timeout, a dead task is failed after 120 s anyway (below), and
+            # stale DAGs (the dag-processor's check too), orphaned assets and connection tests can
+            # wait minutes.
+            "SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "60",
+            "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "30",
+            "SCHEDULER__PARSING_CLEANUP_INTERVAL": "300",
+            "CONNECTION_TEST__REAPER_INTERVAL": "300",
             # Look for new DAG files every minute but reparse a known file only every 10 minutes:
             # each parse imports the operators, CPU that training needs on 2 cores. start()
             # reserializes, so a fresh start (every `syncswitch run`) sees the current DAG files.
