@@ -215,3 +215,38 @@ def test_provisioning_a_second_local_cluster_waits_for_the_first(tmp_path: Path)
     second = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
     backend.teardown(second)
     assert backend.capacity().holders() == []
+
+
+def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run abandoned with its Airflow (or a machine restarted with /tmp kept) never tears down: its
+    folder stays, and without a liveness check every later run would wait for the slot forever."""
+    import json
+
+    from syncswitch import forkserver
+    from syncswitch.procs import is_alive
+    from syncswitch_airflow.backends import ClusterBusy, ClusterCapacity
+
+    backend = LocalBackend(str(tmp_path / "work"))
+    job = JobSpec(job_name="cap")
+    abandoned = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r1")))
+    second = None
+    monkeypatch.setattr(ClusterCapacity, "STALE_SECONDS", 0.0)
+    try:
+        with pytest.raises(ClusterBusy):  # its fork server lives: the slot is held however old
+            backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
+        pid = json.loads(Path(abandoned["forkserver_dir"], forkserver.PID_FILE).read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not is_alive(pid), timeout=10, what="the fork server to die")
+        assert os.path.isdir(abandoned["work_dir"])
+        second = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
+        assert backend.capacity().holders() == ["r2"]
+        backend.teardown(abandoned)  # the abandoned run's late teardown leaves r2's slot alone
+        assert backend.capacity().holders() == ["r2"]
+    finally:
+        backend.teardown(abandoned)
+        if second is not None:
+            backend.teardown(second)
+    assert backend.capacity().holders() == []
+    assert_no_processes(re.escape(str(tmp_path / "work")), timeout=10)

@@ -9,14 +9,18 @@ all act on the same cluster.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
+
+log = logging.getLogger(__name__)
 
 Handle = dict[str, Any]
 
@@ -55,16 +59,23 @@ class ClusterCapacity:
     a backfill's many active runs alike (a backfill's own max_active_runs is not capped by the DAG's).
 
     One lease file per slot in ``folder``; a run holds one from provisioning to teardown. Creating the
-    file exclusively is the lock, so two provisioning tasks never take one slot. A lease whose
-    cluster folder no longer exists (the holder tore down, or was never provisioned, but died before
-    releasing) is free again after ``STALE_SECONDS``.
+    file exclusively is the lock, so two provisioning tasks never take one slot. A lease whose cluster
+    is gone is free again once it is ``STALE_SECONDS`` old: its folder no longer exists (the holder
+    tore down, or was never provisioned, but died before releasing), or ``cluster_alive(lease)`` says
+    none of it runs (a run abandoned with its Airflow, a machine restarted with the folder kept).
     """
 
     STALE_SECONDS = 120.0
 
-    def __init__(self, folder: str | os.PathLike[str], capacity: int) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        capacity: int,
+        cluster_alive: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
         self.folder = Path(folder)
         self.capacity = max(int(capacity), 1)
+        self.cluster_alive = cluster_alive
 
     def acquire(self, run: str, cluster_dir: str) -> bool:
         """Take a free slot for ``run`` (True; also when it holds one already), or False if all are taken."""
@@ -127,8 +138,13 @@ class ClusterCapacity:
             lease = json.loads(path.read_text())
         except (OSError, ValueError):
             return
-        old = time.time() - float(lease.get("acquired_at", 0)) > self.STALE_SECONDS
-        if old and not os.path.isdir(lease.get("cluster_dir", "")):
+        if time.time() - float(lease.get("acquired_at", 0)) <= self.STALE_SECONDS:
+            return  # provisioning may still be under way
+        gone = not os.path.isdir(lease.get("cluster_dir", "")) or (
+            self.cluster_alive is not None and not self.cluster_alive(lease)
+        )
+        if gone:
+            log.warning("%s: the cluster of run %s is gone; slot freed", path.name, lease.get("run"))
             path.unlink(missing_ok=True)
 
 

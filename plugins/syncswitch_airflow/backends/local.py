@@ -29,7 +29,7 @@ from typing import Any
 
 from syncswitch import forkserver, supervise
 from syncswitch.layout import RunLayout
-from syncswitch.procs import mem_available_gb
+from syncswitch.procs import mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
@@ -76,7 +76,9 @@ class LocalBackend:
     # ---- cluster ---------------------------------------------------------------------------------
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity(os.path.join(self.work_root, "leases"), int(os.environ.get(CAPACITY_ENV, "1")))
+        return ClusterCapacity(
+            os.path.join(self.work_root, "leases"), int(os.environ.get(CAPACITY_ENV, "1")), _cluster_alive
+        )
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
         """Take a cluster slot (ClusterBusy when none is free), then the cluster's folder and its fork
@@ -217,3 +219,10 @@ class LocalBackend:
                 len(outcome["stopped"]),
             )
         return outcome["stopped"]
+
+
+def _cluster_alive(lease: dict[str, Any]) -> bool:
+    """A local cluster lives while its fork server or any process of it does."""
+    cluster_dir = lease.get("cluster_dir", "")
+    server = forkserver.status(os.path.join(cluster_dir, "forkserver"))
+    return server != forkserver.ABSENT or bool(processes_with_env(CLUSTER_ENV, cluster_dir))
