@@ -58,8 +58,8 @@ def folder_bytes(path: Path, pattern: str = "**/*") -> int:
 class Sampler:
     """Samples memory and disk in a thread until stopped."""
 
-    def __init__(self, airflow: Any, runs_root: Path, every: float) -> None:
-        self.airflow, self.runs_root, self.every = airflow, runs_root, every
+    def __init__(self, airflow: Any, runs_root: Path, every: float, out: Path | None = None) -> None:
+        self.airflow, self.runs_root, self.every, self.out = airflow, runs_root, every, out
         self.samples: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -75,7 +75,11 @@ class Sampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append(self.sample())
+                sample = self.sample()
+                self.samples.append(sample)
+                if self.out is not None:  # as it goes: a soak cut short still leaves its samples
+                    with self.out.open("a", encoding="utf-8") as f:
+                        f.write(json.dumps(sample) + "\n")
             except Exception as exc:  # noqa: BLE001 - a sample lost is not the benchmark lost
                 log(f"sample failed: {exc}")
             self._stop.wait(self.every)
@@ -86,18 +90,22 @@ class Sampler:
         from syncswitch_airflow.embedded import INSTANCE_ENV, instance_marker
 
         groups: dict[str, float] = {}
+        training: dict[str, float] = {}
         marker = instance_marker(self.airflow.running_instance())
         for proc in procs.processes_with_env(INSTANCE_ENV, marker):
             groups["airflow"] = groups.get("airflow", 0.0) + rss_mb(proc.pid)
+        cluster_dirs = self._cluster_dirs()
         for proc in procs.live_processes():
-            if any(procs.has_env(proc.pid, CLUSTER_ENV, d) for d in self._cluster_dirs()):
-                groups["training"] = groups.get("training", 0.0) + rss_mb(proc.pid)
+            if any(procs.has_env(proc.pid, CLUSTER_ENV, d) for d in cluster_dirs):
+                training[process_label(proc)] = rss_mb(proc.pid)
+        groups["training"] = sum(training.values())
         run_dirs = [p for p in self.runs_root.glob("soak/*") if p.is_dir()]
         run = run_dirs[0] if run_dirs else None
         logs = Path(self.airflow.home) / "logs"
         return {
             "time": time.time(),
             "rss_mb": groups,
+            "training_rss_mb": training,
             "bytes": {
                 "events": folder_bytes(run / "metrics", "**/*.jsonl") if run else 0,
                 "state.json": (run / "state.json").stat().st_size
@@ -113,6 +121,22 @@ class Sampler:
     def _cluster_dirs(self) -> list[str]:
         root = Path(os.environ.get("SYNCSWITCH_WORK_DIR") or Path(tempfile.gettempdir()) / "syncswitch")
         return [str(p) for p in root.glob("soak-*") if p.is_dir()]
+
+
+def process_label(proc: Any) -> str:
+    """What a training process is, and its pid: the fork server, a node forked from it (TF_CONFIG is
+    set after the fork, so a node's command line is its fork server's), or the command it runs."""
+    try:
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        argv = []
+    command = " ".join(a.decode(errors="replace") for a in argv[1:4])
+    if "syncswitch.forkserver" in command:
+        parent = Path(f"/proc/{proc.ppid}/cmdline")
+        forked = parent.exists() and b"syncswitch.forkserver" in parent.read_bytes()
+        return f"{'node' if forked else 'fork server'} {proc.pid}"
+    return f"{command.split('/')[-1][:40]} {proc.pid}"
 
 
 def current_segment(run: Path) -> str | None:
@@ -138,7 +162,7 @@ def series_rows(samples: list[dict[str, Any]], kind: str, unit_scale: float, dig
     names = sorted({name for s in samples for name in s[kind]})
     rows = []
     for name in names:
-        values = [(s["time"], s[kind].get(name, 0.0) / unit_scale, s["segment"]) for s in samples]
+        values = [(s["time"], s[kind][name] / unit_scale, s["segment"]) for s in samples if name in s[kind]]
         level = [v for _t, v, _s in values]
         slopes = []
         for segment in sorted({seg for _t, _v, seg in values if seg}):
@@ -168,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-frequency", type=int, default=300)
     p.add_argument("--sample-seconds", type=float, default=60.0)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--samples-out", type=Path, help="append each sample to this JSONL file as it is taken")
     args = p.parse_args(argv)
     from syncswitch_airflow.embedded import EmbeddedAirflow
     from syncswitch_airflow.report import load_run, summarize
@@ -190,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         airflow.start(wait_for_dags=("sync_switch",))
-        with Sampler(airflow, work / "runs", args.sample_seconds) as sampler:
+        with Sampler(airflow, work / "runs", args.sample_seconds, args.samples_out) as sampler:
             run_id = airflow.trigger("sync_switch", conf)
             log(f"soak run {run_id}: BSP {args.bsp_steps} + ASP {args.asp_steps} steps")
             state = airflow.wait("sync_switch", run_id, timeout=6 * 3600)
@@ -230,6 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         markdown_table(
             ["group", "first", "last", "min", "max", "slope per hour"],
             series_rows(sampler.samples, "rss_mb", 1.0, 0),
+        )
+    )
+    print()
+    print("training processes' resident memory (MB), each while it lived")
+    print()
+    print(
+        markdown_table(
+            ["process", "first", "last", "min", "max", "slope per hour"],
+            series_rows(sampler.samples, "training_rss_mb", 1.0, 0),
         )
     )
     print()
