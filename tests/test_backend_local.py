@@ -223,10 +223,12 @@ def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_
     """A run abandoned with its Airflow (or a machine restarted with /tmp kept) never tears down: its
     folder stays, and without a liveness check every later run would wait for the slot forever."""
     import json
+    import time
 
     from syncswitch import forkserver
     from syncswitch.procs import is_alive
     from syncswitch_airflow.backends import ClusterBusy, ClusterCapacity
+    from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S
 
     backend = LocalBackend(str(tmp_path / "work"))
     job = JobSpec(job_name="cap")
@@ -239,7 +241,12 @@ def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_
         pid = json.loads(Path(abandoned["forkserver_dir"], forkserver.PID_FILE).read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not is_alive(pid), timeout=10, what="the fork server to die")
-        assert os.path.isdir(abandoned["work_dir"])
+        with pytest.raises(ClusterBusy):  # no process, but written to lately: maybe between segments
+            backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
+        idle_since = time.time() - IDLE_CLUSTER_GONE_S - 60
+        for root, dirs, files in os.walk(abandoned["work_dir"]):
+            for path in [root, *(os.path.join(root, name) for name in (*dirs, *files))]:
+                os.utime(path, (idle_since, idle_since))
         second = backend.provision(job, RunLayout(str(tmp_path / "runs" / "cap" / "r2")))
         assert backend.capacity().holders() == ["r2"]
         backend.teardown(abandoned)  # the abandoned run's late teardown leaves r2's slot alone

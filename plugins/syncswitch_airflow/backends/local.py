@@ -25,6 +25,7 @@ import posixpath
 import shutil
 import sys
 import tempfile
+import time
 from typing import Any
 
 from syncswitch import forkserver, supervise
@@ -46,6 +47,9 @@ CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
 SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
+# A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
+# Between segments and retries a live run's cluster has no process for seconds to a minute.
+IDLE_CLUSTER_GONE_S = 900.0
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +226,23 @@ class LocalBackend:
 
 
 def _cluster_alive(lease: dict[str, Any]) -> bool:
-    """A local cluster lives while its fork server or any process of it does."""
+    """A local cluster lives while its fork server or any process of it does, or while its folder was
+    written to lately: a live run's cluster has no process only between segments and retries."""
     cluster_dir = lease.get("cluster_dir", "")
-    server = forkserver.status(os.path.join(cluster_dir, "forkserver"))
-    return server != forkserver.ABSENT or bool(processes_with_env(CLUSTER_ENV, cluster_dir))
+    if forkserver.status(os.path.join(cluster_dir, "forkserver")) != forkserver.ABSENT:
+        return True
+    if processes_with_env(CLUSTER_ENV, cluster_dir):
+        return True
+    return time.time() - _last_write(cluster_dir) < IDLE_CLUSTER_GONE_S
+
+
+def _last_write(folder: str) -> float:
+    """The newest modification time of ``folder`` or anything in it (0 when it is gone)."""
+    newest = 0.0
+    for root, dirs, files in os.walk(folder):
+        for path in [root, *(os.path.join(root, name) for name in (*dirs, *files))]:
+            try:
+                newest = max(newest, os.stat(path).st_mtime)
+            except OSError:
+                continue
+    return newest
