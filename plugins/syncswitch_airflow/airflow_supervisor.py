@@ -18,7 +18,10 @@ run waiting until someone started one by hand. Here:
   lingers; detached training processes (no AIRFLOW_HOME in their environment) become its children too
   once the task that started them exits, and are left alone (only reaped when they end);
 - components run at a lower CPU priority than training (nice 10) and die with the supervisor
-  (PR_SET_PDEATHSIG), and SIGTERM stops them all in order.
+  (PR_SET_PDEATHSIG), and SIGTERM stops them all in order;
+- a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
+  writes in append mode, so it goes on at the start), so a week-long job keeps at most twice that per
+  component (the api-server logs every request: ~1 MB an hour while ``syncswitch run`` follows a run).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +47,7 @@ FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 60.0
 HEALTHY_RUN_SECONDS = 600.0  # a component that ran this long gets its backoff reset
 STOP_GRACE_SECONDS = 30.0
+LOG_BYTES = 16 * 1024 * 1024
 NICENESS = 10
 _TICK_SECONDS = 1.0
 _ORPHAN_SCAN_SECONDS = 60.0
@@ -112,6 +117,7 @@ class Supervisor:
                 next_orphan_scan = now + _ORPHAN_SCAN_SECONDS
             if died or now - self._status_written >= _ORPHAN_SCAN_SECONDS:
                 self._write_status()
+                self._rotate_logs()
             time.sleep(_TICK_SECONDS)
         self._shutdown()
         return 0
@@ -163,6 +169,14 @@ class Supervisor:
         component.pid, component.started_at = component.process.pid, time.time()
         what = "started" if component.restarts == 0 else "restarted"
         log(f"{component.name} {what} as pid {component.pid} (log {component.log_path})")
+
+    def _rotate_logs(self) -> None:
+        for component in self.components.values():
+            try:
+                if os.path.getsize(component.log_path) > LOG_BYTES:
+                    rotate_log(component.log_path)
+            except OSError:
+                continue
 
     def _reap_orphans(self) -> None:
         """Kill and reap processes left behind by a dead component (they are re-parented to us, the
@@ -222,6 +236,16 @@ def read_status(home: Path) -> dict[str, Any] | None:
         return json.loads((home / STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def rotate_log(path: str) -> None:
+    """Copy the log to ``<path>.1`` (replacing the one before) and truncate it in place: its writer
+    keeps its append-mode descriptor and goes on at the start. Lines written between the copy and the
+    truncation are lost (the same trade as logrotate's copytruncate)."""
+    shutil.copyfile(path, f"{path}.1")
+    os.truncate(path, 0)
+    name = os.path.basename(path)
+    log(f"{name} passed {LOG_BYTES // (1024 * 1024)} MB: the older lines are in {name}.1")
 
 
 def _component_preexec() -> None:
