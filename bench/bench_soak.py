@@ -248,33 +248,23 @@ def main(argv: list[str] | None = None) -> int:
         f"run: {summary.get('status')}, final accuracy {fmt(summary.get('final_accuracy'), 4)}, "
         f"{len(sampler.samples)} samples every {args.sample_seconds:.0f} s"
     )
-    print()
-    print("resident memory (MB): first, last, min, max; slope MB/hour over the second half of each segment")
-    print()
-    print(
-        markdown_table(
-            ["group", "first", "last", "min", "max", "slope per hour"],
-            series_rows(sampler.samples, "rss_mb", 1.0, 0),
+    series = [
+        ("resident memory (MB): first, last, min, max; slope MB/hour over the second half of each segment",
+         "group", "rss_mb", 1.0, "slope per hour"),
+        ("training processes' resident memory (MB), each while it lived",
+         "process", "training_rss_mb", 1.0, "slope per hour"),
+        ("files (kB): first, last, min, max; growth kB/hour over the second half of each segment",
+         "what", "bytes", 1024.0, "growth per hour"),
+    ]  # fmt: skip
+    for title, label, kind, scale, trend in series:
+        print()
+        print(title)
+        print()
+        print(
+            markdown_table(
+                [label, "first", "last", "min", "max", trend], series_rows(sampler.samples, kind, scale, 0)
+            )
         )
-    )
-    print()
-    print("training processes' resident memory (MB), each while it lived")
-    print()
-    print(
-        markdown_table(
-            ["process", "first", "last", "min", "max", "slope per hour"],
-            series_rows(sampler.samples, "training_rss_mb", 1.0, 0),
-        )
-    )
-    print()
-    print("files (kB): first, last, min, max; growth kB/hour over the second half of each segment")
-    print()
-    print(
-        markdown_table(
-            ["what", "first", "last", "min", "max", "growth per hour"],
-            series_rows(sampler.samples, "bytes", 1024.0, 0),
-        )
-    )
     return 0
 
 
