@@ -6,12 +6,11 @@
 
 For each setting, side by side in one run: a fresh embedded Airflow (its own home), its CPU use idle
 for ``--sample-seconds``, then a digits job on it ("101010": a long first BSP segment, then short
-ones), its CPU use while the BSP segment trains (the mean of ``--samples`` samples), and the job's five switch
-gaps. CPU use is
-user+system time from /proc of every process of the instance (they carry its marker), grouped by
-component (the supervisor; scheduler, dag-processor, triggerer, api-server with everything they
-started), in cores (1.0 = one core busy). Goal: at most 0.05 cores while a segment trains, without a
-longer switch gap.
+ones), its CPU use while the BSP segment trains (the mean of ``--samples`` samples), and the job's
+five switch gaps. CPU use is user+system time from /proc of every process of the instance (they carry
+its marker), grouped by component (the supervisor; scheduler, dag-processor, triggerer, api-server with
+everything they started), in cores (1.0 = one core busy). Goal: at most 0.05 cores while a segment
+trains, without a longer switch gap.
 """
 
 from __future__ import annotations
@@ -127,7 +126,8 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
         wait_for_bsp_step(layout, 100)
         log(f"{name}: sampling CPU for {args.samples} x {args.sample_seconds:.0f} s while BSP trains")
         samples = [cpu_by_component(airflow, args.sample_seconds) for _ in range(args.samples)]
-        training = {c: sum(s.get(c, 0.0) for s in samples) / len(samples) for c in COMPONENTS}
+        seen = {name for sample in samples for name in sample}  # "other" too, as the totals count it
+        training = {c: sum(s.get(c, 0.0) for s in samples) / len(samples) for c in seen}
         sampled_until = time.time()
         state = airflow.wait("sync_switch", run_id, timeout=3600)
         if state != "success":

@@ -14,7 +14,7 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch_airflow.backends import ClusterError, get_backend
 from syncswitch_airflow.backends.base import EXITED, RUNNING, UNKNOWN
-from syncswitch_airflow.backends.local import LocalBackend
+from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S, LocalBackend
 
 # A child that stays in the launcher's process group, and one that escapes it with setsid(): teardown
 # must find both. Each writes nothing; the parent writes READY once both exist.
@@ -228,7 +228,6 @@ def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_
     from syncswitch import forkserver
     from syncswitch.procs import is_alive
     from syncswitch_airflow.backends import ClusterBusy, ClusterCapacity
-    from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S
 
     backend = LocalBackend(str(tmp_path / "work"))
     job = JobSpec(job_name="cap")
