@@ -322,7 +322,8 @@ class FakeComputeEngine:
     def preempt(self, name: str, zone: str | None = None) -> dict[str, Any]:
         """Preempt a running Spot (or preemptible) instance: its host is removed; the instance is
         TERMINATED when its scheduling.instanceTerminationAction is STOP (GCE's default for Spot VMs),
-        else deleted. Records a DONE compute.instances.preempted operation, which it returns."""
+        else deleted. Records a compute.instances.preempted operation, RUNNING while the VM stops and DONE
+        once it has, which it returns."""
         with self._lock:
             instance = self._find(name, zone)
             if instance.status != "RUNNING" or instance.busy:
@@ -331,6 +332,16 @@ class FakeComputeEngine:
                 raise ValueError(f"instance {name} is not a Spot or preemptible VM: GCE would not preempt it")
             instance.busy = True
             instance.resource["status"] = "STOPPING"
+            # As Compute Engine does: the notice exists (RUNNING) from the start of the preemption and
+            # is DONE once the VM has stopped, which is when its billing ends.
+            operation = self._new_operation(
+                PREEMPTED,
+                instance.zone,
+                instance.resource["selfLink"],
+                target_id=instance.resource["id"],
+                user="system",
+            )
+            operation["statusMessage"] = "Instance was preempted."
         if instance.host is not None:
             self.bed.remove_host(instance.host)
         with self._lock:
@@ -341,14 +352,6 @@ class FakeComputeEngine:
                 instance.resource["status"] = "TERMINATED"
             else:
                 del self._instances[(instance.zone, name)]
-            operation = self._new_operation(
-                PREEMPTED,
-                instance.zone,
-                instance.resource["selfLink"],
-                target_id=instance.resource["id"],
-                user="system",
-            )
-            operation["statusMessage"] = "Instance was preempted."
             self._finish(operation)
             return copy.deepcopy(operation)
 

@@ -270,6 +270,9 @@ class GceBackend:
                 continue
             status = live.get(vm["name"], "deleted")
             notice = self._preemption(project, vm)
+            stopping = notice is not None and notice.status != compute_v1.Operation.Status.DONE
+            if stopping and status != "deleted":
+                continue  # recorded at a later poll, with the time its billing ended
             preempted = notice is not None
             # The preemption's own time when there is one: a poll sees it seconds later.
             ended = _timestamp(notice.end_time or notice.insert_time) if notice else None
