@@ -111,7 +111,7 @@ def test_a_bucket_outage_mid_segment_under_the_scheduler(
     airflow = embedded_airflow
     run_id, layout = trigger(airflow, job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs"))
     wait_for_step(layout, 0, "bsp", 30)
-    gcs_server.outage(30.0).join()
+    gcs_server.outage(60.0).join()  # the minute; BSP waits at its next checkpoint
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
     assert state["final"]["global_step"] == 1600
