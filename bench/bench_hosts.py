@@ -1,22 +1,29 @@
 """Hosts backend vs local backend (issue 10): switch gap and BSP/ASP throughput over emulated links.
 
     .venv/bin/python bench/bench_hosts.py                      # root: brings up its own testbed
-    .venv/bin/python bench/bench_hosts.py --steps 200 --profiles same-zone cross-zone cross-region
+    .venv/bin/python bench/bench_hosts.py --steps 200 --links same-zone cross-zone cross-region
+    .venv/bin/python bench/bench_hosts.py --switch-order 10 --links lan delay=1 delay=5 delay=20 \
+        rate=1000 rate=100 rate=20                           # latency alone, then bandwidth alone
+    .venv/bin/python bench/bench_hosts.py --model resnet --steps 40 --switch-order 10 --links ...
 
-One job, switch order "1010" (BSP, ASP, BSP, ASP) of --steps steps each, digits CNN, 3 workers + 1
-parameter server, checkpoints in a GCS emulator, run through the cluster backends directly (launch a
-segment the moment the previous one's launcher has exited: what the DAG's segment task does, without
-Airflow's own scheduling in the way), once per configuration, side by side in one run:
+One job (switch order --switch-order, "1010" by default, of --steps steps per segment; the digits CNN
+or ResNet-20 on synthetic CIFAR with 32 examples per worker), 3 workers + 1 parameter server,
+checkpoints in a GCS emulator, run through the cluster backends directly (launch a segment the moment
+the previous one's launcher has exited: what the DAG's segment task does, without Airflow's own
+scheduling in the way), once per configuration, side by side in one run:
 
     local           every node on this machine (127.0.0.1), the local backend's fork server
-    hosts/<profile> every node on its own testbed host (chief, 3 workers, ps), each host's link
-                    shaped with the testbed profile (docs/testbed.md)
+    hosts/<link>    every node on its own testbed host (chief, 3 workers, ps), every host's link
+                    shaped alike: a testbed profile (docs/testbed.md) or ``delay=MS,rate=MBIT,
+                    loss=PCT,jitter=MS`` (delay one-way per host link, so two hosts are 4 x delay
+                    apart; rate in each direction of each host's link)
 
-Per configuration it prints BSP and ASP examples/s (mean over the segments of that protocol) and
-the switch gaps (previous segment's end to the next one's first step, as the report measures them),
-and each against local. The hosts here are namespaces of one 2-core machine: the processes compete
-for the same cores as in the local run, so the differences are the network's and the launch path's
-(SSH, TCP fork servers, per-host data staging), not more compute.
+Per configuration it prints the measured round trip between two worker hosts (fastest of five TCP
+connects), BSP and ASP examples/s (mean over the segments of that protocol), ASP/BSP, each against
+local, and the switch gaps (previous segment's end to the next one's first step, as the report
+measures them). The hosts here are namespaces of one 2-core machine: the processes compete for the
+same cores as in the local run, so the differences are the network's and the launch path's (SSH, TCP
+fork servers, per-host data staging), not more compute.
 """
 
 from __future__ import annotations
@@ -74,10 +81,54 @@ def measures(summary: dict[str, Any]) -> dict[str, float | None]:
     return {"bsp": mean(by_protocol["bsp"]), "asp": mean(by_protocol["asp"]), "gap": mean(gaps)}
 
 
+MODELS: dict[str, dict[str, Any]] = {
+    "digits": {"problem": "digits", "model": "cnn"},
+    "resnet": {
+        "problem": "synthetic_cifar",
+        "model": "resnet",
+        "hparam_set": "resnet_cifar_20",
+        "hparams": ["batch_size=32"],
+    },
+}
+_LINK_KEYS = {"delay": "delay_ms", "rate": "rate_mbit", "loss": "loss_pct", "jitter": "jitter_ms"}
+
+
+def link_shape(text: str, profiles: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
+    """A --links item: a testbed profile's name, or ``delay=MS,rate=MBIT,loss=PCT,jitter=MS`` (any
+    of them; the rest unshaped)."""
+    if text in profiles:
+        return dict(profiles[text])
+    shape: dict[str, float | None] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in _LINK_KEYS or not value:
+            raise argparse.ArgumentTypeError(
+                f"--links {text!r}: a profile ({', '.join(profiles)}) or delay=,rate=,loss=,jitter="
+            )
+        shape[_LINK_KEYS[key]] = float(value)
+    return shape
+
+
+def host_round_trip_ms(bed: Any, source: Any, target: Any) -> float | None:  # noqa: ANN401
+    """The fastest of five TCP connects from one testbed host to another's sshd, in ms."""
+    from test_testbed import _connect
+
+    result = _connect(bed, source, target.address, target.ssh_port, count=5, timeout=5.0)
+    return result if isinstance(result, float) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="steps per segment")
-    p.add_argument("--profiles", nargs="+", default=["same-zone", "cross-zone", "cross-region"])
+    p.add_argument("--model", choices=sorted(MODELS), default="digits")
+    p.add_argument("--switch-order", default="1010", help="one segment per digit, 1 = BSP, 0 = ASP")
+    p.add_argument(
+        "--links",
+        "--profiles",
+        nargs="+",
+        default=["same-zone", "cross-zone", "cross-region"],
+        help="testbed profiles or delay=MS,rate=MBIT,loss=PCT,jitter=MS, one configuration each",
+    )
     args = p.parse_args(argv)
 
     import testbed as tb
@@ -87,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV, HostsBackend
     from syncswitch_airflow.backends.local import LocalBackend
 
+    try:
+        links = {text: link_shape(text, tb.PROFILES) for text in args.links}
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
     reason = tb.ensure_prerequisites()
     if reason:
         print(f"bench_hosts: needs the testbed: {reason}", file=sys.stderr)
@@ -101,31 +156,38 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
     os.environ["SYNCSWITCH_WORK_DIR"] = str(work / "local")
     results: dict[str, dict[str, float | None]] = {}
+    segments = len(args.switch_order)
     try:
         bucket = f"bench-hosts-{uuid.uuid4().hex[:8]}"
         storage.gcs_client().create_bucket(bucket)
         base = {
             "job_name": "bench-hosts",
             "bucket_dir": f"gs://{bucket}/runs",
-            "switch_order": "1010",
-            "train_steps": [args.steps] * 4,
+            "switch_order": args.switch_order,
+            "train_steps": [args.steps] * segments,
             "ckpt_frequency": [0],
             "num_workers": 3,
             "num_ps": 1,
             "evaluate_segments": False,
+            **MODELS[args.model],
         }
         host_list = [
             f"address={h.address},key={bed.key_path},role={role},name={h.name}"
             for h, role in zip(hosts, ROLES, strict=True)
         ]
-        log(f"local: 4 segments of {args.steps} steps")
+        log(f"local: {segments} segments of {args.steps} steps")
         results["local"] = measures(run_job(LocalBackend(), JobSpec.from_params(base), "local"))
-        for profile in args.profiles:
+        for number, (text, shape) in enumerate(links.items()):
             for host in hosts:
-                bed.set_profile(host, profile)
-            log(f"hosts/{profile}: 4 segments of {args.steps} steps")
+                bed.set_link(host, **shape)
+            rtt = host_round_trip_ms(bed, hosts[1], hosts[2])
+            log(f"hosts/{text}: worker hosts {fmt(rtt, 2)} ms apart; {segments} x {args.steps} steps")
             job = JobSpec.from_params({**base, "cluster_backend": "hosts", "hosts": host_list})
-            results[f"hosts/{profile}"] = measures(run_job(HostsBackend(), job, f"hosts-{profile}"))
+            results[f"hosts/{text}"] = {
+                **measures(run_job(HostsBackend(), job, f"hosts-{number}")),
+                "rtt": rtt,
+                "rate": shape.get("rate_mbit"),
+            }
     except BenchError as exc:
         print(f"bench_hosts: {exc}", file=sys.stderr)
         return 1
@@ -140,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             [
                 name,
+                fmt(r.get("rtt"), 2),
+                fmt(r.get("rate"), 0),
                 fmt(r["bsp"], 0),
                 fmt(r["asp"], 0),
                 fmt(r["asp"] / r["bsp"] if r["asp"] and r["bsp"] else None, 2),
@@ -151,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ]
         )
-    print("# bench_hosts: digits CNN, 3 workers + 1 PS, '1010'")
+    model = {"digits": "digits CNN", "resnet": "ResNet-20 synthetic CIFAR, 32 per worker"}[args.model]
+    print(f"# bench_hosts: {model}, 3 workers + 1 PS, '{args.switch_order}'")
     print(f"machine: {machine}; {args.steps} steps per segment; testbed delays by {bed.delay_mechanism}")
     print()
     headers = [
         "cluster",
+        "host RTT ms",
+        "Mbit/s",
         "BSP ex/s",
         "ASP ex/s",
         "ASP/BSP",
