@@ -185,6 +185,25 @@ def test_a_long_stream_goes_on_in_bounded_parts_that_every_reader_sees(
     assert list((tmp_path / "buffers").glob("events-*")) == [], "a part's local buffer was left"
 
 
+def test_a_second_writer_of_a_stream_keeps_what_the_first_wrote(layout: RunLayout) -> None:
+    """A retried segment's processes write the same streams again: on a local folder they append,
+    on gs:// (objects cannot be appended to) the new writer goes on in the next part instead of
+    overwriting the first attempt's events, and a watcher that tailed the first sees the second."""
+    tail = events.EventTail(layout.metrics)
+    with _writer(layout, "chief", 0) as first:
+        first.emit("segment_start", global_step=0.0)
+        first.emit("step", global_step=1.0)
+    assert [r["global_step"] for r in tail.read_new()] == [0.0, 1.0]
+    with _writer(layout, "chief", 0) as retry:
+        retry.emit("segment_start", global_step=1.0)
+        retry.emit("step", global_step=2.0)
+    assert [r["event"] for r in events.read_events(layout.metrics)] == ["segment_start", "step"] * 2
+    assert [r["global_step"] for r in tail.read_new()] == [1.0, 2.0]
+    uri = layout.segment_events(0, "bsp", "chief", 0)
+    expected = [uri] if not storage.is_remote(uri) else [uri, events.part_uri(uri, 1)]
+    assert storage.list_files(layout.metrics) == expected
+
+
 def test_a_long_stream_stays_under_its_budget_by_thinning_old_timings_only(
     layout: RunLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

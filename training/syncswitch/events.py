@@ -31,6 +31,9 @@ Per event type, the extra keys are:
     straggler      injected slow episode: worker, kind (cpu | network), slowdown (cpu) or delay_ms
                    (network, per round trip), start, end (epoch seconds)
     watchdog       worker, reason (a stalled worker was killed)
+    node_lost      node (e.g. worker-1), host (its host's name; null on the launcher's own), exit_code,
+                   global_step (the chief's, when the launcher saw it), outcome (what followed: ASP
+                   continues with the survivors, or the segment fails); written by the launcher
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
@@ -41,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -59,6 +63,7 @@ EVENT_TYPES = (
     "eval",
     "straggler",
     "watchdog",
+    "node_lost",
     "steps_per_execution",
     "segment_end",
 )
@@ -81,6 +86,19 @@ def part_uri(uri: str, part: int) -> str:
         return uri
     base, ext = os.path.splitext(uri)
     return f"{base}.part{part:04d}{ext}"
+
+
+def _next_part(uri: str) -> int:
+    """The first part number of stream ``uri`` that no file holds yet."""
+    folder, name = uri.rsplit("/", 1)
+    stem = re.escape(os.path.splitext(name)[0])
+    pattern = re.compile(rf"{stem}(?:\.part(\d{{4}}))?\.jsonl")
+    parts = [
+        int(match.group(1) or 0)
+        for path in storage.list_files(folder, ".jsonl")
+        if path.rsplit("/", 1)[0] == folder and (match := pattern.fullmatch(path.rsplit("/", 1)[1]))
+    ]
+    return max(parts) + 1 if parts else 0
 
 
 class EventWriter:
@@ -125,7 +143,11 @@ class EventWriter:
         }
         self._lock = threading.Lock()
         self._remote = storage.is_remote(uri)
-        self._part, self._part_bytes, self._stream_bytes = 0, part_bytes, stream_bytes
+        # A local stream is appended to in place; a bucket object cannot be, so a writer for a stream
+        # that exists already (a retried segment's process, the launcher of a rerun) goes on in a
+        # new part after the last one instead of overwriting what earlier writers uploaded.
+        first_part = _next_part(uri) if self._remote else 0
+        self._part, self._part_bytes, self._stream_bytes = first_part, part_bytes, stream_bytes
         self._closed: list[tuple[str, str]] = []  # (local file, uri) of every finished part, oldest first
         self._finished: list[tuple[str, str]] = []  # (local file, uri) of remote parts to upload again
         self._open_part()
