@@ -192,6 +192,15 @@ def _result(seg: SegmentTiming, accuracy: float, startup: dict[str, float]) -> d
     }
 
 
+LOST_PS = {
+    "node": "ps-0",
+    "host": "h4",
+    "exit_code": -9,
+    "global_step": 212.0,
+    "outcome": "the segment fails",
+}
+
+
 def write_run(root: str, *, second_segment_fails: bool = False, announce_straggler: bool = True) -> RunLayout:
     """A "10" run folder; optionally segment 1 dies at T0+70 and a third planned segment never starts.
 
@@ -221,6 +230,15 @@ def write_run(root: str, *, second_segment_fails: bool = False, announce_straggl
     _emit_segment(layout, SEG0)
     if second_segment_fails:
         _emit_segment(layout, SEG1, fail_at=T0 + 70.0)
+        with EventWriter(
+            layout.segment_events(1, "asp", "launcher", 0),
+            run_id=RUN_ID,
+            segment=1,
+            protocol="asp",
+            role="launcher",
+            task=0,
+        ) as launcher:
+            launcher.emit("node_lost", wall_time=T0 + 70.5, **LOST_PS)
         state["plan"].append({"index": 2, "protocol": "bsp", "until_step": 450, "origin": "online"})
         state["status"] = "failed"
     else:
@@ -329,8 +347,11 @@ def test_report_marks_a_failed_segment_incomplete(tmp_path) -> None:
     assert summary["workload_steps"] == 450
     for path in summary["images"].values():
         assert_png_is_a_real_plot(path)
+    # The node whose loss ended it: from the launcher's node_lost event, in the Cluster events section.
+    assert summary["lost_nodes"] == [{"time": T0 + 70.5, "segment": 1, "protocol": "asp", **LOST_PS}]
     page = (tmp_path / "run" / "report" / "index.html").read_text()
     assert '<tr class="incomplete">' in page and '<tr class="not_started">' in page
+    assert '<td>ps-0</td><td>h4</td><td class="num">-9</td>' in page and "the segment fails" in page
     assert any("[incomplete]" in line for line in format_summary_lines(summary))
 
 

@@ -14,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -146,9 +147,14 @@ def test_one_asp_closure_of_k_steps_equals_k_closures_of_one_step(tmp_path: Path
 # ---- faults ----------------------------------------------------------------------------------------
 
 
+def autograph_files(folder: str | Path) -> set[str]:
+    return {p.name for p in Path(folder).glob("__autograph_generated_file*.py")}
+
+
 def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_leftover_processes) -> None:
     run_dir, work_dir = tmp_path / "run", tmp_path / "work"
     no_leftover_processes(re.escape(str(work_dir)))
+    system_temp_before = autograph_files(tempfile.gettempdir())
     proc = start_train(
         "--protocol",
         "asp",
@@ -183,8 +189,16 @@ def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_le
     assert killed_at + 40 <= result["global_step"] < 3000
     assert float(result["global_step"]).is_integer(), "an early ASP stop lands on a whole BSP step"
     assert "worker 1 exited" in err
+    (lost,) = segment_events(str(run_dir), 0, "asp", "node_lost")
+    assert (lost["node"], lost["host"]) == ("worker-1", None)
+    assert lost["outcome"] == "ASP continues with the survivors"
+    assert killed_at <= lost["global_step"] < result["global_step"]
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
     assert manifest["global_step"] == result["global_step"]
+    # Autograph's module files (removed only at a normal interpreter exit, which nodes never have) go
+    # to the segment's work folder, not the system's temp folder.
+    assert autograph_files(work_dir / "tmp"), "the nodes traced nothing into their temp folder"
+    assert autograph_files(tempfile.gettempdir()) <= system_temp_before
 
 
 def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_leftover_processes) -> None:
@@ -216,6 +230,7 @@ def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_left
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
     assert "segment failed" in err
+    assert "worker-1" in {e["node"] for e in segment_events(str(run_dir), 0, "bsp", "node_lost")}
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
     assert manifest is not None and manifest["global_step"] >= 40
     resumed_from = manifest["global_step"]

@@ -360,8 +360,15 @@ def summarize(data: RunData) -> dict[str, Any]:
         "switch_gaps_seconds": _switch_gaps(started),
         "online_switches": data.decisions,
         "straggler_windows": data.straggler_windows,
+        "lost_nodes": _lost_nodes(data),
         **cluster_summary(data.state),
     }
+
+
+def _lost_nodes(data: RunData) -> list[dict[str, Any]]:
+    """The nodes that ended before their segment (the launcher's ``node_lost`` events)."""
+    keys = ("segment", "protocol", "node", "host", "exit_code", "global_step", "outcome")
+    return [{"time": e.get("wall_time"), **{k: e.get(k) for k in keys}} for e in data.of_kind("node_lost")]
 
 
 def cluster_summary(run_state: dict[str, Any]) -> dict[str, Any]:
@@ -812,7 +819,7 @@ def render_html(summary: dict[str, Any]) -> str:
         "Segments": _segment_table(summary["segments"]),
         "Switch gaps": _gap_table(summary["switch_gaps_seconds"]),
         "Online decisions": _decision_table(summary["online_switches"], summary.get("run_start")),
-        "Cluster events": _cluster_event_table(summary.get("cluster_events") or [], summary.get("run_start")),
+        "Cluster events": _cluster_event_tables(summary, summary.get("run_start")),
         "Cost": _cost_tables(summary.get("cost")),
         "Plots": _figures(summary["images"], summary["images_skipped"]),
     }
@@ -906,16 +913,38 @@ def _decision_table(decisions: list[dict[str, Any]], run_start: float | None) ->
     return html_table(["time since run start (s)", "segment", "action", "reason", "numbers"], rows)
 
 
-def _cluster_event_table(events: list[dict[str, Any]], run_start: float | None) -> str:
-    if not events:
-        return '<p class="note">No revocations or replacements.</p>'
-    rows = []
-    for e in events:
-        at = e.get("time")
-        since = at - run_start if at is not None and run_start is not None else None
-        details = {k: v for k, v in e.items() if k not in ("time", "kind", "vm")}
-        rows.append([since, e.get("kind"), e.get("vm"), json.dumps(details, default=str)])
-    return html_table(["time since run start (s)", "event", "VM", "details"], rows)
+def _cluster_event_tables(summary: dict[str, Any], run_start: float | None) -> str:
+    """The run's VMs revoked and replaced, and the nodes lost mid-segment (a host gone, a crash)."""
+    events, lost = summary.get("cluster_events") or [], summary.get("lost_nodes") or []
+    if not events and not lost:
+        return '<p class="note">No node lost, no VM revoked or replaced.</p>'
+
+    def since(at: float | None) -> float | None:
+        return at - run_start if at is not None and run_start is not None else None
+
+    parts = []
+    if events:
+        rows = []
+        for e in events:
+            details = {k: v for k, v in e.items() if k not in ("time", "kind", "vm")}
+            rows.append([since(e.get("time")), e.get("kind"), e.get("vm"), json.dumps(details, default=str)])
+        parts.append(html_table(["time since run start (s)", "event", "VM", "details"], rows))
+    if lost:
+        rows = [
+            [
+                since(n["time"]),
+                f"{n['segment']} ({n['protocol']})",
+                n["node"],
+                n["host"] or "-",
+                n["exit_code"],
+                n["global_step"],
+                n["outcome"],
+            ]
+            for n in lost
+        ]
+        headers = ["time since run start (s)", "segment", "node lost", "host", "exit code", "at step", "then"]
+        parts.append(html_table(headers, rows))
+    return "\n".join(parts)
 
 
 def _cost_tables(cost: dict[str, Any] | None) -> str:

@@ -166,6 +166,8 @@ class SegmentCluster:
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
         self._lost_workers: set[int] = set()
+        self._events: EventWriter | None = None
+        self._events_lock = threading.Lock()
 
     @property
     def chief(self) -> Node:
@@ -243,14 +245,15 @@ class SegmentCluster:
                 if rc is None or (rc == 0 and self.spec.protocol == "bsp"):
                     continue  # BSP workers exit 0 once training is done, before the chief's eval
                 if node.role == "ps":
+                    self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")
                 if self.spec.protocol == "asp" and node.task not in self._lost_workers:
                     self._lost_workers.add(node.task)
-                    self._log(f"worker {node.task} exited with {rc}; ASP continues with the survivors")
+                    self._node_lost(node, rc, "ASP continues with the survivors")
                 if self.spec.protocol == "bsp" and bsp_abort_since is None:
                     # MWMS aborts every worker when one dies; give the chief time to exit on its own.
                     bsp_abort_since = time.monotonic()
-                    self._log(f"worker {node.task} exited with {rc}; BSP cannot continue without it")
+                    self._node_lost(node, rc, "BSP cannot continue without it")
             if bsp_abort_since is not None and time.monotonic() - bsp_abort_since > BSP_ABORT_GRACE_SECONDS:
                 raise SegmentFailed("a BSP worker died and the chief did not exit; stopping the segment")
             if len(self._lost_workers) >= self.spec.num_workers:
@@ -268,15 +271,34 @@ class SegmentCluster:
         peers = self.nodes[1:]
         while time.monotonic() < deadline and any(n.process.poll() is None for n in peers):
             time.sleep(POLL_SECONDS)
-        failed = [
-            f"{n.name}{f' on host {n.host}' if n.host else ''} exited with {n.process.poll()}"
-            for n in peers
-            if n.process.poll() not in (None, 0)
-        ]
+        failed = [n for n in peers if n.process.poll() not in (None, 0)]
         if failed:
-            self._log(f"the chief exited with {rc}; with it: {', '.join(failed)}")
+            self._log(
+                f"the chief exited with {rc}; with it: "
+                + ", ".join(
+                    f"{n.name}{f' on host {n.host}' if n.host else ''} exited with {n.process.poll()}"
+                    for n in failed
+                )
+            )
         else:
             self._log(f"the chief exited with {rc}; every other node was running or done")
+        for node in failed:
+            self._node_lost(node, node.process.poll(), "the segment fails", log=False)
+
+    def _node_lost(self, node: Node, exit_code: int | None, outcome: str, *, log: bool = True) -> None:
+        """Say that a node ended before its segment did: in the launcher's log, and as a
+        ``node_lost`` event, which the report lists (which host went, at which step, what followed)."""
+        if log:
+            self._log(f"{node.role} {node.task} exited with {exit_code}; {outcome}")
+        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None) or {}
+        self._emit(
+            "node_lost",
+            node=node.name,
+            host=node.host or None,
+            exit_code=exit_code,
+            global_step=progress.get("global_step"),
+            outcome=outcome,
+        )
 
     def stop(self) -> None:
         """Kill every process that is still running.
@@ -298,6 +320,10 @@ class SegmentCluster:
                 node.process.wait(timeout=KILL_WAIT_SECONDS)
             except subprocess.TimeoutExpired:  # the fork server did not report it: say so, go on
                 self._log(f"{node.name} (pid {node.process.pid}) still reported alive after SIGKILL")
+        with self._events_lock:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
 
     # -- supervision helpers --
 
@@ -361,16 +387,15 @@ class SegmentCluster:
                 f"straggler: worker {straggler.worker} {straggler.describe()} ({straggler.kind}) until "
                 f"{end - time.time():.0f}s from now"
             )
-            with self._events() as events:
-                events.emit(
-                    "straggler",
-                    worker=straggler.worker,
-                    kind=straggler.kind,
-                    slowdown=straggler.slowdown,
-                    delay_ms=straggler.delay_ms,
-                    start=start,
-                    end=end,
-                )
+            self._emit(
+                "straggler",
+                worker=straggler.worker,
+                kind=straggler.kind,
+                slowdown=straggler.slowdown,
+                delay_ms=straggler.delay_ms,
+                start=start,
+                end=end,
+            )
             if straggler.kind == "network":
                 self._delay_link(node, straggler, end)
             else:
@@ -419,15 +444,20 @@ class SegmentCluster:
         if code != 0 and not self._stop_injection.is_set():
             self._log(f"straggler: worker {straggler.worker}'s link delay ended with {code}; see its log")
 
-    def _events(self) -> EventWriter:
-        return EventWriter(
-            self.layout.segment_events(self.spec.index, self.spec.protocol, "launcher", 0),
-            run_id=self.spec.run_id,
-            segment=self.spec.index,
-            protocol=self.spec.protocol,
-            role="launcher",
-            task=0,
-        )
+    def _emit(self, event: str, **fields: Any) -> None:
+        """One event of the launcher's own stream (stragglers, lost nodes): opened on first use, from
+        the supervision loop or an injector thread, and closed by stop()."""
+        with self._events_lock:
+            if self._events is None:
+                self._events = EventWriter(
+                    self.layout.segment_events(self.spec.index, self.spec.protocol, "launcher", 0),
+                    run_id=self.spec.run_id,
+                    segment=self.spec.index,
+                    protocol=self.spec.protocol,
+                    role="launcher",
+                    task=0,
+                )
+            self._events.emit(event, **fields)
 
     def _print_progress(self) -> None:
         progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
