@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["same-zone", "cross-zone", "cross-region"],
         help="testbed profiles or delay=MS,rate=MBIT,loss=PCT,jitter=MS, one configuration each",
     )
+    p.add_argument("--keep", action="store_true", help="keep the work folder (the emulator's objects)")
     args = p.parse_args(argv)
 
     import testbed as tb
@@ -194,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gcs.stop()
         bed.down()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
     local = results["local"]
     rows = []

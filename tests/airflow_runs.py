@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +104,47 @@ def wait_for_restart(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout:
     wait_for(replaced, timeout=timeout, what=f"the {name} restarted", poll=0.5)
     time.sleep(1.0)
     return component_pid(airflow, name)
+
+
+def job_checkpoint_step(job_root: str) -> float:
+    """``checkpoint_step`` of the (one) run under a job's folder ``<bucket_dir>/<job>``; 0 before it
+    has a run folder."""
+    runs = storage.list_dirs(job_root)
+    return checkpoint_step(RunLayout(f"{job_root}/{runs[0]}")) if runs else 0.0
+
+
+class DuringRun:
+    """A script that acts on a run from a background thread (kills a host when a checkpoint is
+    written, brings it back...), while dag.test() runs the DAG in the test's own thread.
+
+    The script gets this object; its ``wait`` ends when ``stop()`` is called. ``stop()`` re-raises
+    whatever the script raised (an assertion of its own included)."""
+
+    def __init__(self, script: Callable[[DuringRun], None]) -> None:
+        self._script = script
+        self._stop = threading.Event()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> DuringRun:
+        self._thread.start()
+        return self
+
+    def wait(self, predicate: Callable[[], bool], what: str) -> None:
+        while not self._stop.is_set():
+            if predicate():
+                return
+            self._stop.wait(0.2)
+        raise RuntimeError(f"the run ended before {what}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self._errors:
+            raise self._errors[0]
+
+    def _run(self) -> None:
+        try:
+            self._script(self)
+        except BaseException as exc:  # re-raised by stop(), in the test's thread
+            self._errors.append(exc)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_runs import checkpoint_step
+from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
 from conftest import new_bucket, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from google.cloud import compute_v1
@@ -186,50 +185,20 @@ def test_the_reaper_deletes_the_vms_of_a_run_whose_teardown_never_came(
 # ---- end to end through the DAG -------------------------------------------------------------------
 
 
-class Preempter:
-    """Preempts the VM standing in worker 1's place once the run has a checkpoint at a step (in the
-    background, while dag.test() runs the DAG in this thread)."""
+def preempt_worker_1(
+    fake: FakeComputeEngine, job_root: str, steps: list[float], done: list[str]
+) -> Callable[[DuringRun], None]:
+    """A DuringRun script: preempt the VM standing in worker 1's place once the run has a checkpoint
+    at each of ``steps``; the preempted VMs' names go to ``done``."""
 
-    def __init__(self, fake: FakeComputeEngine, bucket: str, job_name: str) -> None:
-        self.fake, self.root = fake, f"{bucket}/{job_name}"
-        self.done: list[str] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    def script(run: DuringRun) -> None:
+        for step in steps:
+            run.wait(lambda s=step: job_checkpoint_step(job_root) >= s, f"a checkpoint at step {step}")
+            worker = next(name for name in fake.instances() if "-w1" in name)
+            fake.preempt(worker)
+            done.append(worker)
 
-    def at(self, checkpoint_steps: list[float]) -> Preempter:
-        self._thread = threading.Thread(target=self._run, args=(checkpoint_steps,), daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self, checkpoint_steps: list[float]) -> None:
-        try:
-            for step in checkpoint_steps:
-                self._wait(lambda s=step: self._checkpoint_step() >= s)
-                worker = next(name for name in self.fake.instances() if "-w1" in name)
-                self.fake.preempt(worker)
-                self.done.append(worker)
-        except BaseException as exc:  # reported by stop()
-            self.errors.append(exc)
-
-    def _checkpoint_step(self) -> float:
-        runs = storage.list_dirs(self.root)  # names: the DAG run's folder, once it has one
-        return checkpoint_step(RunLayout(f"{self.root}/{runs[0]}")) if runs else 0.0
-
-    def _wait(self, predicate: Callable[[], bool]) -> None:
-        while not self._stop.is_set():
-            if predicate():
-                return
-            self._stop.wait(0.2)
-        raise RuntimeError("stopped before the preemption point")
-
-    def stop(self) -> list[str]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self.errors:
-            raise self.errors[0]
-        return self.done
+    return script
 
 
 def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every_second(  # noqa: ANN001
@@ -244,11 +213,12 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     )
     # Worker 1's VM goes just past BSP's first checkpoint (step 50 of 0..400) and ASP's first at or
     # past step 700 (of 400..1300): far from either segment's end.
-    preempter = Preempter(fake, bucket, "gce").at([50, 700])
+    preempted: list[str] = []
+    preempter = DuringRun(preempt_worker_1(fake, f"{bucket}/gce", [50, 700], preempted)).start()
     try:
         dag_run = dag.test(run_conf=run_conf)
     finally:
-        preempted = preempter.stop()
+        preempter.stop()
 
     assert len(preempted) == 2, preempted
     assert dag_run.state == "success"

@@ -9,6 +9,7 @@ testbed); skipped otherwise with ensure_prerequisites()'s reason.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_runs import checkpoint_step, latest_step
+from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
 from conftest import GcsEmulator, new_bucket, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
@@ -355,63 +356,84 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
 # ---- lost hosts -----------------------------------------------------------------------------------
 
 
-def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_fails_the_segment_cleanly(
-    bed: tb.Testbed, bucket: str, work_root: Path
+def test_a_lost_worker_host_mid_asp_is_survived_and_mid_bsp_is_retried_from_the_checkpoint(  # noqa: ANN001
+    dag, bed: tb.Testbed, bucket: str, work_root: Path
 ) -> None:
-    backend = HostsBackend()
-    # The ASP segment is long enough (~1 min on an idle machine) for the launcher to see the lost
-    # host's lease time out (~20 s) before the segment ends.
-    spec_job = job(
-        bed, bucket, switch_order="01", train_steps=[3000, 300], ckpt_frequency=[1000, 50], stall_seconds=180
-    )
-    layout = RunLayout.for_run(bucket, "hosts", "lost-hosts")
-    handle = backend.provision(spec_job, layout)
-    try:
-        asp, bsp = (spec_job.segment_spec(e, "lost-hosts", layout.root) for e in spec_job.plan_entries())
-        backend.launch_segment(handle, asp)
-        wait_for(lambda: latest_step(layout, 0, "asp") >= 20, timeout=180, what="ASP at step 20", poll=0.5)
+    """ "01" through the DAG (dag.test) on the five hosts. Worker 1's host is lost just past ASP's
+    checkpoint at 1000 (of 0..3000): the segment finishes with the survivors. It is back by the BSP
+    segment, whose worker 2's host is lost past its checkpoint at 3050 (of 3000..3300): that attempt
+    fails cleanly, the host comes back while the task waits for its retry, and Airflow's retry
+    resumes from the last checkpoint and ends exactly on target. The launcher names each lost node
+    (node_lost events, kept for both attempts on gs://)."""
+    conf = {
+        "job_name": "lost",
+        "cluster_backend": "hosts",
+        "hosts": host_params(bed),
+        "bucket_dir": bucket,
+        "switch_order": "01",
+        # The ASP segment is long enough (~1 min on an idle machine) for the launcher to see the lost
+        # host's lease time out (~17 s) before the segment ends.
+        "train_steps": [3000, 300],
+        "ckpt_frequency": [1000, 50],
+        "stall_seconds": 180,
+        "num_workers": 3,
+        "num_ps": 1,
+    }
+    job_root = f"{bucket}/lost"
+    since = datetime.datetime.now(datetime.UTC)
+
+    def lose_hosts(run: DuringRun) -> None:
+        run.wait(lambda: job_checkpoint_step(job_root) >= 1000, "ASP's checkpoint at 1000")
         # While it trains: the nodes' ports answer inside the cluster network and not from outside it.
         check_ports_are_closed_from_outside(bed)
         bed.kill_host(bed.hosts[2])  # ASP worker 1
-        wait_until_ended(backend, handle, 0, timeout=600)
-        status, log_tail = backend.segment_status(handle, 0), backend.segment_log_tail(handle, 0, 400)
-        assert status.exit_code == 0, log_tail
-        assert "worker 1 exited" in log_tail and "ASP continues with the survivors" in log_tail, log_tail
-        assert read_state_result(layout, 0, "asp")["end_step"] == 3000
-
+        run.wait(lambda: job_checkpoint_step(job_root) >= 2000, "ASP's checkpoint at 2000")
         bed.revive_host(bed.hosts[2])
-        backend.launch_segment(handle, bsp)
-        wait_for(
-            lambda: checkpoint_step(layout) >= 3050, timeout=300, what="BSP's checkpoint at 3050", poll=0.2
-        )
-        checkpoint_before = checkpoint_step(layout)
+        run.wait(lambda: job_checkpoint_step(job_root) >= 3050, "BSP's checkpoint at 3050")
         bed.kill_host(bed.hosts[3])  # BSP worker 2
-        wait_until_ended(backend, handle, 1, timeout=300)
-        status = backend.segment_status(handle, 1)
-        assert status.exit_code not in (0, None), "a BSP segment cannot finish without a worker"
-        # Whoever saw it first (the launcher, or the chief via aborted collectives), the log names the node.
-        log_tail = backend.segment_log_tail(handle, 1, 400)
-        assert f"worker-2 on host {bed.hosts[3].name} exited" in log_tail or (
-            "worker 2 exited" in log_tail and "BSP cannot continue" in log_tail
-        ), log_tail
-
-        # The retry, with the host back, resumes from the last checkpoint and ends exactly on target.
+        run.wait(lambda: task_state("segment_1.bsp", since) == "up_for_retry", "the BSP task's retry")
         bed.revive_host(bed.hosts[3])
-        backend.launch_segment(handle, bsp)
-        wait_for(
-            lambda: not backend.segment_status(handle, 1).running,
-            timeout=300,
-            what="the BSP retry's end",
-            poll=2,
-        )
-        assert backend.segment_status(handle, 1).exit_code == 0, backend.segment_log_tail(handle, 1, 40)
-        result = read_state_result(layout, 1, "bsp")
-        assert result["start_step"] >= checkpoint_before >= 3050 and result["end_step"] == 3300
+
+    losses = DuringRun(lose_hosts).start()
+    try:
+        dag_run = dag.test(run_conf=conf)
+        losses.stop()
     finally:
         for host in bed.hosts:
-            bed.revive_host(host) if not host_is_up(bed, host) else None
-        backend.teardown(handle)
+            if not host_is_up(bed, host):
+                bed.revive_host(host)
+
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket, "lost", dag_run.run_id)
+    state = read_state(layout)
+    assert [state["segments"][str(i)]["end_step"] for i in range(2)] == [3000, 3300]
+    assert state["segments"]["1"]["start_step"] >= 3050  # the retry resumed from a checkpoint
+    assert segment_starts(layout) == {0: 1, 1: 2}, "ASP went on; BSP ran twice"
+    lost = {
+        (e["segment"], e["node"], e["host"], e["outcome"])
+        for e in read_events(layout.metrics, event="node_lost")
+    }
+    assert (0, "worker-1", bed.hosts[2].name, "ASP continues with the survivors") in lost, lost
+    assert any(
+        segment == 1 and node == "worker-2" and host == bed.hosts[3].name for segment, node, host, _ in lost
+    ), lost
     assert_hosts_clean(bed)
+
+
+def task_state(task_id: str, since: datetime.datetime) -> str | None:
+    """The state of ``task_id`` in the sync_switch run that dag.test() started after ``since``."""
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        return session.scalar(
+            select(TaskInstance.state).where(
+                TaskInstance.dag_id == "sync_switch",
+                TaskInstance.task_id == task_id,
+                TaskInstance.start_date >= since,
+            )
+        )
 
 
 def wait_until_ended(backend: HostsBackend, handle: dict, index: int, timeout: float) -> None:
