@@ -21,9 +21,11 @@ scheduling in the way), once per configuration, side by side in one run:
 Per configuration it prints the measured round trip between two worker hosts (fastest of five TCP
 connects), BSP and ASP examples/s (mean over the segments of that protocol), ASP/BSP, each against
 local, and the switch gaps (previous segment's end to the next one's first step, as the report
-measures them). The hosts here are namespaces of one 2-core machine: the processes compete for the
-same cores as in the local run, so the differences are the network's and the launch path's (SSH, TCP
-fork servers, per-host data staging), not more compute.
+measures them): their mean, the longest, and the mean hand-off (previous segment's result to the
+next launcher's start; the rest is the next segment's start-up). The hosts here are namespaces of
+one 2-core machine: the processes compete for the same cores as in the local run, so the differences
+are the network's and the launch path's (SSH, TCP fork servers, per-host data staging), not more
+compute.
 """
 
 from __future__ import annotations
@@ -77,8 +79,15 @@ def measures(summary: dict[str, Any]) -> dict[str, float | None]:
     for segment in summary["segments"]:
         if segment.get("examples_per_sec"):
             by_protocol[segment["protocol"]].append(segment["examples_per_sec"])
-    gaps = [g["seconds"] for g in summary.get("switch_gaps_seconds", [])]
-    return {"bsp": mean(by_protocol["bsp"]), "asp": mean(by_protocol["asp"]), "gap": mean(gaps)}
+    gaps = [g for g in summary.get("switch_gaps_seconds", []) if g["seconds"] is not None]
+    return {
+        "bsp": mean(by_protocol["bsp"]),
+        "asp": mean(by_protocol["asp"]),
+        "gap": mean([g["seconds"] for g in gaps]),
+        "gap_max": max((g["seconds"] for g in gaps), default=None),
+        # The part of the gap before the next launcher started (old nodes stopped, launcher start).
+        "handoff": mean([g["handoff_seconds"] for g in gaps if g.get("handoff_seconds") is not None]),
+    }
 
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -214,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                 fmt(r["bsp"] / local["bsp"] if r["bsp"] and local["bsp"] else None, 2),
                 fmt(r["asp"] / local["asp"] if r["asp"] and local["asp"] else None, 2),
                 fmt(r["gap"], 2),
+                fmt(r["gap_max"], 2),
+                fmt(r["handoff"], 2),
                 fmt(
                     r["gap"] - local["gap"] if r["gap"] is not None and local["gap"] is not None else None, 2
                 ),
@@ -233,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         "BSP/local",
         "ASP/local",
         "switch gap s",
+        "max gap s",
+        "hand-off s",
         "gap - local s",
     ]
     print(markdown_table(headers, rows))

@@ -280,6 +280,7 @@ def assert_full_run_summary(summary: dict) -> None:
     assert (gap["from_segment"], gap["to_segment"]) == (0, 1)
     assert (gap["from_protocol"], gap["to_protocol"]) == ("bsp", "asp")
     assert gap["seconds"] == pytest.approx(14.5)  # segment 0 ended at +30.5, segment 1 stepped at +45
+    assert gap["handoff_seconds"] == pytest.approx(0.5)  # segment 1's launcher started at +31
     assert gap["startup"] == SEG1_STARTUP
     assert summary["online_switches"] == [DECISION]
     assert summary["straggler_windows"] == [STRAGGLER]

@@ -422,12 +422,17 @@ def _overall_examples_per_sec(segments: list[SegmentView]) -> float | None:
 
 
 def _switch_gaps(segments: list[SegmentView]) -> list[dict[str, Any]]:
-    """For each consecutive pair: the last step of one segment to the first step of the next."""
+    """For each consecutive pair: the last step of one segment to the first step of the next.
+
+    The gap is a hand-off (the previous segment's result to the next launcher's start: the old
+    nodes stopped, the next task scheduled, the launcher started) then the next segment's start-up."""
     gaps = []
     for prev, nxt in zip(segments, segments[1:], strict=False):
-        seconds = None
+        seconds = handoff = None
         if prev.ended_at is not None and nxt.first_step_at is not None:
             seconds = nxt.first_step_at - prev.ended_at
+        if prev.ended_at is not None and nxt.started_at is not None:
+            handoff = nxt.started_at - prev.ended_at
         gaps.append(
             {
                 "from_segment": prev.index,
@@ -437,6 +442,7 @@ def _switch_gaps(segments: list[SegmentView]) -> list[dict[str, Any]]:
                 "ended_at": prev.ended_at,
                 "first_step_at": nxt.first_step_at,
                 "seconds": seconds,
+                "handoff_seconds": handoff,
                 # The next segment's own account of its start-up (checkpoint write, process start,
                 # restore, first step, ...), passed through with whatever keys the chief wrote.
                 "startup": (nxt.result or {}).get("startup"),
@@ -880,11 +886,13 @@ def _gap_table(gaps: list[dict[str, Any]]) -> str:
             f"seg {g['from_segment']} {g['from_protocol'].upper()}",
             f"seg {g['to_segment']} {g['to_protocol'].upper()}",
             g["seconds"],
+            g.get("handoff_seconds"),
             g["startup"],
         ]
         for g in gaps
     ]
-    return html_table(["from", "to", "gap: last step -> first step (s)", "start-up split (s)"], rows)
+    headers = ["from", "to", "gap: last step -> first step (s)", "hand-off: result -> launch (s)"]
+    return html_table([*headers, "start-up split (s)"], rows)
 
 
 def _figures(images: dict[str, str], skipped: dict[str, str]) -> str:
@@ -1084,7 +1092,9 @@ def _segment_line(s: dict[str, Any]) -> str:
 
 def _gap_line(g: dict[str, Any]) -> str:
     protocols = f"{g['from_protocol'].upper()}->{g['to_protocol'].upper()}"
+    handoff = f", hand-off {_fmt(g['handoff_seconds'], 1)} s" if g.get("handoff_seconds") is not None else ""
     split = f" ({_fmt(g['startup'], 1)})" if g.get("startup") else ""
     return (
-        f"switch {g['from_segment']}->{g['to_segment']} ({protocols}): gap {_fmt(g['seconds'], 1)} s{split}"
+        f"switch {g['from_segment']}->{g['to_segment']} ({protocols}): gap {_fmt(g['seconds'], 1)} s"
+        f"{handoff}{split}"
     )
