@@ -907,16 +907,25 @@ def _figures(images: dict[str, str], skipped: dict[str, str]) -> str:
     return figures
 
 
+def _since_run_start(at: float | None, run_start: float | None) -> float | None:
+    """A table's time column: seconds since the run started, when both times are known."""
+    return at - run_start if at is not None and run_start is not None else None
+
+
 def _decision_table(decisions: list[dict[str, Any]], run_start: float | None) -> str:
     if not decisions:
         return '<p class="note">No online decisions.</p>'
     rows = []
     for d in decisions:
-        at = d.get("time")
-        since = at - run_start if at is not None and run_start is not None else None
         details = {k: v for k, v in d.items() if k not in ("time", "segment", "action", "reason")}
         rows.append(
-            [since, d.get("segment"), d.get("action"), d.get("reason"), json.dumps(details, default=str)]
+            [
+                _since_run_start(d.get("time"), run_start),
+                d.get("segment"),
+                d.get("action"),
+                d.get("reason"),
+                json.dumps(details, default=str),
+            ]
         )
     return html_table(["time since run start (s)", "segment", "action", "reason", "numbers"], rows)
 
@@ -926,21 +935,24 @@ def _cluster_event_tables(summary: dict[str, Any], run_start: float | None) -> s
     events, lost = summary.get("cluster_events") or [], summary.get("lost_nodes") or []
     if not events and not lost:
         return '<p class="note">No node lost, no VM revoked or replaced.</p>'
-
-    def since(at: float | None) -> float | None:
-        return at - run_start if at is not None and run_start is not None else None
-
     parts = []
     if events:
         rows = []
         for e in events:
             details = {k: v for k, v in e.items() if k not in ("time", "kind", "vm")}
-            rows.append([since(e.get("time")), e.get("kind"), e.get("vm"), json.dumps(details, default=str)])
+            rows.append(
+                [
+                    _since_run_start(e.get("time"), run_start),
+                    e.get("kind"),
+                    e.get("vm"),
+                    json.dumps(details, default=str),
+                ]
+            )
         parts.append(html_table(["time since run start (s)", "event", "VM", "details"], rows))
     if lost:
         rows = [
             [
-                since(n["time"]),
+                _since_run_start(n["time"], run_start),
                 f"{n['segment']} ({n['protocol']})",
                 n["node"],
                 n["host"] or "-",
