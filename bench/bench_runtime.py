@@ -129,7 +129,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     imported = time.time()
 
     from syncswitch.hparams import get_hparams, learning_rate_at
-    from syncswitch.models import build_model, kernel_weights
+    from syncswitch.models import build_model, decayed_weights
     from syncswitch.params import FlatModel
     from syncswitch.problems import get_problem
     from syncswitch.trainer import cross_entropy
@@ -143,7 +143,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
         groups=1,
         nesterov=hp.optimizer_momentum_nesterov,
         weight_decay=hp.weight_decay,
-        decayed=kernel_weights(model),
+        decayed=decayed_weights(model),
     )
     dataset = problem.train_dataset("", batch_size=hp.batch_size, shard_index=0, num_shards=1, seed=0)
     iterator = iter(dataset)

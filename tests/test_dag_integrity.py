@@ -15,7 +15,7 @@ from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk import TriggerRule
 from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import ParamValidationError
-from syncswitch.spec import JobSpec
+from syncswitch.spec import JobSpec, SpecError
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +123,11 @@ def test_params_cover_the_job_spec(dag) -> None:  # noqa: ANN001
 def test_params_render_as_typed_form_fields(dag) -> None:  # noqa: ANN001
     schema = {name: dag.params.get_param(name).schema for name in dag.params}
     assert schema["switch_order"]["pattern"] == "^[01]+$"
-    assert schema["model"]["enum"] == ["resnet", "cnn"]
-    assert "cnn_digits" in schema["hparam_set"]["enum"]
+    # Registered names are proposed, not enforced: a run's usr_dir may register others, and the
+    # validate task checks them against the loaded registry.
+    assert {"resnet", "cnn"} <= set(schema["model"]["examples"]) and "enum" not in schema["model"]
+    assert "cnn_digits" in schema["hparam_set"]["examples"]
+    assert "digits" in schema["problem"]["examples"]
     assert schema["train_steps"]["type"] == "array"
     assert schema["num_workers"]["type"] == "integer" and schema["num_workers"]["minimum"] == 1
     assert set(schema["online_policy"]["enum"]) == {"none", "greedy", "elastic"}
@@ -138,11 +141,10 @@ def test_params_render_as_typed_form_fields(dag) -> None:  # noqa: ANN001
     [
         ("switch_order", "12"),
         ("switch_order", ""),
-        ("model", "vgg"),
+        ("model", ""),
         ("num_workers", 0),
         ("num_workers", "two"),
         ("train_steps", [10, -1]),
-        ("hparam_set", "resnet_cifar_99"),
         ("momentum_rule", "nesterov"),
         ("job_name", "Bad_Name"),
         ("stragglers", ["worker=1"]),
@@ -156,6 +158,24 @@ def test_params_reject_bad_values(dag, name: str, value: object) -> None:  # noq
     # Assigning a value validates it against the param's schema, as a trigger's conf is.
     with pytest.raises(ParamValidationError, match=f"param {name}:"):
         params[name] = value
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("model", "vgg", r"^model: unknown 'vgg'; accepted: cnn, resnet"),
+        ("problem", "mnist", r"^problem: unknown 'mnist'; accepted: digits, image_cifar10"),
+        ("hparam_set", "resnet_cifar_99", r"^hparam_set: unknown 'resnet_cifar_99'; accepted: cnn_digits"),
+        ("usr_dir", "/no/such/folder", r"^usr_dir: '/no/such/folder': no such folder or \.py file"),
+    ],
+)
+def test_unregistered_names_fail_validation_naming_the_field(
+    dag, name: str, value: str, message: str  # noqa: ANN001
+) -> None:
+    params: ParamsDict = copy.deepcopy(dag.params)
+    params[name] = value  # the form proposes names; it cannot know a run's usr_dir
+    with pytest.raises(SpecError, match=message):
+        JobSpec.from_params(params.validate())
 
 
 def test_params_accept_the_original_style_job(dag) -> None:  # noqa: ANN001

@@ -374,4 +374,4 @@ def test_history_commands_reject_bad_input(tmp_path: Path) -> None:
     done = syncswitch("policy", cwd=tmp_path)
     assert done.returncode == 2 and "usage: syncswitch policy next" in done.stderr
     done = syncswitch("nonsense", cwd=tmp_path)
-    assert done.returncode == 2 and "{train,run,sweep,history,policy}" in done.stderr
+    assert done.returncode == 2 and "{train,check,registry,run,sweep,history,policy}" in done.stderr

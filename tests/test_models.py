@@ -13,7 +13,7 @@ from syncswitch.hparams import HParams, get_hparams
 from syncswitch.models import (
     ZeroPadShortcut,
     build_model,
-    kernel_weights,
+    decayed_weights,
 )
 from syncswitch.optim import MomentumSGD
 from syncswitch.params import FlatModel
@@ -53,12 +53,12 @@ def test_resnet20_has_the_papers_027m_weights_and_depth_counts_layers() -> None:
     trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
     assert 0.26e6 < trainable < 0.28e6
     # 19 convolutions + the dense layer = 20 weighted layers.
-    assert len(kernel_weights(model)) == 20
+    assert len(decayed_weights(model)) == 20
     stage_outputs = [layer.output.shape for layer in model.layers if layer.name.endswith("block1_relu2")]
     assert stage_outputs == [(None, 32, 32, 16), (None, 16, 16, 32), (None, 8, 8, 64)]
 
     deeper = build_model(get_hparams("resnet_cifar_32").override("num_filters=8"), CIFAR10)
-    assert len(kernel_weights(deeper)) == 32
+    assert len(decayed_weights(deeper)) == 32
     assert deeper.get_layer("stage3_block5_conv2").filters == 32
 
 
@@ -71,7 +71,7 @@ def test_option_a_shortcut_subsamples_and_zero_pads_channels() -> None:
 
 
 def test_bad_model_and_depth_name_the_field() -> None:
-    with pytest.raises(ValueError, match=r"^model: unknown 'vgg'; accepted: resnet, cnn$"):
+    with pytest.raises(ValueError, match=r"^model: unknown 'vgg'; accepted: cnn, resnet$"):
         build_model(HParams(model="vgg"), CIFAR10)
     with pytest.raises(ValueError, match=r"^hparams: resnet_depth must be 6n\+2"):
         build_model(get_hparams("resnet_cifar_20").override("resnet_depth=21"), CIFAR10)
@@ -81,7 +81,7 @@ def test_weight_decay_is_applied_to_kernels_only_by_the_optimizer() -> None:
     """t2t's ``weight_decay * l2_loss(kernel)``: its gradient ``weight_decay * kernel`` is added in the
     update, beside the variable; batch-norm scales and shifts and the dense bias are not decayed."""
     model = build_model(get_hparams("cnn_digits"), DIGITS)
-    kernels = kernel_weights(model)
+    kernels = decayed_weights(model)
     assert {w.path.rsplit("/", 1)[0] for w in kernels} == {"conv1", "conv2", "conv3", "logits"}
     before = {w.path: w.numpy().copy() for w in model.trainable_variables}
     kernel_refs = {k.value.ref() for k in kernels}
@@ -144,7 +144,7 @@ def test_digits_cnn_reaches_95_percent_in_200_steps() -> None:
     hp = get_hparams("cnn_digits")
     model = build_model(hp, DIGITS)
     flat = FlatModel(
-        model, groups=2, nesterov=True, weight_decay=hp.weight_decay, decayed=kernel_weights(model)
+        model, groups=2, nesterov=True, weight_decay=hp.weight_decay, decayed=decayed_weights(model)
     )
 
     def mean_loss(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:

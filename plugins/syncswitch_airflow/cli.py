@@ -83,6 +83,8 @@ NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--host": ("hosts", {"action": "append", "metavar": "address=10.0.0.2,key=/path/to/key[,role=worker]"}),
     "--gce": ("gce", {"metavar": "project=p;zones=us-central1-a;gpus=k80 k80 p100 v100"}),
     "--seed": ("seed", {}),
+    # tensor2tensor's --t2t_usr_dir: user code registering models, problems and hparam sets.
+    "--usr-dir": ("usr_dir", {"metavar": "FOLDER|FILE.py|MODULE"}),
 }
 IGNORED_FLAGS = ("--cluster-name", "--eval-name")
 
@@ -155,6 +157,9 @@ def conf_from_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, dest)
         if value is not None:
             conf[dest] = value
+    if conf.get("usr_dir") and os.path.exists(conf["usr_dir"]):
+        # The Airflow tasks and the cluster do not run in this shell's folder.
+        conf["usr_dir"] = os.path.abspath(conf["usr_dir"])
     return conf
 
 

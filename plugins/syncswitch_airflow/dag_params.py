@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param
-from syncswitch.hparams import HPARAM_SETS
+from syncswitch.registry import REGISTRY
 from syncswitch.spec import (
     CLUSTER_BACKENDS,
-    MODELS,
     MOMENTUM_RULES,
     ONLINE_POLICIES,
-    PROBLEMS,
     TIMING_POLICIES,
     JobSpec,
     SpecError,
@@ -52,6 +50,15 @@ def check_slot_budget(job: JobSpec, slots: int = MAX_SEGMENT_SLOTS) -> None:
 
 def _enum(value: str, choices: Any, title: str, description: str) -> Param:
     return Param(value, type="string", enum=list(choices), title=title, description=description)
+
+
+def _registered(value: str, kind: str, title: str, description: str) -> Param:
+    """A registered name: the form proposes every name the registry knows here (built-ins, entry
+    points, and a job file's usr_dir once loaded) and accepts others, since a run's usr_dir may
+    register names this process has never imported; the validate task checks them."""
+    names = REGISTRY.names(kind)
+    examples = names if value in names else [value, *names]
+    return Param(value, type="string", minLength=1, examples=examples, title=title, description=description)
 
 
 def _int(value: int, title: str, description: str, minimum: int, maximum: int | None = None) -> Param:
@@ -128,11 +135,24 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
         ),
         "num_workers": _int(d.num_workers, "Workers", "Training workers in the cluster.", 1, 64),
         "num_ps": _int(d.num_ps, "Parameter servers", "Parameter servers (used by ASP segments).", 1, 16),
-        "model": _enum(d.model, MODELS, "Model", "cnn for digits, resnet for the CIFAR problems."),
-        "hparam_set": _enum(
-            d.hparam_set, sorted(HPARAM_SETS), "Hyper-parameter set", "A named set for the model."
+        "model": _registered(
+            d.model,
+            "model",
+            "Model",
+            "A registered model: cnn for digits, resnet for the CIFAR problems, or one of usr_dir's.",
         ),
-        "problem": _enum(d.problem, PROBLEMS, "Problem", "The dataset."),
+        "hparam_set": _registered(
+            d.hparam_set, "hparams", "Hyper-parameter set", "A registered set for the model."
+        ),
+        "problem": _registered(d.problem, "problem", "Problem", "A registered problem (dataset)."),
+        "usr_dir": Param(
+            d.usr_dir or None,
+            type=["null", "string"],
+            title="User code",
+            description="A package folder, .py file or module name that registers models, problems "
+            "and hparam sets (tensor2tensor's t2t_usr_dir); checked on one batch before provisioning. "
+            "See docs/bring-your-own-model.md.",
+        ),
         "data_dir": Param(
             # Optional: an empty required string would keep the Trigger form from submitting.
             d.data_dir or None,

@@ -57,6 +57,7 @@ OPTIONAL_FIELDS = (
     "workload_steps",
     "policy",
     "cost",
+    "user_code",
     "schema_version",
 )
 CLAIM_FIELDS = ("run_id", "fingerprint", "bsp_fraction", "phase", "claimed_at")
@@ -95,9 +96,14 @@ class RecordConflict(ValueError):
 # ---- fingerprint -----------------------------------------------------------------------------------
 
 
-def job_fingerprint(params: Mapping[str, Any]) -> str:
-    """sha256 (first 16 hex digits) of the canonical JSON of :func:`fingerprint_settings`."""
-    canonical = json.dumps(fingerprint_settings(params), sort_keys=True, separators=(",", ":"))
+def job_fingerprint(params: Mapping[str, Any], user_code: str = "") -> str:
+    """sha256 (first 16 hex digits) of the canonical JSON of :func:`fingerprint_settings`, with the
+    job's user code (``syncswitch.usercode.identity``: its files' digest, its packages' versions) when
+    it has any: a changed model is another configuration, whose switch point is searched afresh."""
+    settings = fingerprint_settings(params)
+    if user_code:
+        settings["user_code"] = user_code
+    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
@@ -300,6 +306,7 @@ _RECORD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "workload_steps": _optional(_steps),
     "policy": _optional(_object),
     "cost": _optional(_object),
+    "user_code": _optional(_object),
     "schema_version": _schema_version,
 }
 

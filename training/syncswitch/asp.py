@@ -39,7 +39,6 @@ from syncswitch.trainer import (
     StopSignal,
     WorkerTimer,
     build_and_restore,
-    cross_entropy,
     evaluate_if_asked,
     save,
     segment_start_event,
@@ -85,8 +84,8 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
-    def mean_loss(logits: Any, labels: Any) -> Any:
-        return tf.reduce_mean(cross_entropy(logits, labels))
+    def mean_loss(outputs: Any, labels: Any) -> Any:
+        return tf.reduce_mean(state["loss"](outputs, labels))
 
     def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, mean_loss)

@@ -26,7 +26,6 @@ from syncswitch.trainer import (
     StopSignal,
     WorkerTimer,
     build_and_restore,
-    cross_entropy,
     evaluate_if_asked,
     save,
     segment_start_event,
@@ -66,8 +65,8 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
 
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-    def average_loss(logits: Any, labels: Any) -> Any:
-        return tf.nn.compute_average_loss(cross_entropy(logits, labels), global_batch_size=global_batch)
+    def average_loss(outputs: Any, labels: Any) -> Any:
+        return tf.nn.compute_average_loss(state["loss"](outputs, labels), global_batch_size=global_batch)
 
     def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, average_loss)

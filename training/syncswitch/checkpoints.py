@@ -42,13 +42,39 @@ def latest(layout: RunLayout) -> dict[str, Any] | None:
 def signature(hp: Any, problem: Any) -> dict[str, Any]:
     """What a checkpoint must match to be restored: derived from the hparams and the problem alone,
     so the launcher can check it before spawning anything (and without importing TensorFlow)."""
-    return {
-        "model": hp.model,
-        "depth": hp.resnet_depth if hp.model == "resnet" else None,
-        "filters": hp.num_filters,
-        "input_shape": list(problem.image_shape),
-        "num_classes": problem.num_classes,
-    }
+    return {"model": hp.model, **hp.shape_signature(), **problem.signature()}
+
+
+def structure(variables: list[Any]) -> list[list[Any]]:
+    """The variables a checkpoint holds, as ``[path, shape, dtype]``: compared at restore, so a user
+    model whose builder changed is refused by name instead of by TensorFlow's restore error."""
+    return [[v.path, [int(d) for d in v.shape], str(v.dtype)] for v in variables]
+
+
+def check_structure(manifest: dict[str, Any], variables: list[Any]) -> None:
+    """CheckpointMismatchError naming the first differing variables, when the manifest records them."""
+    theirs = manifest.get("structure")
+    if theirs is None:
+        return
+    ours = structure(variables)
+    if theirs == ours:
+        return
+    theirs_set, ours_set = {tuple(map(str, v)) for v in theirs}, {tuple(map(str, v)) for v in ours}
+    missing = sorted(theirs_set - ours_set)[:3]
+    extra = sorted(ours_set - ours_set.intersection(theirs_set))[:3]
+    detail = "; ".join(
+        part
+        for part in (
+            f"checkpoint has {', '.join(f'{p} {s} {d}' for p, s, d in missing)}" if missing else "",
+            f"the model has {', '.join(f'{p} {s} {d}' for p, s, d in extra)}" if extra else "",
+        )
+        if part
+    ) or "the variables are in another order"
+    raise CheckpointMismatchError(
+        f"run_dir: the latest checkpoint {manifest['uri']} holds other variables than model "
+        f"{manifest.get('signature', {}).get('model')!r} builds now ({len(theirs)} vs {len(ours)} variables; "
+        f"{detail}); use a new run_dir or the model the checkpoint was written with"
+    )
 
 
 def check_compatible(manifest: dict[str, Any] | None, signature: dict[str, Any]) -> None:

@@ -1,6 +1,8 @@
 """The `syncswitch` command.
 
     syncswitch train ...   run one segment on a local process cluster (this module; no Airflow needed)
+    syncswitch check ...   check a job's model, problem and hparams (user code too) on one batch
+    syncswitch registry    the registered models, problems and hparam sets, and where each comes from
     syncswitch run ...     run a whole sync_switch DAG run on an embedded Airflow (syncswitch_airflow.cli)
     syncswitch history ... a recurring job's history and timing search state (syncswitch_airflow.history_cli)
     syncswitch policy ...  the offline timing policy's next decision from a .jsonl history (same module)
@@ -19,9 +21,8 @@ import time
 from typing import Any
 
 from syncswitch import storage
-from syncswitch.hparams import HPARAM_SETS
 from syncswitch.layout import RunLayout
-from syncswitch.spec import MODELS, MOMENTUM_RULES, PROBLEMS, SegmentSpec, SpecError, StragglerSpec
+from syncswitch.spec import MOMENTUM_RULES, SegmentSpec, SpecError, StragglerSpec
 
 DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
 
@@ -37,9 +38,16 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=("bsp", "asp"), default="bsp")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ps", type=int, default=1, help="parameter servers (ASP)")
-    p.add_argument("--problem", choices=PROBLEMS, default="digits")
-    p.add_argument("--model", choices=MODELS, help="default: cnn for digits, resnet otherwise")
-    p.add_argument("--hparam-set", help=f"one of {', '.join(HPARAM_SETS)}")
+    p.add_argument("--problem", default="digits", help="a registered problem (syncswitch registry)")
+    p.add_argument("--model", help="a registered model; default: cnn for digits, resnet otherwise")
+    p.add_argument("--hparam-set", help="a registered hparam set; default: the built-in model's")
+    p.add_argument(
+        "--usr-dir",
+        "--t2t-usr-dir",
+        default="",
+        help="user code that registers models, problems, hparam sets: a package folder, a .py file "
+        "or a module name (docs/bring-your-own-model.md)",
+    )
     p.add_argument("--hparams", default="", help="overrides, k=v,k=v (tensor2tensor names)")
     p.add_argument("--data-dir", default="", help="local folder or gs:// URI (CIFAR problems)")
     p.add_argument("--run-dir", default="runs/train", help="run folder: local folder or gs:// URI")
@@ -110,6 +118,8 @@ def _spec_from_file(path: str) -> SegmentSpec:
 
 def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
     model = args.model or ("cnn" if args.problem == "digits" else "resnet")
+    if not args.hparam_set and model not in DEFAULT_HPARAM_SET:
+        raise SpecError("hparam-set", f"model {model!r} has no default hparam set; name one")
     hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
     for name, value in (("workers", args.workers), ("ps", args.ps), ("until-step", args.until_step)):
         if value < 1:
@@ -128,6 +138,7 @@ def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
         problem=args.problem,
         data_dir=args.data_dir,
         hparams=args.hparams,
+        usr_dir=os.path.abspath(args.usr_dir) if os.path.exists(args.usr_dir) else args.usr_dir,
         num_workers=args.workers,
         num_ps=args.ps,
         ckpt_frequency=args.ckpt_frequency,
@@ -190,10 +201,34 @@ def summary_line(result: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
         "checkpoint": result["checkpoint"],
         "startup": result.get("startup", {}),
     }
-    if "test_accuracy" in result:
-        line["test_accuracy"] = result["test_accuracy"]
-        line["test_loss"] = result["test_loss"]
+    line.update({k: v for k, v in result.items() if k.startswith("test_")})
     return line
+
+
+def registry_main(argv: list[str]) -> int:
+    """``syncswitch registry [--usr-dir D]``: every registered name and where it comes from."""
+    parser = argparse.ArgumentParser(prog="syncswitch registry")
+    parser.add_argument("--usr-dir", "--t2t-usr-dir", default="")
+    args = parser.parse_args(argv)
+    from syncswitch import usercode
+    from syncswitch.registry import REGISTRY
+
+    try:
+        usercode.load(args.usr_dir)
+    except SpecError as err:
+        print(f"syncswitch registry: {err}", file=sys.stderr)
+        return 2
+    for kind, entries in REGISTRY.sources().items():
+        print(f"{kind}:")
+        for name, source in entries.items():
+            print(f"  {name:24s} {source}")
+    return 0
+
+
+def check_main(argv: list[str]) -> int:
+    from syncswitch.check import main as check
+
+    return check(argv)
 
 
 # The pipeline-side commands live with the Airflow code and are imported only when used, so cluster
@@ -208,15 +243,16 @@ PIPELINE_COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = ["train", *PIPELINE_COMMANDS]
+    runtime = {"train": train_main, "check": check_main, "registry": registry_main}
+    names = [*runtime, *PIPELINE_COMMANDS]
     if not argv or argv[0] not in names:
         print(
             f"usage: syncswitch {{{','.join(names)}}} [options]   (syncswitch <command> --help)",
             file=sys.stderr,
         )
         return 2
-    if argv[0] == "train":
-        return train_main(argv[1:])
+    if argv[0] in runtime:
+        return runtime[argv[0]](argv[1:])
     module, _, function = PIPELINE_COMMANDS[argv[0]].partition(":")
     return getattr(importlib.import_module(module), function)(argv[1:])
 

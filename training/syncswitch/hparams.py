@@ -39,19 +39,40 @@ class HParams:
     # model shape
     resnet_depth: int = 20
     num_filters: int = 16
+    # A user model's own hparams (``embedding_dim=32``...): read as attributes (``hp.embedding_dim``),
+    # overridden with ``k=v`` like the fields above, and part of the checkpoint signature.
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.extra, dict):
+            object.__setattr__(self, "extra", tuple(sorted(self.extra.items())))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: a user model's extra hparams.
+        for key, value in self.__dict__.get("extra", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"hparams has no {name!r} (fields and extra: {', '.join(self.keys())})")
+
+    def keys(self) -> list[str]:
+        return sorted([f.name for f in dataclasses.fields(self) if f.name not in ("model", "extra")]
+                      + [k for k, _ in self.extra])
 
     def override(self, overrides: str | dict[str, str] | None) -> HParams:
         """Return a copy with ``k=v,k=v`` overrides applied (values parsed to the field's type)."""
         pairs = parse_overrides(overrides) if isinstance(overrides, str | None) else overrides
         if not pairs:
             return self
-        changes = {}
-        names = {f.name: f for f in dataclasses.fields(self) if f.name != "model"}
+        changes: dict[str, Any] = {}
+        extra = dict(self.extra)
         for key, raw in pairs.items():
-            if key not in names:
-                raise HParamsError(f"hparams: unknown key {key!r}; accepted keys: {', '.join(sorted(names))}")
-            changes[key] = _parse_value(key, raw, getattr(self, key))
-        updated = dataclasses.replace(self, **changes)
+            if key not in self.keys():
+                raise HParamsError(f"hparams: unknown key {key!r}; accepted keys: {', '.join(self.keys())}")
+            if key in extra:
+                extra[key] = _parse_value(key, raw, extra[key])
+            else:
+                changes[key] = _parse_value(key, raw, getattr(self, key))
+        updated = dataclasses.replace(self, **changes, extra=tuple(sorted(extra.items())))
         updated.validate()
         return updated
 
@@ -77,46 +98,84 @@ class HParams:
             raise HParamsError("hparams: steps_per_execution must be in 0..1000 (0 = automatic)")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["extra"] = dict(self.extra)
+        return data
+
+    def shape_signature(self) -> dict[str, Any]:
+        """The hparams that decide the model's variables, for checkpoint signatures."""
+        shape = {"depth": self.resnet_depth if self.model == "resnet" else None, "filters": self.num_filters}
+        return {**shape, **({"model_hparams": dict(self.extra)} if self.extra else {})}
 
 
 LR_SCHEMES = ("cosine", "piecewise", "constant")
 
 
-def _resnet(depth: int, **kw: object) -> HParams:
+def _resnet(depth: int) -> HParams:
     # He et al. 2016 CIFAR ResNets, as in t2t's resnet_cifar_* sets: 128/worker, cosine decay,
     # Nesterov momentum 0.9, weight decay 1e-4.
-    return HParams(model="resnet", resnet_depth=depth, **kw)
+    return HParams(model="resnet", resnet_depth=depth)
 
 
-HPARAM_SETS: dict[str, HParams] = {
-    "resnet_cifar_20": _resnet(20),
-    "resnet_cifar_32": _resnet(32),
-    "resnet_cifar_56": _resnet(56),
-    # The embedded demo: a small CNN on scikit-learn's 8x8 digits.
-    "cnn_digits": HParams(
+# The built-in sets; syncswitch.registry names them (BUILTIN_ENTRIES) like any registered set.
+def resnet_cifar_20() -> HParams:
+    return _resnet(20)
+
+
+def resnet_cifar_32() -> HParams:
+    return _resnet(32)
+
+
+def resnet_cifar_56() -> HParams:
+    return _resnet(56)
+
+
+def cnn_digits() -> HParams:
+    """The embedded demo: a small CNN on scikit-learn's 8x8 digits."""
+    return HParams(
         model="cnn",
         batch_size=32,
         learning_rate=0.1,
         optimizer_momentum_momentum=0.9,
         weight_decay=1e-4,
         num_filters=16,
-    ),
-}
+    )
+
+
+def hparam_set_names() -> list[str]:
+    from syncswitch.registry import REGISTRY
+
+    return REGISTRY.names("hparams")
 
 
 def get_hparams(hparam_set: str, model: str | None = None) -> HParams:
-    """The named base set; checks that it belongs to ``model`` when one is given."""
-    if hparam_set not in HPARAM_SETS:
-        raise HParamsError(f"hparam_set: unknown {hparam_set!r}; accepted: {', '.join(sorted(HPARAM_SETS))}")
-    hp = HPARAM_SETS[hparam_set]
+    """The named set (built-in, an entry point or a usr_dir's); checks that it belongs to ``model``
+    when one is given."""
+    from syncswitch.registry import REGISTRY, UnknownNameError
+
+    try:
+        hp = REGISTRY.get("hparams", hparam_set)
+    except UnknownNameError as err:
+        raise HParamsError(str(err)) from None
+    if not isinstance(hp, HParams):
+        raise HParamsError(
+            f"hparam_set: {hparam_set!r} ({REGISTRY.entry('hparams', hparam_set).source}) gave "
+            f"{type(hp).__name__}, not syncswitch.hparams.HParams"
+        )
     if model is not None and hp.model != model:
-        accepted = sorted(name for name, h in HPARAM_SETS.items() if h.model == model)
+        accepted = [n for n in REGISTRY.names("hparams") if _model_of(REGISTRY, n) == model]
         raise HParamsError(
             f"hparam_set: {hparam_set!r} is for model {hp.model!r}, not {model!r}; "
             f"accepted for {model!r}: {', '.join(accepted) or 'none'}"
         )
     return hp
+
+
+def _model_of(registry: Any, name: str) -> str | None:
+    try:
+        return getattr(registry.get("hparams", name), "model", None)
+    except Exception:  # noqa: BLE001 - a broken user set only drops out of the suggestion list
+        return None
 
 
 def parse_overrides(text: str | None) -> dict[str, str]:
@@ -149,6 +208,8 @@ def _parse_value(key: str, raw: str, current: object) -> object:
             if not math.isfinite(value):
                 raise ValueError
             return value
+        if isinstance(current, str):
+            return raw
         if isinstance(current, tuple):
             return tuple(float(v) for v in raw.split(";") if v.strip())
         return raw

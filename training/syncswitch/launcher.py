@@ -89,8 +89,10 @@ def preflight(spec: SegmentSpec, cache_dir: str) -> str:
     Raises ValueError subclasses whose message names the field (HParamsError, ProblemError,
     SpecError, CheckpointMismatchError).
     """
+    from syncswitch import usercode
     from syncswitch.problems import get_problem
 
+    usercode.activate(spec, cache_dir)
     hp = spec.resolved_hparams()
     problem = get_problem(spec.problem)
     local_data = problem.prepare(spec.data_dir, cache_dir)

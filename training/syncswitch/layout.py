@@ -13,6 +13,9 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
     report/                             summary.json, index.html, *.png
     cluster/syncswitch-runtime.tar.gz   gce clusters: the runtime the VMs' startup script installs
+    cluster/usercode-<digest>.tar.gz    hosts and gce clusters: the job's usr_dir, as every node imports it
+    export/saved_model/                 the trained model as a TensorFlow SavedModel (``model.export``)
+    export/model.keras                  and as a Keras file (custom layers need the user code to load)
 
 A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job_name>/``
 (:class:`JobHistoryLayout`)::
@@ -111,6 +114,21 @@ class RunLayout:
     @property
     def cluster_runtime(self) -> str:
         return join(self.root, CLUSTER_RUNTIME)
+
+    def cluster_user_code(self, digest: str) -> str:
+        return join(self.root, "cluster", f"usercode-{digest}.tar.gz")
+
+    @property
+    def export(self) -> str:
+        return join(self.root, "export")
+
+    @property
+    def export_saved_model(self) -> str:
+        return join(self.export, "saved_model")
+
+    @property
+    def export_keras(self) -> str:
+        return join(self.export, "model.keras")
 
     @classmethod
     def of_cluster_runtime(cls, uri: str) -> RunLayout | None:

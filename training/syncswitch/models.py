@@ -1,7 +1,9 @@
 """The models of the training runtime, named as in tensor2tensor (``--model resnet|cnn``).
 
-    build_model(hp, problem)            -> keras.Model (Keras 3 functional) that outputs logits
-    kernel_weights(model)               -> the conv and dense kernels: what weight decay applies to
+    build_model(hp, problem)            -> the keras.Model registered as ``hp.model`` (built-in,
+                                           an entry point, or a usr_dir's: syncswitch.registry)
+    decayed_weights(model)              -> what weight decay applies to: every weight of rank >= 2
+                                           (conv and dense kernels, embeddings)
 
 Checkpoint signatures (what a checkpoint must match to be restored) live in syncswitch.checkpoints,
 derived from the hparams and the problem so the launcher can check them without TensorFlow.
@@ -25,7 +27,6 @@ from keras import layers
 from syncswitch.hparams import HParams
 from syncswitch.problems import Problem
 
-MODEL_NAMES = ("resnet", "cnn")
 # As in tensor2tensor's resnet: a faster-moving BN average than Keras' 0.99 default, so the moving
 # statistics used at evaluation are already good after a few hundred steps.
 BN_MOMENTUM = 0.9
@@ -33,13 +34,32 @@ BN_EPSILON = 1e-5
 
 
 def build_model(hp: HParams, problem: Problem) -> keras.Model:
-    """The model ``hp.model`` for ``problem``'s image shape and classes. Builds variables in the
-    current distribution strategy scope, if any."""
-    if hp.model == "resnet":
-        return _resnet(hp.resnet_depth, hp.num_filters, problem.image_shape, problem.num_classes)
-    if hp.model == "cnn":
-        return _cnn(hp.num_filters, problem.image_shape, problem.num_classes)
-    raise ValueError(f"model: unknown {hp.model!r}; accepted: {', '.join(MODEL_NAMES)}")
+    """The model registered as ``hp.model``, built for ``problem``. Builds variables in the current
+    distribution strategy scope, if any. A builder that returns no Keras model is named."""
+    from syncswitch.registry import REGISTRY
+
+    model = REGISTRY.get("model", hp.model)(hp, problem)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"model {hp.model!r} ({REGISTRY.entry('model', hp.model).source}) returned "
+            f"{type(model).__name__}, not a keras.Model"
+        )
+    if not model.built:
+        raise ValueError(
+            f"model {hp.model!r} ({REGISTRY.entry('model', hp.model).source}) is not built: its variables "
+            "must exist before training (give it an Input, or call model.build(shape) in the builder)"
+        )
+    return model
+
+
+def resnet(hp: HParams, problem: Problem) -> keras.Model:
+    """The CIFAR ResNet of depth ``hp.resnet_depth`` for ``problem``'s image shape and classes."""
+    return _resnet(hp.resnet_depth, hp.num_filters, problem.image_shape, problem.num_classes)
+
+
+def cnn(hp: HParams, problem: Problem) -> keras.Model:
+    """The small digits CNN."""
+    return _cnn(hp.num_filters, problem.image_shape, problem.num_classes)
 
 
 # --- ResNet (He et al. 2016, CIFAR variant) ---------------------------------------------------------
@@ -137,6 +157,8 @@ def _cnn(filters: int, image_shape: tuple[int, int, int], num_classes: int) -> k
 # --- weight decay ------------------------------------------------------------------------------
 
 
-def kernel_weights(model: keras.Model) -> list[keras.Variable]:
-    """The conv and dense kernels: what weight decay applies to (not BN scales/shifts, not biases)."""
-    return [w for w in model.trainable_weights if w.name == "kernel"]
+def decayed_weights(model: keras.Model) -> list[keras.Variable]:
+    """What weight decay applies to: trainable weights of rank >= 2 (conv and dense kernels,
+    embeddings), not batch-norm scales and shifts or biases. For the built-in models these are
+    exactly their kernels."""
+    return [w for w in model.trainable_weights if len(w.shape) >= 2]

@@ -67,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         run_server(tf, tf_config, role, task, args.intra_op_threads, args.inter_op_threads)
         return 0
 
+    from syncswitch import usercode
     from syncswitch.asp import run_asp_chief
     from syncswitch.bsp import run_bsp_worker
     from syncswitch.problems import get_problem
 
+    # The job's user code (on other hosts, the copy shipped through the bucket), before any lookup.
+    usercode.activate(spec, args.work_dir)
     problem = get_problem(spec.problem)
     data_dir = args.data_dir
     if args.stage_data:

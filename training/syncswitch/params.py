@@ -49,6 +49,8 @@ class FlatLayout:
         return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0) if tensors else tf.zeros([0])
 
     def unflatten(self, flat: Any) -> list[Any]:
+        if not self.sizes:  # a model without batch-norm statistics, say
+            return []
         return [tf.reshape(p, s) for p, s in zip(tf.split(flat, self.sizes), self.shapes, strict=True)]
 
     def split_groups(self, flat: Any) -> list[Any]:
@@ -80,7 +82,17 @@ class FlatModel(tf.Module):
     ):
         super().__init__(name="flat_model")
         self._template = template
-        trainable, statistics = template.trainable_variables, template.non_trainable_variables
+        trainable, non_trainable = template.trainable_variables, template.non_trainable_variables
+        odd = [f"{v.path} ({v.dtype})" for v in trainable if v.dtype != "float32"]
+        if odd:
+            raise TypeError(
+                f"model {template.name!r}: trainable weights must be float32 (mixed precision keeps its "
+                f"variables in float32); got {', '.join(odd[:3])}"
+            )
+        # Float non-trainable state (batch-norm statistics) is one flat vector; other state (integer
+        # seed generators of dropout layers, counters) stays in variables of its own.
+        self._is_statistic = [v.dtype == "float32" for v in non_trainable]
+        statistics = [v for v, flat in zip(non_trainable, self._is_statistic, strict=True) if flat]
         self.weights_layout = FlatLayout.of(trainable, groups)
         self.stats_layout = FlatLayout.of(statistics, 1)
         initial = self.weights_layout.split_groups(self.weights_layout.flatten([v.value for v in trainable]))
@@ -93,6 +105,16 @@ class FlatModel(tf.Module):
             name="batch_norm_statistics",
             aggregation=tf.VariableAggregation.MEAN,
         )
+        self.other_state = [
+            tf.Variable(
+                v.value,
+                trainable=False,
+                name=f"state_{i}",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            for i, (v, flat) in enumerate(zip(non_trainable, self._is_statistic, strict=True))
+            if not flat
+        ]
         decayed_refs = {v.value.ref() for v in decayed}
         mask = self.weights_layout.flatten(
             [tf.fill(v.shape, 1.0 if v.value.ref() in decayed_refs else 0.0) for v in trainable]
@@ -102,23 +124,46 @@ class FlatModel(tf.Module):
             self.params, nesterov=nesterov, weight_decay=weight_decay, decay_masks=masks
         )
 
+    def _non_trainable(self, statistics: list[Any], others: list[Any]) -> list[Any]:
+        """The model's non-trainable values in its own order, from the flat statistics and the rest."""
+        statistics, others = list(statistics), list(others)
+        return [statistics.pop(0) if flat else others.pop(0) for flat in self._is_statistic]
+
+    def _split_non_trainable(self, values: list[Any]) -> tuple[list[Any], list[Any]]:
+        statistics = [v for v, flat in zip(values, self._is_statistic, strict=True) if flat]
+        others = [v for v, flat in zip(values, self._is_statistic, strict=True) if not flat]
+        return statistics, others
+
     # ---- one step (call inside strategy.run) ----------------------------------------------------
 
     def loss_and_gradients(self, x: Any, y: Any, loss_of: Any) -> tuple[Any, list[Any], Any]:
-        """(loss, gradient per weight group, new batch-norm statistics) of one batch. Reads every
-        weight group and the statistics once. ``loss_of(logits, labels)`` is the scalar loss."""
+        """(loss, gradient per weight group, new non-trainable state) of one batch. Reads every
+        weight group and the statistics once. ``loss_of(outputs, labels)`` is the scalar loss.
+
+        An embedding's gradient arrives as IndexedSlices and is made dense here: the momentum update
+        touches every row anyway (as Keras' SGD with momentum does), and one flat vector per group
+        keeps ASP at ``groups + 1`` transfers a step. Weights the loss does not reach get zeros."""
         weights = self.weights_layout.unflatten(tf.concat([p.read_value() for p in self.params], 0))
         statistics = self.stats_layout.unflatten(self.stats.read_value())
+        non_trainable = self._non_trainable(statistics, [v.read_value() for v in self.other_state])
         with tf.GradientTape() as tape:
             tape.watch(weights)
-            logits, new_statistics = self._template.stateless_call(weights, statistics, x, training=True)
-            loss = loss_of(logits, y)
-        grads = self.weights_layout.split_groups(self.weights_layout.flatten(tape.gradient(loss, weights)))
-        return loss, grads, self.stats_layout.flatten(new_statistics)
+            outputs, new_non_trainable = self._template.stateless_call(
+                weights, non_trainable, x, training=True
+            )
+            loss = loss_of(outputs, y)
+        gradients = tape.gradient(loss, weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        dense = [tf.convert_to_tensor(g) for g in gradients]
+        grads = self.weights_layout.split_groups(self.weights_layout.flatten(dense))
+        new_statistics, new_others = self._split_non_trainable(list(new_non_trainable))
+        return loss, grads, (self.stats_layout.flatten(new_statistics), new_others)
 
-    def apply(self, grads: list[Any], new_statistics: Any, learning_rate: Any, momentum: Any) -> None:
+    def apply(self, grads: list[Any], new_state: Any, learning_rate: Any, momentum: Any) -> None:
         self.optimizer.apply(grads, self.params, learning_rate, momentum)
+        new_statistics, new_others = new_state
         self.stats.assign(new_statistics)
+        for variable, value in zip(self.other_state, new_others, strict=True):
+            variable.assign(value)
 
     # ---- the canonical (per-variable) form, for checkpoints ---------------------------------------
 
@@ -138,11 +183,10 @@ class FlatModel(tf.Module):
         )
         for variable, value in zip(self._template.trainable_variables, weights, strict=True):
             variable.assign(value)
-        for variable, value in zip(
-            self._template.non_trainable_variables,
-            self.stats_layout.unflatten(self.stats.read_value()),
-            strict=True,
-        ):
+        non_trainable = self._non_trainable(
+            self.stats_layout.unflatten(self.stats.read_value()), [v.read_value() for v in self.other_state]
+        )
+        for variable, value in zip(self._template.non_trainable_variables, non_trainable, strict=True):
             variable.assign(value)
         for variable, value in zip(self.velocity_template(), velocities, strict=True):
             variable.assign(value)
@@ -157,6 +201,9 @@ class FlatModel(tf.Module):
             self.optimizer.velocities, self.weights_layout.split_groups(velocities), strict=True
         ):
             slot.assign(chunk)
-        self.stats.assign(
-            self.stats_layout.flatten([v.value for v in self._template.non_trainable_variables])
+        statistics, others = self._split_non_trainable(
+            [v.value for v in self._template.non_trainable_variables]
         )
+        self.stats.assign(self.stats_layout.flatten(statistics))
+        for variable, value in zip(self.other_state, others, strict=True):
+            variable.assign(value)

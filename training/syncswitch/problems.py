@@ -1,15 +1,19 @@
 """The problems (data sets) of the training runtime, named as in tensor2tensor.
 
-    get_problem("image_cifar10")                  -> Problem
+    get_problem("image_cifar10")                  -> Problem (built-in, an entry point or a usr_dir's)
     problem.prepare(data_dir, cache_dir)          -> local folder ready to read ("" if none is needed)
     problem.train_dataset(folder, batch_size=..., shard_index=..., num_shards=..., seed=...)
-    problem.test_dataset(folder, batch_size=...), problem.num_test_examples(folder)
+    problem.test_dataset(folder, batch_size=...)
+    problem.loss(labels, outputs)                 -> per-example loss (default: cross-entropy of logits)
+    problem.metrics()                             -> {name: fn(labels, outputs) -> per-example values}
 
-Datasets yield ``(image float32 [B, H, W, C], label int32 [B])``. Training datasets repeat forever, are
-shuffled and read a disjoint share of the records per shard (shard = worker index, which may be a tensor
-inside a ParameterServerStrategy ``dataset_fn``). Those ``dataset_fn``s may not create variables, so
-augmentation uses stateless random ops seeded from ``(seed, shard, element index)``: the same seed gives
-the same stream.
+The contract (``Problem`` below; docs/bring-your-own-model.md): datasets yield ``(features, labels)``,
+each any nest of tensors (a dict of features, a tuple, one tensor), batched. Training datasets repeat
+forever, are shuffled and read a disjoint share of the records per shard (shard = worker index, which
+may be a tensor inside a ParameterServerStrategy ``dataset_fn``). Those ``dataset_fn``s may not create
+variables, so augmentation uses stateless random ops seeded from ``(seed, shard, element index)``: the
+same seed gives the same stream. The built-in image problems yield ``(image float32 [B, H, W, C],
+label int32 [B])``.
 
 TensorFlow is imported inside functions so that this module (and the names) can be used cheaply, e.g.
 to validate a job spec on the Airflow side.
@@ -22,8 +26,6 @@ import logging
 import os
 import shutil
 import tempfile
-import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,24 +60,65 @@ class ProblemError(ValueError):
 
 
 class Problem:
-    """One data set: its shape, its classes and how to read it."""
+    """One data set: how to stage and read it, its loss and its evaluation metrics.
 
-    name: str
-    image_shape: tuple[int, int, int]
-    num_classes: int
+    Subclass it (user problems too) and register the subclass under a name
+    (``@syncswitch.register_problem("name")``). Only ``train_dataset`` and ``test_dataset`` are
+    required; the rest has defaults for classification with integer labels and logits outputs.
+    """
+
+    name: str  # the registered name (set by syncswitch.registry)
 
     def prepare(self, data_dir: str, cache_dir: str) -> str:
         """Return a local folder with the data ready to read, downloading ``gs://`` data into
-        ``cache_dir``. Raises ProblemError when files are missing or malformed."""
-        raise NotImplementedError
+        ``cache_dir``; "" when the data needs no folder (generated, bundled). Raises ProblemError
+        when files are missing or malformed."""
+        return ""
 
     def train_dataset(
         self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
     ) -> tf.data.Dataset:
+        """Batches of ``(features, labels)`` of ``batch_size``, forever, shard ``shard_index`` of
+        ``num_shards`` (a tensor under ParameterServerStrategy), shuffled with ``seed``."""
         raise NotImplementedError
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
+        """The whole evaluation set once, in batches of ``(features, labels)``."""
         raise NotImplementedError
+
+    def loss(self, labels: Any, outputs: Any) -> Any:
+        """Per-example loss ``[B]`` of the model's ``outputs``; weight decay is added by the optimizer."""
+        import keras
+
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def metrics(self) -> dict[str, Any]:
+        """Evaluation metrics, ``name -> fn(labels, outputs) -> per-example values`` averaged over
+        the test set (reported as ``test_<name>``). ``accuracy`` is the pipeline's quality measure
+        (timing policy, reports, history): higher is better."""
+        return {"accuracy": classification_accuracy}
+
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint of this problem must match to be restored into a run of it."""
+        return {"problem": getattr(self, "name", type(self).__name__)}
+
+
+def classification_accuracy(labels: Any, outputs: Any) -> Any:
+    """1.0 where the largest output is the label, else 0.0."""
+    import tensorflow as tf
+
+    predicted = tf.argmax(outputs, -1, output_type=tf.int64)
+    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int64)), tf.float32)
+
+
+class ImageClassification(Problem):
+    """Built-in image problems: ``image_shape`` and ``num_classes`` shape the built-in models."""
+
+    image_shape: tuple[int, int, int]
+    num_classes: int
+
+    def signature(self) -> dict[str, Any]:
+        return {"input_shape": list(self.image_shape), "num_classes": self.num_classes}
 
     def num_test_examples(self, local_dir: str) -> int:
         raise NotImplementedError
@@ -102,7 +145,7 @@ def _stateless_seed(seed: int, shard_index: Any, index: Any) -> tf.Tensor:
 
 
 @dataclass(frozen=True)
-class DigitsProblem(Problem):
+class DigitsProblem(ImageClassification):
     """scikit-learn's 1797 8x8 digits, scaled to [0, 1], with a fixed stratified 80/20 split."""
 
     name: str = "digits"
@@ -163,7 +206,7 @@ class DigitsProblem(Problem):
 
 
 @dataclass(frozen=True)
-class CifarProblem(Problem):
+class CifarProblem(ImageClassification):
     """CIFAR in the binary format: records of ``label_bytes`` label bytes + 3072 channel-major pixels.
 
     ``data_dir`` is the folder holding the files, or its parent holding ``subdir``.
@@ -349,7 +392,7 @@ class CifarProblem(Problem):
 
 
 @dataclass(frozen=True)
-class SyntheticCifarProblem(Problem):
+class SyntheticCifarProblem(ImageClassification):
     """Random 32x32x3 images generated in-graph from stateless random ops (no data, no constants).
 
     Each class adds its own colour to Gaussian noise, so the data is learnable and the loss falls,
@@ -403,42 +446,55 @@ class SyntheticCifarProblem(Problem):
         return SYNTHETIC_TEST_EXAMPLES
 
 
-# --- the registry ------------------------------------------------------------------------------
+# --- the registry: syncswitch.registry names these (BUILTIN_ENTRIES) ---------------------------------
 
-_PROBLEMS: Mapping[str, Problem] = types.MappingProxyType(
-    {
-        "digits": DigitsProblem(),
-        "image_cifar10": CifarProblem(
-            name="image_cifar10",
-            num_classes=10,
-            subdir="cifar-10-batches-bin",
-            train_files=tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
-            test_files=("test_batch.bin",),
-            label_bytes=1,
-            label_offset=0,
-            mean=(0.4914, 0.4822, 0.4465),
-            std=(0.2470, 0.2435, 0.2616),
-        ),
-        "image_cifar100": CifarProblem(
-            name="image_cifar100",
-            num_classes=100,
-            subdir="cifar-100-binary",
-            train_files=("train.bin",),
-            test_files=("test.bin",),
-            label_bytes=2,
-            label_offset=1,
-            mean=(0.5071, 0.4865, 0.4409),
-            std=(0.2673, 0.2564, 0.2762),
-        ),
-        "synthetic_cifar": SyntheticCifarProblem(),
-    }
-)
 
-PROBLEM_NAMES: tuple[str, ...] = tuple(_PROBLEMS)
+def cifar10() -> CifarProblem:
+    return CifarProblem(
+        name="image_cifar10",
+        num_classes=10,
+        subdir="cifar-10-batches-bin",
+        train_files=tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+        test_files=("test_batch.bin",),
+        label_bytes=1,
+        label_offset=0,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+    )
+
+
+def cifar100() -> CifarProblem:
+    return CifarProblem(
+        name="image_cifar100",
+        num_classes=100,
+        subdir="cifar-100-binary",
+        train_files=("train.bin",),
+        test_files=("test.bin",),
+        label_bytes=2,
+        label_offset=1,
+        mean=(0.5071, 0.4865, 0.4409),
+        std=(0.2673, 0.2564, 0.2762),
+    )
+
+
+def problem_names() -> list[str]:
+    from syncswitch.registry import REGISTRY
+
+    return REGISTRY.names("problem")
 
 
 def get_problem(name: str) -> Problem:
     """The problem called ``name``; ProblemError naming the accepted names otherwise."""
-    if name not in _PROBLEMS:
-        raise ProblemError("problem", f"unknown {name!r}; accepted: {', '.join(PROBLEM_NAMES)}")
-    return _PROBLEMS[name]
+    from syncswitch.registry import REGISTRY, UnknownNameError
+
+    try:
+        problem = REGISTRY.get("problem", name)
+    except UnknownNameError as err:
+        raise ProblemError("problem", str(err).split(": ", 1)[1]) from None
+    if not isinstance(problem, Problem):
+        raise ProblemError(
+            "problem",
+            f"{name!r} ({REGISTRY.entry('problem', name).source}) is {type(problem).__name__}, "
+            "not a syncswitch.problems.Problem",
+        )
+    return problem

@@ -33,8 +33,8 @@ MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
 CLUSTER_BACKENDS = ("local", "hosts", "gce")
-MODELS = ("resnet", "cnn")
-PROBLEMS = ("digits", "image_cifar10", "image_cifar100", "synthetic_cifar")
+# The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
+_BUILTIN_IMAGE_MODELS = {"cnn": ("digits",), "resnet": ("image_cifar10", "image_cifar100", "synthetic_cifar")}
 _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 
@@ -140,6 +140,11 @@ class SegmentSpec:
     problem: str
     data_dir: str = ""
     hparams: str = ""  # this segment's k=v,k=v overrides
+    # The job's user code (syncswitch.usercode): imported by every process before names are looked up.
+    # usr_code_uri: its copy in the run's bucket folder, which nodes use instead of the path (hosts, gce).
+    usr_dir: str = ""
+    usr_code_uri: str = ""
+    usr_code_digest: str = ""
     num_workers: int = 2
     num_ps: int = 1
     ckpt_frequency: int = 0  # steps between checkpoints; 0 = only at segment end
@@ -245,6 +250,7 @@ class JobSpec:
     hparam_set: str = "cnn_digits"
     problem: str = "digits"
     data_dir: str = ""
+    usr_dir: str = ""  # user code registering models, problems, hparam sets (syncswitch.usercode)
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
@@ -344,8 +350,7 @@ class JobSpec:
             raise SpecError("num_workers", f"must be in 1..64, got {self.num_workers}")
         if not 1 <= self.num_ps <= 16:
             raise SpecError("num_ps", f"must be in 1..16, got {self.num_ps}")
-        _choice("model", self.model, MODELS)
-        _choice("problem", self.problem, PROBLEMS)
+        self._validate_names()
         _choice("cluster_backend", self.cluster_backend, CLUSTER_BACKENDS)
         self._validate_hosts()
         _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
@@ -353,7 +358,7 @@ class JobSpec:
         self._validate_timing()
         if self.problem in ("image_cifar10", "image_cifar100") and not self.data_dir:
             raise SpecError("data_dir", f"problem {self.problem!r} needs a data_dir (local path or gs://)")
-        if self.model == "cnn" and self.problem != "digits":
+        if self.model == "cnn" and self.problem in _BUILTIN_IMAGE_MODELS["resnet"]:
             raise SpecError(
                 "model",
                 f"model 'cnn' is the small digits CNN; use model 'resnet' for problem {self.problem!r}",
@@ -383,6 +388,8 @@ class JobSpec:
             raise SpecError("bucket_dir", "must be a local folder or a gs://bucket/prefix URI")
         if self.bucket_dir.startswith("gs://") and len(self.bucket_dir) <= len("gs://"):
             raise SpecError("bucket_dir", "gs:// URI needs a bucket name")
+        if self.usr_dir:
+            return  # its names exist once it is imported: syncswitch.check checks them and the overrides
         try:
             hp = get_hparams(self.hparam_set, self.model)
             for overrides in self.hparams:
@@ -391,6 +398,19 @@ class JobSpec:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
             ) from None
+
+    def _validate_names(self) -> None:
+        """Model and problem are names of the registry (syncswitch.registry). A usr_dir's names exist
+        only once it is imported, which validation does not do (it imports TensorFlow, and parsing a
+        job must stay cheap): there syncswitch.check resolves them, before anything is provisioned."""
+        from syncswitch import usercode
+        from syncswitch.registry import REGISTRY
+
+        if self.usr_dir:
+            usercode.kind_of(self.usr_dir)  # an existing folder, file or importable module
+            return
+        for kind, value in (("model", self.model), ("problem", self.problem)):
+            REGISTRY.entry(kind, value)
 
     def _validate_hosts(self) -> None:
         """hosts and gce describe the cluster of their own backend only; both share through a bucket."""
@@ -529,6 +549,7 @@ class JobSpec:
             problem=self.problem,
             data_dir=self.data_dir,
             hparams=self.per_segment(self.hparams, position),
+            usr_dir=self.usr_dir,
             num_workers=self.num_workers,
             num_ps=self.num_ps,
             ckpt_frequency=self.per_segment(self.ckpt_frequency, position),

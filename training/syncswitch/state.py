@@ -14,7 +14,9 @@
       "cluster_events": [{"time", "kind": revoked | replaced | shrunk | replacement_failed, "vm", ...}],
       "cost":      the cost ledger (syncswitch.costs.ledger), written when the run ends
       "timing":    the timing policy's decision: {"bsp_fraction", "phase", "reason", "numbers"},
-      "final":     the final checkpoint's evaluation,
+      "user_code": {"usr_dir", "digest", "packages", "uri"} of the job's user code (syncswitch.usercode)
+      "final":     the final checkpoint's evaluation, and "export": the trained model's SavedModel and
+                   .keras file (syncswitch.export),
       "timings":   {"created", "first_bsp_start", "finished"},
     }
 
@@ -136,6 +138,7 @@ def create_run(
     plan: list[dict],
     cluster: dict,
     timing: dict[str, Any] | None = None,
+    user_code: dict[str, Any] | None = None,
 ) -> tuple[State, bool]:
     """The run's state with its offline plan and the timing policy's decision; (state, created). A
     retried or cleared run of the same run id keeps its state (the plan may already have changed
@@ -152,6 +155,7 @@ def create_run(
         kept = {k: state[k] for k in ("vms", "cluster_events") if k in state}
         state.clear()
         state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster, timing=timing or {})
+        state["user_code"] = user_code or {}
         state.update(kept)
         created.append(True)
 

@@ -182,7 +182,7 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
     import keras
     import tensorflow as tf
 
-    from syncswitch.models import build_model, kernel_weights
+    from syncswitch.models import build_model, decayed_weights
     from syncswitch.params import FlatModel
 
     # The same seed gives the same initial weights, so that runs are comparable and repeatable.
@@ -194,7 +194,7 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
             groups=ctx.spec.num_ps if ctx.spec.protocol == "asp" else 1,
             nesterov=ctx.hp.optimizer_momentum_nesterov,
             weight_decay=ctx.hp.weight_decay,
-            decayed=kernel_weights(template),
+            decayed=decayed_weights(template),
         )
     velocities = tf.Module(name="optimizer")
     velocities.velocities = flat.velocity_template()
@@ -204,7 +204,13 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
         samples=tf.Variable(0, dtype=tf.int64, trainable=False, name="samples"),
         updates=tf.Variable(0, dtype=tf.int64, trainable=False, name="updates"),
     )
-    return {"flat": flat, "template": template, "velocities": velocities.velocities, "checkpoint": checkpoint}
+    return {
+        "flat": flat,
+        "template": template,
+        "velocities": velocities.velocities,
+        "checkpoint": checkpoint,
+        "loss": example_loss(problem, template),
+    }
 
 
 def build_and_restore(ctx: NodeContext, strategy: Any, problem: Any) -> tuple[dict, dict, dict]:
@@ -236,6 +242,7 @@ def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str,
     if manifest is None:
         return {"samples": 0, "updates": 0, "uri": None}
     checkpoints.check_compatible(manifest, signature)
+    checkpoints.check_structure(manifest, state["template"].weights)
     prefix = checkpoints.fetch(manifest, ctx.work_dir)
     state["checkpoint"].read(prefix).assert_consumed()
     state["flat"].from_template()
@@ -263,7 +270,12 @@ def save(
     state["flat"].to_template()
     state["checkpoint"].samples.assign(samples)
     state["checkpoint"].updates.assign(updates)
-    extra = {"segment": ctx.spec.index, "protocol": ctx.spec.protocol, "digest": weights_digest(state)}
+    extra = {
+        "segment": ctx.spec.index,
+        "protocol": ctx.spec.protocol,
+        "digest": weights_digest(state),
+        "structure": checkpoints.structure(state["template"].weights),
+    }
     uri, seconds = checkpoints.write(
         state["checkpoint"],
         ctx.layout,
@@ -282,12 +294,12 @@ def save(
     return uri
 
 
-def cross_entropy(logits: Any, labels: Any) -> Any:
-    """Per-example cross-entropy. (Weight decay is applied by the optimizer, beside each variable:
-    see syncswitch.optim.)"""
-    import keras
-
-    return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+def example_loss(problem: Any, model: Any) -> Any:
+    """``fn(outputs, labels) -> per-example loss``: the model's ``example_loss(labels, outputs)`` when
+    it defines one, else the problem's ``loss``. (Weight decay is applied by the optimizer, beside
+    each variable: see syncswitch.optim.)"""
+    loss = getattr(model, "example_loss", None) or problem.loss
+    return lambda outputs, labels: loss(labels, outputs)
 
 
 # ---- reporting ------------------------------------------------------------------------------------
@@ -406,9 +418,10 @@ class ChiefReporter:
             stopped_early=stopped_early,
             reason=reason,
         )
-        if evaluation:
-            self.events.emit("eval", global_step=result["end_step"], **evaluation)
-            self.tensorboard.scalars(result["end_step"], **evaluation)
+        scores = {k: v for k, v in (evaluation or {}).items() if k.startswith("test_")}
+        if scores:
+            self.events.emit("eval", global_step=result["end_step"], **scores)
+            self.tensorboard.scalars(result["end_step"], **scores)
         self.tensorboard.close()
         storage.write_json(
             self.ctx.layout.segment_result(self.ctx.spec.index, self.ctx.spec.protocol), result
@@ -485,14 +498,24 @@ def evaluate_checkpointed(
     events.emit("eval", global_step=samples / global_batch, seconds=time.monotonic() - started, **scores)
 
 
-def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, float] | None:
-    """{test_accuracy, test_loss} of the segment's final checkpoint when the spec asks for it."""
+def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, Any] | None:
+    """{test_accuracy, test_loss, ...} of the segment's final checkpoint when the spec asks for it.
+    When that checkpoint ends the job's workload, the evaluated model is also exported
+    (syncswitch.export) and the result names it under ``export``."""
     if not ctx.spec.evaluate:
         return None
     from syncswitch.evaluate import evaluate_checkpoint_uri
 
-    scores = evaluate_checkpoint_uri(checkpoint_uri, ctx.hp, ctx.spec.problem, ctx.data_dir, ctx.work_dir)
-    return {"test_accuracy": scores["test_accuracy"], "test_loss": scores["test_loss"]}
+    scores = evaluate_checkpoint_uri(
+        checkpoint_uri,
+        ctx.hp,
+        ctx.spec.problem,
+        ctx.data_dir,
+        ctx.work_dir,
+        export_to=ctx.layout,
+        export_from_step=ctx.spec.total_steps,
+    )
+    return {k: v for k, v in scores.items() if k.startswith("test_") or k.startswith("export")}
 
 
 class WorkerTimer:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from syncswitch import usercode
 from syncswitch.costs import cost_headline, run_ledger
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
@@ -96,6 +97,10 @@ def history_record(
     started = timings.get("created")
     finished = timings.get("finished") or time.time()
     final = (state or {}).get("final") or {}
+    # As planned (state.json): the digest of the files the run trained with, not of today's files.
+    user_code = (state or {}).get("user_code")
+    if user_code is None:
+        user_code = usercode.describe_names(job)
     return {
         "schema_version": 1,
         "job_name": job.job_name,
@@ -112,10 +117,11 @@ def history_record(
             protocol: sum(float(s.get("seconds") or 0.0) for s in segments if s.get("protocol") == protocol)
             for protocol in ("bsp", "asp")
         },
-        "fingerprint": history.job_fingerprint(job.to_params()),
+        "fingerprint": history.job_fingerprint(job.to_params(), usercode.identity(user_code)),
         "policy_phase": decision.get("phase", "fixed"),
         "policy": decision or None,
         "started_at": started,
         "finished_at": finished,
         "cost": cost_headline((state or {}).get("cost")),
+        **({"user_code": user_code} if user_code else {}),
     }

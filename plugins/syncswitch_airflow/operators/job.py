@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from syncswitch import checkpoints
+from syncswitch import checkpoints, usercode
 from syncswitch import plan as plans
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
@@ -27,6 +32,8 @@ from syncswitch_airflow.operators.common import (
 
 # An ASP segment may end between whole steps (each update is 1/num_workers of a step).
 _STEP_TOLERANCE = 1e-6
+# The user-code check imports TensorFlow and the user's modules, builds the model and runs a batch.
+USER_CODE_CHECK_SECONDS = 600
 
 
 class ValidateJobOperator(BaseOperator):
@@ -44,6 +51,11 @@ class ValidateJobOperator(BaseOperator):
             check_slot_budget(job, self.max_segment_slots)
         except SpecError as err:
             raise AirflowFailException(f"invalid job params: {err}") from None
+        from syncswitch.check import needs_check
+
+        if needs_check(job):
+            checked = check_user_code(job)
+            self.log.info("run %s: user code checked on one batch: %s", context["run_id"], checked)
         steps = job.segment_steps()
         self.log.info(
             "run %s: job %s valid: switch_order %s, steps %s (workload %d), %d worker(s) + %d PS, "
@@ -64,6 +76,36 @@ class ValidateJobOperator(BaseOperator):
         if key != context["run_id"]:
             self.log.info("run %s: the whole run was cleared; this attempt is %s", context["run_id"], key)
         return {"switch_order": job.switch_order, "segment_steps": steps, "workload": sum(steps)}
+
+
+def check_user_code(job: JobSpec) -> dict[str, Any]:
+    """Run ``syncswitch check`` (syncswitch.check) on the job in a subprocess, so that TensorFlow and
+    the user's modules stay out of the Airflow worker; bad user code fails the task (no retry) with
+    the check's one line naming the registered name, the user's file and line."""
+    with tempfile.TemporaryDirectory(prefix="syncswitch-check-") as folder:
+        job_file = os.path.join(folder, "job.json")
+        with open(job_file, "w", encoding="utf-8") as f:
+            json.dump(job.to_params(), f)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "syncswitch.cli", "check", "--job", job_file],
+                capture_output=True,
+                text=True,
+                timeout=USER_CODE_CHECK_SECONDS,
+                cwd=folder,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+            )
+        except subprocess.TimeoutExpired:
+            raise AirflowFailException(
+                f"invalid job params: usr_dir: the user-code check took over {USER_CODE_CHECK_SECONDS} s "
+                "(one batch on CPU); is a dataset blocking?"
+            ) from None
+    if done.returncode != 0:
+        prefix = "syncswitch check: "
+        lines = [line for line in done.stderr.splitlines() if line.startswith(prefix)]
+        reason = lines[-1][len(prefix) :] if lines else "\n".join(done.stderr.splitlines()[-20:])
+        raise AirflowFailException(f"invalid job params: {reason}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 class PlanRunOperator(BaseOperator):
@@ -88,7 +130,10 @@ class PlanRunOperator(BaseOperator):
         run_id = run_key(context)
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
-        state, created = create_run(layout, run_id, params, job.plan_entries(), self.cluster, self.timing)
+        user_code = ship_user_code(job, layout, self.cluster)
+        state, created = create_run(
+            layout, run_id, params, job.plan_entries(), self.cluster, self.timing, user_code=user_code
+        )
         self.log.info(
             "run %s: %s plan in %s: %s",
             run_id,
@@ -97,6 +142,19 @@ class PlanRunOperator(BaseOperator):
             ", ".join(f"{e['index']}:{e['protocol']}->{e['until_step']}" for e in state["plan"]),
         )
         return layout.root
+
+
+def ship_user_code(job: JobSpec, layout: RunLayout, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The job's user code as state.json keeps it ({usr_dir, digest, packages}, and ``uri``: the
+    copy in the run's bucket folder that nodes on other hosts import, so nothing is installed on
+    them by hand). A local cluster imports usr_dir where it is."""
+    if not job.usr_dir:
+        return usercode.describe_names(job)
+    user_code = usercode.describe_names(job)
+    if cluster.get("backend", "local") != "local" and usercode.kind_of(job.usr_dir) != "module":
+        user_code["uri"] = layout.cluster_user_code(user_code["digest"])
+        usercode.upload(job.usr_dir, user_code["uri"])
+    return user_code
 
 
 class RunFolderOperator(BaseOperator):
@@ -139,6 +197,15 @@ class EvaluateRunOperator(RunFolderOperator):
             final["test_loss"],
             final["checkpoint"],
         )
+        if "export" in final:
+            self.log.info(
+                "run %s: trained model exported: %s (SavedModel), %s (Keras)",
+                state["run_id"],
+                final["export"]["saved_model"],
+                final["export"]["keras"],
+            )
+        elif "export_error" in final:
+            self.log.warning("run %s: the export failed: %s", state["run_id"], final["export_error"])
         if abs(float(final["global_step"]) - float(workload)) > _STEP_TOLERANCE:
             raise AirflowException(
                 f"the final checkpoint is at step {final['global_step']}, not at the workload {workload}"
@@ -153,7 +220,8 @@ class EvaluateRunOperator(RunFolderOperator):
         segments = state.get("segments", {}) if latest is not None else {}
         for key in sorted(segments, key=int, reverse=True):
             seg = segments[key]
-            if seg.get("checkpoint") == latest["uri"] and "test_accuracy" in seg:
+            exported = "export" in seg or "export_error" in seg
+            if seg.get("checkpoint") == latest["uri"] and "test_accuracy" in seg and exported:
                 self.log.info(
                     "run %s: segment %s already evaluated the final checkpoint %s at its end",
                     state["run_id"],
@@ -161,16 +229,16 @@ class EvaluateRunOperator(RunFolderOperator):
                     latest["uri"],
                 )
                 return {
-                    "test_accuracy": seg["test_accuracy"],
-                    "test_loss": seg["test_loss"],
+                    **{k: v for k, v in seg.items() if k.startswith(("test_", "export"))},
                     "global_step": float(latest["global_step"]),
                     "checkpoint": latest["uri"],
                     "evaluated_by": f"segment {key}",
                 }
         from syncswitch.evaluate import evaluate_latest
 
+        usercode.load(job.usr_dir)
         hp = job_hparams(job, len(job.switch_order) - 1)
-        final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir)
+        final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir, export=True)
         return {**final, "evaluated_by": "evaluate task"}
 
 

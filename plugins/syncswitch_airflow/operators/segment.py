@@ -107,7 +107,12 @@ class SegmentOperator(BaseOperator):
         job = JobSpec.from_params(state["job"])
         reference = straggler_reference_time(self.layout, self.protocol, time.time())
         spec = job.segment_spec(entry, state["run_id"], state["run_dir"])
-        spec = spec.replace(straggler_reference_time=reference)
+        user_code = state.get("user_code") or {}
+        spec = spec.replace(
+            straggler_reference_time=reference,
+            usr_code_uri=user_code.get("uri", ""),
+            usr_code_digest=user_code.get("digest", ""),
+        )
         try:
             record = backend.launch_segment(state["cluster"], spec)
         except ClusterError as err:

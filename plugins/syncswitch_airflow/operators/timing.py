@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from syncswitch import usercode
 from syncswitch.spec import JobSpec
 
 from syncswitch_airflow import history, timing
@@ -59,7 +60,8 @@ class TimingPolicyOperator(BaseOperator):
 
     def _search(self, job: JobSpec, run_id: str) -> dict[str, Any]:
         bucket = absolute_bucket_dir(job.bucket_dir)
-        fingerprint = history.job_fingerprint(job.to_params())
+        user_code = usercode.identity(usercode.describe_names(job))
+        fingerprint = history.job_fingerprint(job.to_params(), user_code)
         claim = history.read_claim(bucket, job.job_name, run_id)
         if claim is not None:  # a retry of this task: keep the decision this run already claimed
             self.log.info("run %s: reusing this run's claim (%s)", run_id, claim["phase"])

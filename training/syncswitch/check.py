@@ -1,0 +1,187 @@
+"""The user-code check a run makes before anything is provisioned (``syncswitch check``).
+
+On CPU, in one process: import the job's user code, resolve every segment's hparams, build the model
+as the training loops do (the flat weight groups of syncswitch.params included), draw one training
+batch of worker 0's shard, run one forward and backward pass with the problem's loss, and one test
+batch through the evaluation metrics. Each failure is a UserCodeError naming the registered name,
+the user's file and line, and the step that failed; the pipeline's validate task runs this in a
+subprocess (its TensorFlow stays out of the Airflow worker) and fails the run with that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any
+
+from syncswitch import usercode
+from syncswitch.errors import SpecError
+from syncswitch.usercode import UserCodeError
+
+CHECK_BATCH = 4  # a small batch: the check is about shapes and types, not speed
+
+
+@contextmanager
+def _blame(what: str, doing: str, usr_dir: str):  # noqa: ANN202 - a context manager
+    try:
+        yield
+    except (UserCodeError, SpecError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any error of user code becomes one clear message
+        raise usercode.user_error(what, doing, exc, usr_dir) from exc
+
+
+def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
+    """Check ``job`` (a syncswitch.spec.JobSpec); returns what was checked, with timings."""
+    started = time.monotonic()
+    usercode.load(job.usr_dir)
+    from syncswitch.hparams import HParamsError, get_hparams
+    from syncswitch.registry import FIELDS, REGISTRY
+
+    model_what, problem_what = f"model {job.model!r}", f"problem {job.problem!r}"
+    for kind, name in (("model", job.model), ("problem", job.problem), ("hparams", job.hparam_set)):
+        with _blame(f"{FIELDS[kind]} {name!r}", "loading it", job.usr_dir):
+            REGISTRY.entry(kind, name).load()
+    try:
+        base = get_hparams(job.hparam_set, job.model)
+        hparams = [base.override(overrides) for overrides in job.hparams]
+    except HParamsError as err:
+        field, _, message = str(err).partition(": ")
+        raise SpecError(field, message) from None
+    hp = hparams[0]
+    from syncswitch.problems import get_problem
+
+    problem = get_problem(job.problem)
+    with _blame(problem_what, "prepare(data_dir)", job.usr_dir):
+        local_data = problem.prepare(job.data_dir, cache_dir)
+    with _blame(problem_what, "train_dataset (worker 0's shard)", job.usr_dir):
+        dataset = problem.train_dataset(
+            local_data, batch_size=hp.batch_size, shard_index=0, num_shards=job.num_workers, seed=job.seed
+        )
+        features, labels = _first(dataset, problem_what, "train_dataset")
+    with _blame(model_what, "building it", job.usr_dir):
+        from syncswitch.models import build_model, decayed_weights
+        from syncswitch.params import FlatModel
+
+        model = build_model(hp, problem)
+        flat = FlatModel(
+            model,
+            groups=job.num_ps,
+            nesterov=hp.optimizer_momentum_nesterov,
+            weight_decay=hp.weight_decay,
+            decayed=decayed_weights(model),
+        )
+    loss = _forward_backward(flat, model, problem, features, labels, hp.batch_size, job)
+    test_metrics = _evaluation_batch(model, problem, local_data, job)
+    return {
+        "usr_dir": job.usr_dir,
+        "model": job.model,
+        "problem": job.problem,
+        "hparam_set": job.hparam_set,
+        "parameters": int(sum(math.prod(w.shape) for w in model.trainable_weights)),
+        "variables": len(model.weights),
+        "loss": loss,
+        "test_metrics": sorted(test_metrics),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def _first(dataset: Any, what: str, which: str) -> tuple[Any, Any]:
+    element = next(iter(dataset.take(1)), None)
+    if element is None:
+        raise UserCodeError(what.split(" ")[0], f"{what.split(' ', 1)[1]}: {which} yields nothing")
+    if not isinstance(element, tuple) or len(element) != 2:
+        raise UserCodeError(
+            what.split(" ")[0],
+            f"{what.split(' ', 1)[1]}: {which} must yield (features, labels) pairs, got "
+            f"{type(element).__name__}",
+        )
+    return element
+
+
+def _forward_backward(
+    flat: Any, model: Any, problem: Any, features: Any, labels: Any, batch_size: int, job: Any
+) -> float:
+    import tensorflow as tf
+
+    from syncswitch.trainer import example_loss
+
+    per_example = example_loss(problem, model)
+    shapes: dict[str, Any] = {}
+
+    def mean_loss(outputs: Any, y: Any) -> Any:
+        values = per_example(outputs, y)
+        shapes["loss"] = values.shape
+        return tf.reduce_mean(values)
+
+    with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir):
+        loss, grads, _state = flat.loss_and_gradients(features, labels, mean_loss)
+    if shapes["loss"].rank != 1:
+        raise UserCodeError(
+            "problem",
+            f"{job.problem!r}: loss(labels, outputs) must return one value per example, shape [batch]; "
+            f"got shape {shapes['loss']}",
+        )
+    value = float(loss)
+    if not math.isfinite(value) or not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads):
+        raise UserCodeError(
+            "model", f"{job.model!r}: the first batch gave a non-finite loss or gradient ({value})"
+        )
+    return value
+
+
+def _evaluation_batch(model: Any, problem: Any, local_data: str, job: Any) -> dict[str, float]:
+    import tensorflow as tf
+
+    metrics = dict(getattr(model, "eval_metrics", None) or problem.metrics())
+    if "accuracy" not in metrics:
+        raise UserCodeError(
+            "problem",
+            f"{job.problem!r}: metrics() must include 'accuracy', the pipeline's quality measure "
+            f"(higher is better); it has {', '.join(metrics) or 'none'}",
+        )
+    with _blame(f"problem {job.problem!r}", "test_dataset", job.usr_dir):
+        test_batches = problem.test_dataset(local_data, batch_size=CHECK_BATCH)
+        features, labels = _first(test_batches, f"problem {job.problem!r}", "test_dataset")
+    values = {}
+    with _blame(f"problem {job.problem!r}", "the evaluation metrics on one test batch", job.usr_dir):
+        outputs = model(features, training=False)
+        for name, metric in metrics.items():
+            values[name] = float(tf.reduce_mean(tf.cast(metric(labels, outputs), tf.float64)))
+    return values
+
+
+def needs_check(job: Any) -> bool:
+    """Whether a job uses code that is not the runtime's own: a usr_dir or an entry point's names."""
+    if job.usr_dir:
+        return True
+    from syncswitch.registry import BUILTIN_SOURCE, REGISTRY
+
+    names = (("model", job.model), ("problem", job.problem), ("hparams", job.hparam_set))
+    return any(REGISTRY.entry(kind, name).source != BUILTIN_SOURCE for kind, name in names)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="syncswitch check",
+        description="Check a job's model, problem and hparams (user code included) on one batch, on CPU.",
+    )
+    parser.add_argument("--job", required=True, help="a JSON file of job params (the DAG's params)")
+    args = parser.parse_args(argv)
+    from syncswitch.spec import JobSpec
+
+    try:
+        with open(args.job, encoding="utf-8") as f:
+            job = JobSpec.from_params(json.load(f))
+        with tempfile.TemporaryDirectory(prefix="syncswitch-check-") as cache:
+            summary = check_job(job, cache)
+    except SpecError as err:  # UserCodeError included: one line naming the field, file and line
+        print(f"syncswitch check: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary), flush=True)
+    return 0
