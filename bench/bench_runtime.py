@@ -132,7 +132,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     from syncswitch.models import build_model, decayed_weights
     from syncswitch.params import FlatModel
     from syncswitch.problems import get_problem
-    from syncswitch.trainer import cross_entropy
+    from syncswitch.trainer import example_loss
 
     hp = get_hparams(HPARAM_SET).override(f"batch_size={BATCH_PER_WORKER}")
     problem = get_problem(PROBLEM)
@@ -147,6 +147,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     )
     dataset = problem.train_dataset("", batch_size=hp.batch_size, shard_index=0, num_shards=1, seed=0)
     iterator = iter(dataset)
+    per_example_loss = example_loss(problem, model)
     built = time.time()
 
     @tf.function
@@ -156,7 +157,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
         for j in tf.range(tf.shape(lrs)[0]):
             x, y = next(iterator)
             loss, grads, statistics = flat.loss_and_gradients(
-                x, y, lambda logits, labels: tf.reduce_mean(cross_entropy(logits, labels))
+                x, y, lambda outputs, labels: tf.reduce_mean(per_example_loss(outputs, labels))
             )
             flat.apply(grads, statistics, lrs[j], momentum)
         return loss

@@ -361,6 +361,10 @@ def summarize(data: RunData) -> dict[str, Any]:
         "online_switches": data.decisions,
         "straggler_windows": data.straggler_windows,
         "lost_nodes": _lost_nodes(data),
+        # What was trained and where it went: the user code's digest, the exported model.
+        "model": {k: data.state.get("job", {}).get(k) for k in ("model", "problem", "hparam_set")},
+        "user_code": data.state.get("user_code") or {},
+        "export": (data.state.get("final") or {}).get("export"),
         **cluster_summary(data.state),
     }
 
@@ -822,6 +826,7 @@ def render_html(summary: dict[str, Any]) -> str:
     title = f"syncswitch report: {summary.get('job_name') or '?'} / {summary.get('run_id') or '?'}"
     sections = {
         "Summary": _overview_table(summary),
+        "Model": _model_table(summary),
         "Segments": _segment_table(summary["segments"]),
         "Switch gaps": _gap_table(summary["switch_gaps_seconds"]),
         "Online decisions": _decision_table(summary["online_switches"], summary.get("run_start")),
@@ -850,6 +855,20 @@ def _overview_table(summary: dict[str, Any]) -> str:
         "steps done / workload": f"{_fmt(summary['steps_done'], 1)} / {_fmt(summary['workload_steps'], 1)}",
         "run status": summary["status"],
         "all segments complete": summary["complete"],
+    }
+    return html_table(list(row), [list(row.values())])
+
+
+def _model_table(summary: dict[str, Any]) -> str:
+    """What was trained (names, user code and its digest) and where the trained model is."""
+    model, user_code = summary.get("model") or {}, summary.get("user_code") or {}
+    export = summary.get("export")
+    row = {
+        **{k.replace("_", " "): v for k, v in model.items()},
+        "user code": user_code.get("usr_dir") or ", ".join(user_code.get("packages", {})) or "built-in",
+        "code digest": user_code.get("digest") or "-",
+        "SavedModel": (export or {}).get("saved_model") or "-",
+        "Keras file": (export or {}).get("keras") or "-",
     }
     return html_table(list(row), [list(row.values())])
 
@@ -1088,6 +1107,10 @@ def format_summary_lines(summary: dict[str, Any]) -> list[str]:
     if decisions:
         actions = ", ".join(f"{d.get('action')} in segment {d.get('segment')}" for d in decisions)
         lines.append(f"online decisions: {len(decisions)} ({actions})")
+    if (summary.get("user_code") or {}).get("digest"):
+        lines.append(f"user code {summary['user_code']['usr_dir']} (digest {summary['user_code']['digest']})")
+    if summary.get("export"):
+        lines.append(f"exported model: {summary['export']['saved_model']} and {summary['export']['keras']}")
     if summary.get("index_html"):
         lines.append(f"report: {summary['index_html']}")
     return lines

@@ -27,13 +27,13 @@ CHECK_BATCH = 4  # a small batch: the check is about shapes and types, not speed
 
 
 @contextmanager
-def _blame(what: str, doing: str, usr_dir: str):  # noqa: ANN202 - a context manager
+def _blame(what: str, doing: str, usr_dir: str, defined_by: Any = None):  # noqa: ANN202
     try:
         yield
     except (UserCodeError, SpecError):
         raise
     except Exception as exc:  # noqa: BLE001 - any error of user code becomes one clear message
-        raise usercode.user_error(what, doing, exc, usr_dir) from exc
+        raise usercode.user_error(what, doing, exc, usr_dir, defined_by) from exc
 
 
 def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
@@ -57,14 +57,15 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
     from syncswitch.problems import get_problem
 
     problem = get_problem(job.problem)
-    with _blame(problem_what, "prepare(data_dir)", job.usr_dir):
+    builder = REGISTRY.entry("model", job.model).load()
+    with _blame(problem_what, "prepare(data_dir)", job.usr_dir, problem):
         local_data = problem.prepare(job.data_dir, cache_dir)
-    with _blame(problem_what, "train_dataset (worker 0's shard)", job.usr_dir):
+    with _blame(problem_what, "train_dataset (worker 0's shard)", job.usr_dir, problem):
         dataset = problem.train_dataset(
             local_data, batch_size=hp.batch_size, shard_index=0, num_shards=job.num_workers, seed=job.seed
         )
         features, labels = _first(dataset, problem_what, "train_dataset")
-    with _blame(model_what, "building it", job.usr_dir):
+    with _blame(model_what, "building it", job.usr_dir, builder):
         from syncswitch.models import build_model, decayed_weights
         from syncswitch.params import FlatModel
 
@@ -76,7 +77,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
             weight_decay=hp.weight_decay,
             decayed=decayed_weights(model),
         )
-    loss = _forward_backward(flat, model, problem, features, labels, hp.batch_size, job)
+    loss = _forward_backward(flat, model, problem, features, labels, builder, job)
     test_metrics = _evaluation_batch(model, problem, local_data, job)
     return {
         "usr_dir": job.usr_dir,
@@ -105,7 +106,7 @@ def _first(dataset: Any, what: str, which: str) -> tuple[Any, Any]:
 
 
 def _forward_backward(
-    flat: Any, model: Any, problem: Any, features: Any, labels: Any, batch_size: int, job: Any
+    flat: Any, model: Any, problem: Any, features: Any, labels: Any, builder: Any, job: Any
 ) -> float:
     import tensorflow as tf
 
@@ -119,7 +120,7 @@ def _forward_backward(
         shapes["loss"] = values.shape
         return tf.reduce_mean(values)
 
-    with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir):
+    with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir, builder):
         loss, grads, _state = flat.loss_and_gradients(features, labels, mean_loss)
     if shapes["loss"].rank != 1:
         raise UserCodeError(
@@ -145,11 +146,11 @@ def _evaluation_batch(model: Any, problem: Any, local_data: str, job: Any) -> di
             f"{job.problem!r}: metrics() must include 'accuracy', the pipeline's quality measure "
             f"(higher is better); it has {', '.join(metrics) or 'none'}",
         )
-    with _blame(f"problem {job.problem!r}", "test_dataset", job.usr_dir):
+    with _blame(f"problem {job.problem!r}", "test_dataset", job.usr_dir, problem):
         test_batches = problem.test_dataset(local_data, batch_size=CHECK_BATCH)
         features, labels = _first(test_batches, f"problem {job.problem!r}", "test_dataset")
     values = {}
-    with _blame(f"problem {job.problem!r}", "the evaluation metrics on one test batch", job.usr_dir):
+    with _blame(f"problem {job.problem!r}", "the evaluation metrics on one test batch", job.usr_dir, problem):
         outputs = model(features, training=False)
         for name, metric in metrics.items():
             values[name] = float(tf.reduce_mean(tf.cast(metric(labels, outputs), tf.float64)))

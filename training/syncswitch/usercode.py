@@ -275,9 +275,24 @@ def user_frame(exc: BaseException, usr_dir: str = "") -> tuple[str, int] | None:
     return user_frame(cause, usr_dir) if cause is not None and cause is not exc else None
 
 
-def user_error(what: str, doing: str, exc: BaseException, usr_dir: str = "") -> UserCodeError:
-    """One message: ``<what> (<file>:<line>): <doing> failed: <Error>: <message>``."""
-    where = user_frame(exc, usr_dir)
+def definition(obj: Any) -> tuple[str, int] | None:
+    """(file, line) where a registered function or class is defined."""
+    import inspect
+
+    try:
+        target = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
+        return inspect.getsourcefile(target) or "?", inspect.getsourcelines(target)[1]
+    except (OSError, TypeError):
+        return None
+
+
+def user_error(
+    what: str, doing: str, exc: BaseException, usr_dir: str = "", defined_by: Any = None
+) -> UserCodeError:
+    """One message: ``<what> (<file>:<line>): <doing> failed: <Error>: <message>``. The place is where
+    the user's code raised; when the error came from a library alone (a shape mismatch found by
+    Keras while the runtime calls the model), where the registered builder or class is defined."""
+    where = user_frame(exc, usr_dir) or (definition(defined_by) if defined_by is not None else None)
     place = f" ({where[0]}:{where[1]})" if where else ""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     detail = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
