@@ -254,6 +254,47 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     assert_no_secret(bed, layout, dag_run)
 
 
+TEXT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
+
+
+def test_user_code_is_shipped_to_the_hosts_through_the_bucket(
+    dag, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:  # noqa: ANN001
+    """A usr_dir model ("10", each node on its own host): the hosts import the copy the run uploaded to
+    its bucket folder (the emulator), unpacked into each host's work folder; the original folder is on
+    no host's import path."""
+    conf = {
+        "job_name": "hosts-usr",
+        "cluster_backend": "hosts",
+        "hosts": host_params(bed),
+        "bucket_dir": bucket,
+        "usr_dir": str(TEXT_EXAMPLE),
+        "model": "text_embedding",
+        "problem": "synthetic_text",
+        "hparam_set": "text_embedding",
+        "switch_order": "10",
+        "train_steps": [30, 60],
+        "ckpt_frequency": [30],
+        "num_workers": 3,
+        "num_ps": 1,
+    }
+    dag_run = dag.test(run_conf=conf)
+
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket, "hosts-usr", dag_run.run_id)
+    state = read_state(layout)
+    assert [state["segments"][str(i)]["end_step"] for i in range(2)] == [30, 90]
+    shipped = state["user_code"]
+    assert shipped["uri"] == layout.cluster_user_code(shipped["digest"]) and storage.exists(shipped["uri"])
+    for index, protocol in ((0, "bsp"), (1, "asp")):
+        (start,) = read_events(layout.segment_metrics(index, protocol), event="segment_start")
+        imported = start["user_code"]["path"]
+        assert imported.startswith("/tmp/syncswitch-hosts/") and f"usercode-{shipped['digest']}" in imported
+        assert not imported.startswith(str(TEXT_EXAMPLE))
+    assert state["final"]["export"]["saved_model"] == layout.export_saved_model
+    assert_hosts_clean(bed)
+
+
 def task_state(task_id: str, since: datetime.datetime) -> str | None:
     """The state of ``task_id`` in the sync_switch run that dag.test() started after ``since``."""
     from airflow.models.taskinstance import TaskInstance

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from syncswitch.problems import get_problem
 
     # The job's user code (on other hosts, the copy shipped through the bucket), before any lookup.
-    usercode.activate(spec, args.work_dir)
+    user_code = usercode.activate(spec, args.work_dir)
     problem = get_problem(spec.problem)
     data_dir = args.data_dir
     if args.stage_data:
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         layout=RunLayout(spec.run_dir),
         hp=spec.resolved_hparams(),
         timings=timings,
+        user_code=user_code,
     )
     result = run_bsp_worker(ctx, problem) if spec.protocol == "bsp" else run_asp_chief(ctx, problem)
     if result is not None:

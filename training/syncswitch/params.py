@@ -155,6 +155,12 @@ class FlatModel(tf.Module):
         gradients = tape.gradient(loss, weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         dense = [tf.convert_to_tensor(g) for g in gradients]
         grads = self.weights_layout.split_groups(self.weights_layout.flatten(dense))
+        if len(new_non_trainable) != len(self._is_statistic):
+            raise ValueError(
+                f"model {self._template.name!r} created variables when it was called: its builder must "
+                "return it fully built (functional, or call it once on a batch, e.g. "
+                "model(keras.ops.zeros((1, ...))), or implement build())"
+            )
         new_statistics, new_others = self._split_non_trainable(list(new_non_trainable))
         return loss, grads, (self.stats_layout.flatten(new_statistics), new_others)
 

@@ -51,6 +51,7 @@ class NodeContext:
     layout: RunLayout
     hp: HParams
     timings: dict[str, float] = field(default_factory=dict)
+    user_code: str = ""  # where this process imported the job's usr_dir from (a shipped copy on hosts)
     # The distributed iterator, strategy and model of a finished loop. Freeing them tears down
     # prefetch threads and collectives, which took 4.5 s after a segment had ended (time in every
     # switch gap); the node exits with os._exit instead, so holding them here skips that teardown.
@@ -461,6 +462,7 @@ def segment_start_event(
         momentum_rule=ctx.spec.momentum_rule,
         weight_decay=ctx.hp.weight_decay,
         steps_per_execution=ctx.hp.steps_per_execution,
+        **_user_code_fields(ctx),
     )
     k = ctx.hp.steps_per_execution or f"auto (about {TARGET_EXECUTION_SECONDS * 1000:.0f} ms per execution)"
     print(
@@ -470,6 +472,13 @@ def segment_start_event(
         f"workers={ctx.spec.num_workers} momentum_rule={ctx.spec.momentum_rule}; steps per execution: {k}",
         flush=True,
     )
+
+
+def _user_code_fields(ctx: NodeContext) -> dict[str, Any]:
+    """Where the job's user code was imported from, for the segment_start event."""
+    if not ctx.user_code:
+        return {}
+    return {"user_code": {"path": ctx.user_code, "digest": ctx.spec.usr_code_digest}}
 
 
 def steps_per_execution_event(ctx: NodeContext, events: EventWriter, k: int, step_seconds: float) -> None:
