@@ -364,3 +364,39 @@ def test_bad_user_code_fails_validate_and_nothing_is_provisioned(
     assert "invalid job params: model: 'dag_bad_pkg_model' (" in out and "dag_bad_pkg/" in out
     # No cluster and no run folder; only the failed run's history record.
     assert not work_root.exists() and not (Path(bucket) / "byo-bad").exists()
+
+
+# ---- entry points of a job: job files and the CLI -------------------------------------------------
+
+
+def test_a_job_files_usr_dir_is_read_beside_the_file(tmp_path: Path) -> None:
+    from syncswitch_airflow.job_files import read_job_file
+
+    write_package(tmp_path / "jobs" / "code", "jobfile_pkg")
+    path = tmp_path / "jobs" / "byo-nightly.yaml"
+    path.write_text(
+        "schedule: '@daily'\nstart_date: 2026-01-01\nparams:\n  usr_dir: code/jobfile_pkg\n"
+        "  model: jobfile_pkg_model\n  problem: jobfile_pkg_problem\n  hparam_set: jobfile_pkg_hparams\n"
+    )
+    job = read_job_file(path).job
+    assert job.usr_dir == str(tmp_path / "jobs" / "code" / "jobfile_pkg")
+
+
+def test_the_run_command_takes_usr_dir_and_makes_it_absolute(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from syncswitch_airflow.cli import parse
+
+    package = write_package(tmp_path, "cli_pkg")
+    monkeypatch.chdir(tmp_path)
+    job, _options, _notes = parse(
+        [
+            "--usr-dir",
+            "cli_pkg",
+            "--model",
+            "cli_pkg_model",
+            "--problem",
+            "cli_pkg_problem",
+            "--hparam-set",
+            "cli_pkg_hparams",
+        ]
+    )
+    assert job.usr_dir == str(package) and job.model == "cli_pkg_model"

@@ -23,6 +23,7 @@ DAG that fails its own validation.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,12 @@ def read_job_file(path: Path) -> JobFile:
     params = data.get("params") or {}
     if not isinstance(params, dict):
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
+    usr_dir = params.get("usr_dir")
+    if isinstance(usr_dir, str) and usr_dir and not os.path.isabs(usr_dir):
+        # A job file's user code sits beside it, whatever folder Airflow parses it from.
+        beside = (path.parent / usr_dir).resolve()
+        if beside.exists():
+            params = {**params, "usr_dir": str(beside)}
     try:
         job = JobSpec.from_params({"job_name": stem, **params})
         check_slot_budget(job)
