@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,47 @@ class ImageClassification(Problem):
 
     def num_test_examples(self, local_dir: str) -> int:
         raise NotImplementedError
+
+
+def _uri_digest(uri: str) -> str:
+    return hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:12]
+
+
+def stage_folder(
+    uri: str | Callable[[], str], cache_dir: str, name: str, check: Any = None, files: list[str] | None = None
+) -> str:
+    """Download the ``gs://`` folder ``uri`` (or only ``files`` of it, relative names) once into
+    ``cache_dir/name``; a complete copy is reused without looking at the bucket (``uri`` may be a
+    function that finds the folder, called only when there is no copy). ``check(folder)`` validates
+    the copy before it is kept (ProblemError). The copy is made in a temp folder and renamed into
+    place, so a folder under its final name is always complete, also when several processes on one
+    host stage the same data at once."""
+    target = os.path.join(cache_dir, name)
+    if os.path.isdir(target):
+        log.info("reusing the staged copy in %s", target)
+        return target
+    uri = uri() if callable(uri) else uri
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=cache_dir, prefix=".staging-")
+    try:
+        if files is None:
+            names = storage.download_dir(uri, staging)
+        else:
+            names = files
+            for relative in files:
+                storage.download_file(f"{uri.rstrip('/')}/{relative}", os.path.join(staging, relative))
+        if check is not None:
+            check(staging)
+        os.rename(staging, target)
+        log.info("staged %d files of %s into %s", len(names), uri, target)
+    except OSError:
+        if not os.path.isdir(target):
+            raise
+        # Another process staged the same data first; its copy is as good as ours.
+        log.info("%s was staged concurrently into %s", uri, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def _check_batching(batch_size: int, num_shards: int, seed: int) -> None:
@@ -277,32 +319,11 @@ class CifarProblem(ImageClassification):
                 )
 
     def _stage_remote(self, data_dir: str, cache_dir: str) -> str:
-        """Download ``gs://`` data once per URI into ``cache_dir``; complete copies are reused.
+        def check(staged: str) -> None:
+            self._validate(self._locate(staged, data_dir), data_dir)
 
-        The copy is made in a temp folder and renamed into place, so a folder under its final name is
-        always complete, also when several processes on one host stage the same data at once.
-        """
-        digest = hashlib.sha256(data_dir.rstrip("/").encode()).hexdigest()[:12]
-        target = os.path.join(cache_dir, f"{self.name}-{digest}")
-        if os.path.isdir(target):
-            log.info("problem %s: reusing staged copy of %s in %s", self.name, data_dir, target)
-            return target
-        remote = self._locate_remote(data_dir)
-        os.makedirs(cache_dir, exist_ok=True)
-        staging = tempfile.mkdtemp(dir=cache_dir, prefix=".staging-")
-        try:
-            names = storage.download_dir(remote, staging)
-            self._validate(self._locate(staging, data_dir), data_dir)
-            os.rename(staging, target)
-            log.info("problem %s: staged %d files of %s into %s", self.name, len(names), remote, target)
-        except OSError:
-            if not os.path.isdir(target):
-                raise
-            # Another process staged the same data first; its copy is as good as ours.
-            log.info("problem %s: %s was staged concurrently into %s", self.name, data_dir, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
+        name = f"{self.name}-{_uri_digest(data_dir)}"
+        return stage_folder(lambda: self._locate_remote(data_dir), cache_dir, name, check)
 
     def _locate_remote(self, data_dir: str) -> str:
         base = data_dir.rstrip("/")
