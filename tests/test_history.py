@@ -375,3 +375,24 @@ def test_history_commands_reject_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2 and "usage: syncswitch policy next" in done.stderr
     done = syncswitch("nonsense", cwd=tmp_path)
     assert done.returncode == 2 and "{train,check,registry,run,sweep,history,policy}" in done.stderr
+
+
+def test_history_shows_the_search_under_the_job_files_timing_settings(tmp_path: Path) -> None:
+    """Issue 21's bug: the job file's timing_repeats/timing_tolerance govern its runs, so the history
+    command must show the search state (and the next run) under them, not under the defaults."""
+    _search_history(tmp_path / "h.jsonl")
+    assert syncswitch("history", "import", JOB, "h.jsonl", "--bucket-dir", "b", cwd=tmp_path).returncode == 0
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / f"{JOB}.yaml").write_text(
+        "schedule: '@daily'\nstart_date: 2024-01-01\nparams:\n  timing_policy: search\n"
+        "  timing_repeats: 1\n  timing_tolerance: 0.01\n"
+    )
+    env = {"SYNCSWITCH_JOBS_DIR": str(jobs)}
+    done = syncswitch("history", JOB, "--bucket-dir", "b", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    state_line = next(line for line in done.stdout.splitlines() if line.startswith("search state"))
+    assert "repeats 1, tolerance 0.01" in " ".join(state_line.split()), state_line
+    # A flag still wins over the job file.
+    done = syncswitch("history", JOB, "--bucket-dir", "b", "--repeats", "2", cwd=tmp_path, env=env)
+    assert "repeats 2, tolerance 0.01" in " ".join(done.stdout.split())

@@ -129,9 +129,10 @@ def build_policy_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def timing_config(args: argparse.Namespace) -> TimingConfig:
-    """The policy flags as a validated TimingConfig; raises UsageError naming the flag."""
-    values: dict[str, Any] = {}
+def timing_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> TimingConfig:
+    """The policy flags as a validated TimingConfig, over ``defaults`` (a job file's settings);
+    raises UsageError naming the flag."""
+    values: dict[str, Any] = dict(defaults or {})
     for name in POLICY_FLAGS:
         raw = getattr(args, name)
         if raw is not None:
@@ -176,10 +177,32 @@ def _import(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def job_file_timing(job: str) -> dict[str, Any]:
+    """The timing settings of the job file of ``job`` (``jobs/<job>.yaml``, or in $SYNCSWITCH_JOBS_DIR),
+    so that the search state shown is the one the job's runs decide by; {} without a job file."""
+    from syncswitch_airflow.cli import default_project_dir
+    from syncswitch_airflow.job_files import JobFileError, jobs_dir, read_job_file
+
+    folder = jobs_dir(default_project_dir())
+    for path in (folder / f"{job}.yaml", folder / f"{job}.yml"):
+        if path.is_file():
+            try:
+                spec = read_job_file(path).job
+            except JobFileError as err:
+                raise UsageError(f"job file {err}") from None
+            return {
+                "repeats": spec.timing_repeats,
+                "tolerance": spec.timing_tolerance,
+                "floor": spec.timing_floor,
+                "refine": spec.timing_refine,
+            }
+    return {}
+
+
 def _show(argv: list[str]) -> int:
     args = build_history_parser().parse_args(argv)
-    config = timing_config(args)
     check_job_name(args.job)
+    config = timing_config(args, job_file_timing(args.job))
     records = read_records(args.bucket_dir, args.job)
     claims = read_claims(args.bucket_dir, args.job)
     now = time.time()
