@@ -28,10 +28,12 @@ CHECK_BATCH = 4  # a small batch: the check is about shapes and types, not speed
 
 @contextmanager
 def _blame(what: str, doing: str, usr_dir: str, defined_by: Any = None):  # noqa: ANN202
+    from syncswitch.problems import ProblemError
+
     try:
         yield
-    except (UserCodeError, SpecError):
-        raise
+    except (UserCodeError, SpecError, ProblemError):
+        raise  # they name their field already (a bad data_dir is not a fault of the code)
     except Exception as exc:  # noqa: BLE001 - any error of user code becomes one clear message
         raise usercode.user_error(what, doing, exc, usr_dir, defined_by) from exc
 
