@@ -197,3 +197,22 @@ def test_tfrecord_problem_stages_a_bucket_folder_once(
         tfrecord_problem.prepare(f"{gcs_bucket}/only-train", str(tmp_path / "cache"))
     with pytest.raises(ProblemError, match="needs a data_dir"):
         tfrecord_problem.prepare("", str(tmp_path / "cache"))
+
+
+def test_a_worker_stages_only_its_own_training_files(
+    tfrecord_problem: Any, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """prepare_shard: what a BSP worker on a host of its own stages from a bucket (not the dataset)."""
+    from tfrecord_example.synthetic import write_tfrecords
+
+    data_dir = f"{gcs_bucket}/sharded"
+    written = sorted(
+        Path(u).name for u in write_tfrecords(data_dir, 4, records_per_file=3, test_records_per_file=2)
+    )
+    train = [n for n in written if n.startswith("train-")]
+    local = tfrecord_problem.prepare_shard(data_dir, str(tmp_path / "cache"), 1, 2)
+    assert sorted(p.name for p in Path(local).iterdir()) == sorted([train[1], train[3], "train-files.json"])
+    mine = sorted(r for f in (train[1], train[3]) for r in _records(tfrecord_problem, [f"{local}/{f}"], 0, 1))
+    files = tfrecord_problem.files(local, "train-*.tfrecord")
+    assert [Path(f).name for f in files] == train  # every worker agrees on the order
+    assert sorted(_records(tfrecord_problem, files, 1, 2)) == mine

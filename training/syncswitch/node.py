@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     problem = get_problem(spec.problem)
     data_dir = args.data_dir
     if args.stage_data:
-        data_dir = problem.prepare(spec.data_dir, os.path.join(args.work_dir, "data"))
+        # A BSP worker on a host of its own reads only its shard: it stages no more than that.
+        cache = os.path.join(args.work_dir, "data")
+        data_dir = problem.prepare_shard(spec.data_dir, cache, task, spec.num_workers)
     from syncswitch.trainer import NodeContext
 
     ctx = NodeContext(

@@ -76,6 +76,11 @@ class Problem:
         when files are missing or malformed."""
         return ""
 
+    def prepare_shard(self, data_dir: str, cache_dir: str, shard_index: int, num_shards: int) -> str:
+        """What a worker on a host of its own stages: by default everything (``prepare``); a problem
+        of many files stages only the files of shard ``shard_index`` (syncswitch.tfrecords)."""
+        return self.prepare(data_dir, cache_dir)
+
     def train_dataset(
         self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
     ) -> tf.data.Dataset:

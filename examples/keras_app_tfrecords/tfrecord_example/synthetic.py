@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 from syncswitch.registry import register_problem
-
-from tfrecord_example.tfrecords import TFRecordImageProblem, serialize_example, write_records
+from syncswitch.tfrecords import TFRecordImageProblem, serialize_example, write_records
 
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10

@@ -1,13 +1,17 @@
-"""``TFRecordImageProblem``: a generic problem for image-classification TFRecords in a folder or bucket.
+"""``TFRecordImageProblem``: image-classification TFRecords in a folder or a bucket, as a problem.
 
 The data is a folder (local, or ``gs://``) of ``train-*.tfrecord`` and ``test-*.tfrecord`` files of
 ``tf.train.Example`` records with two features: ``image`` (bytes: raw uint8 pixels, row-major HWC, or
 a PNG) and ``label`` (int64). Subclass it with the images' shape, the number of classes and the
-encoding, and register the subclass; that is all a new image data set needs.
+encoding (and ``feature_spec``/``decode`` for other features), and register the subclass; that is all
+a new image data set needs (examples/keras_app_tfrecords).
 
 - ``prepare`` stages ``gs://`` files into the node's cache folder (TensorFlow's own ``gs://`` reader
   cannot be pointed at an emulator, google-cloud-storage can, through ``syncswitch.storage``); a local
   folder is read where it is.
+- ``prepare_shard`` stages only what one worker reads: its own training files (and the list of all of
+  them, so every worker agrees on the order). A BSP worker on a host of its own stages that way, so a
+  large dataset is not copied to every node.
 - ``train_dataset`` shards by file when there are at least as many training files as shards, so each
   worker opens and reads only its own files (the way to scale to many large files); with fewer files
   it falls back to sharding by record, which still gives disjoint shares but reads every file.
@@ -18,20 +22,20 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
-import logging
+import json
 import os
-import shutil
 import tempfile
 from typing import Any
 
 import tensorflow as tf
-from syncswitch import storage
-from syncswitch.problems import Problem, ProblemError
 
-log = logging.getLogger(__name__)
+from syncswitch import storage
+from syncswitch.problems import Problem, ProblemError, stage_folder
 
 TRAIN_PATTERN = "train-*.tfrecord"
 TEST_PATTERN = "test-*.tfrecord"
+# In a folder staged for one shard: the names of every training file, in order.
+TRAIN_FILES = "train-files.json"
 ENCODINGS = ("raw", "png")
 
 
@@ -100,28 +104,38 @@ class TFRecordImageProblem(Problem):
         return wanted
 
     def _stage_remote(self, data_dir: str, cache_dir: str) -> str:
-        """Download once per URI into ``cache_dir``: into a temp folder renamed into place, so a folder
-        under its final name is always complete, also when several processes stage at once."""
-        target = os.path.join(cache_dir, f"{self.name}-{hashlib.sha256(data_dir.encode()).hexdigest()[:12]}")
-        if os.path.isdir(target):
-            return target
+        """Every train and test file, downloaded once per URI into ``cache_dir``."""
+        names = [os.path.basename(u) for u in self._remote_files(data_dir)]
+        return stage_folder(data_dir, cache_dir, f"{self.name}-{_digest(data_dir)}", files=names)
+
+    def prepare_shard(self, data_dir: str, cache_dir: str, shard_index: int, num_shards: int) -> str:
+        """Only what shard ``shard_index`` of ``num_shards`` trains on: its own training files when
+        sharding is by file, plus the list of all of them. Test files are staged by ``prepare``
+        (the chief evaluates)."""
+        if not storage.is_remote(data_dir):
+            return self.prepare(data_dir, cache_dir)
+        data_dir = data_dir.rstrip("/")
         uris = self._remote_files(data_dir)
-        os.makedirs(cache_dir, exist_ok=True)
-        staging = tempfile.mkdtemp(dir=cache_dir, prefix=".staging-")
-        try:
-            for uri in uris:
-                storage.download_file(uri, os.path.join(staging, os.path.basename(uri)))
-            os.rename(staging, target)
-            log.info("problem %s: staged %d files of %s into %s", self.name, len(uris), data_dir, target)
-        except OSError:
-            if not os.path.isdir(target):
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
+        train = sorted(
+            os.path.basename(u) for u in uris if fnmatch.fnmatch(os.path.basename(u), self.train_pattern)
+        )
+        mine = train[shard_index::num_shards] if len(train) >= num_shards else train
+        name = f"{self.name}-{_digest(data_dir)}-shard{shard_index}of{num_shards}"
+        folder = stage_folder(data_dir, cache_dir, name, files=mine)
+        manifest = os.path.join(folder, TRAIN_FILES)
+        if not os.path.exists(manifest):
+            with open(manifest + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(train, f)
+            os.replace(manifest + ".tmp", manifest)
+        return folder
 
     def files(self, local_dir: str, pattern: str) -> list[str]:
-        """The files of ``pattern`` in ``local_dir``, sorted: every shard must see the same order."""
+        """The files of ``pattern`` in ``local_dir``, sorted: every shard must see the same order. A
+        folder staged for one shard lists every training file, of which it holds its own."""
+        manifest = os.path.join(local_dir, TRAIN_FILES)
+        if pattern == self.train_pattern and os.path.exists(manifest):
+            with open(manifest, encoding="utf-8") as f:
+                return [os.path.join(local_dir, name) for name in json.load(f)]
         found = sorted(glob.glob(os.path.join(glob.escape(local_dir), pattern)))
         if not found:
             raise ProblemError("data_dir", f"{local_dir!r} has no {pattern} files for problem {self.name!r}")
@@ -177,6 +191,10 @@ class TFRecordImageProblem(Problem):
 
     def signature(self) -> dict[str, Any]:
         return {**super().signature(), "input_shape": list(self.image_shape), "num_classes": self.num_classes}
+
+
+def _digest(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()[:12]
 
 
 def example_seed(seed: int, shard_index: Any, index: tf.Tensor) -> tf.Tensor:
