@@ -89,6 +89,10 @@ def mean(values: list[float | None]) -> float | None:
     return statistics.mean(present) if present else None
 
 
+def ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
+
+
 def report(results: dict[str, list[dict[str, Any]]]) -> None:
     rows, builtin = [], None
     for model, runs in results.items():
@@ -101,9 +105,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
                 model,
                 bsp,
                 asp,
-                asp / bsp if asp and bsp else None,
-                bsp / builtin[0] if bsp and builtin[0] else None,
-                asp / builtin[1] if asp and builtin[1] else None,
+                ratio(asp, bsp),
+                ratio(bsp, builtin[0]),
+                ratio(asp, builtin[1]),
                 *(mean([r[p] for r in runs]) for p in STARTUP_PARTS),
                 switch,
             ]
@@ -112,7 +116,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
     headers += [f"{p} s" for p in STARTUP_PARTS] + ["switch start-up s"]
     print(markdown_table(headers, rows))
     user = rows[-1]
-    ok = all(r is not None and r >= GOAL for r in user[4:6])
+    ok = all(r != "-" and float(r) >= GOAL for r in user[4:6])
     print(f"goal (user model >= {GOAL:.0%} of the built-in, BSP and ASP): {'met' if ok else 'NOT met'}")
 
 
