@@ -1,17 +1,16 @@
 """The example user projects under examples/ (docs/bring-your-own-model.md), run as users run them.
 
-For each example: ``syncswitch check`` passes on it, then a short ASP segment and a BSP segment through
-``syncswitch train`` (real multi-process clusters, ``--usr-dir`` the example's package folder) train,
-the BSP segment restores the ASP segment's last checkpoint bit-identically, and test accuracy is
-reported. The TFRecord example reads its data from, and writes its run to, a bucket on the GCS
-emulator. A faster test checks that its TFRecord problem shards by file, and by record when there are
-fewer files than shards.
+For each example, "101" through the DAG on the local backend (the text example's, with its export
+served from a fresh process, is in test_user_code.py): the validate task checks the user code, every
+segment stops exactly on its target and restores its predecessor's checkpoint bit-identically, and
+the model is exported. The TFRecord example reads its data from, and writes its run to, a bucket on
+the GCS emulator. Faster tests check that its TFRecord problem shards by file (and by record when
+there are fewer files than shards) and that a worker stages only its own files.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from syncswitch import storage, usercode
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.problems import ProblemError
+from syncswitch.state import read_state
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -38,8 +38,8 @@ TFRECORDS = {
     "hparam_set": "synthetic_tfrecord_images",
 }
 WRITE_TFRECORDS = EXAMPLES / "keras_app_tfrecords" / "write_tfrecords.py"
-# Two tiny segments: enough to show training, a checkpoint inside each segment and the handoff.
-SEGMENTS = (("asp", 20), ("bsp", 40))
+# Three tiny segments: enough to show training, a checkpoint inside each segment and the handoffs.
+SEGMENT_STEPS = (20, 20, 20)
 CKPT_FREQUENCY = 10
 WORKERS = 2
 TIMEOUT = 300
@@ -52,80 +52,61 @@ def run(args: list[str], timeout: float = TIMEOUT) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def check(names: dict[str, str], tmp_path: Path, data_dir: str = "") -> dict[str, Any]:
-    """``syncswitch check --job`` on a job of ``names``."""
-    job = tmp_path / "job.json"
-    params = {"job_name": "example", **names, "num_workers": WORKERS, "data_dir": data_dir}
-    job.write_text(json.dumps(params))
-    return run(["-m", "syncswitch.cli", "check", "--job", str(job)])
-
-
-def train_segments(
-    names: dict[str, str], run_dir: str, work_root: Path, data_dir: str = ""
-) -> list[dict[str, Any]]:
-    """The SEGMENTS through ``syncswitch train``, each continuing the run folder's latest checkpoint;
-    each segment's scratch (its fork server's folder included) under ``work_root``."""
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in names.items()]
-    common = [
-        *flags,
-        *("--run-dir", run_dir, "--workers", str(WORKERS), "--ps", "1"),
-        *("--total-steps", str(SEGMENTS[-1][1]), "--ckpt-frequency", str(CKPT_FREQUENCY), "--eval"),
-        *(("--data-dir", data_dir) if data_dir else ()),
-    ]
-    return [
-        run(
-            ["-m", "syncswitch.cli", "train", "--quiet", *common]
-            + ["--protocol", protocol, "--until-step", str(until), "--work-dir", str(work_root / f"seg-{i}")]
-        )
-        for i, (protocol, until) in enumerate(SEGMENTS)
-    ]
-
-
-def assert_handoff(run_dir: str, results: list[dict[str, Any]]) -> None:
-    """Each segment stopped at its target, and the second started from the first's last checkpoint
-    with the very weights saved there."""
-    assert [r["protocol"] for r in results] == [p for p, _ in SEGMENTS]
-    assert [r["global_step"] for r in results] == [until for _, until in SEGMENTS]
-    assert [r["start_step"] for r in results] == [0, SEGMENTS[0][1]]
-    for result in results:
-        assert 0.0 <= result["test_accuracy"] <= 1.0, result
-    starts = read_events(RunLayout(run_dir).segment_metrics(1, SEGMENTS[1][0]), event="segment_start")
-    assert starts, "the second segment wrote no segment_start event"
-    for start in starts:  # one per BSP worker
-        assert start["start_step"] == SEGMENTS[0][1]
-        assert start["restored_from"] == results[0]["checkpoint"]
-        assert start["checkpoint_digest"] == start["restored_digest"], "restored weights differ"
+def run_101(dag: Any, names: dict[str, str], job_name: str, bucket_dir: str, data_dir: str = "") -> dict:  # noqa: ANN401
+    """ "101" of an example through the DAG (dag.test; its validate task runs ``syncswitch check`` on the
+    example first); the run's state. Each segment stops exactly on its target and restores the
+    previous one's checkpoint bit-identically (both digests in its segment_start event)."""
+    conf = {
+        "job_name": job_name,
+        **names,
+        "switch_order": "101",
+        "train_steps": list(SEGMENT_STEPS),
+        "ckpt_frequency": [CKPT_FREQUENCY],
+        "num_workers": WORKERS,
+        "bucket_dir": bucket_dir,
+        "data_dir": data_dir,
+    }
+    dag_run = dag.test(run_conf=conf)
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket_dir, job_name, dag_run.run_id)
+    state = read_state(layout)
+    assert [e["protocol"] for e in state["plan"]] == ["bsp", "asp", "bsp"]
+    ends = [sum(SEGMENT_STEPS[: i + 1]) for i in range(3)]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == ends
+    assert state["final"]["global_step"] == ends[-1]
+    for index, protocol in ((1, "asp"), (2, "bsp")):
+        starts = read_events(layout.segment_metrics(index, protocol), event="segment_start")
+        assert starts and all(s["start_step"] == ends[index - 1] for s in starts)
+        assert all(s["checkpoint_digest"] == s["restored_digest"] is not None for s in starts)
+    assert state["user_code"]["digest"] == usercode.digest(names["usr_dir"])
+    assert storage.exists(state["final"]["export"]["keras"])
+    return state
 
 
 # ---- the examples, end to end ------------------------------------------------------------------------
 
 
+@pytest.mark.airflow
 @pytest.mark.cluster
-def test_mnist1d_example_checks_and_trains_asp_then_bsp(tmp_path: Path, no_leftover_processes) -> None:
-    no_leftover_processes(re.escape(str(tmp_path)))
-    summary = check(MNIST1D, tmp_path)
-    assert summary["test_metrics"] == ["accuracy"]
-    run_dir = str(tmp_path / "run")
-    results = train_segments(MNIST1D, run_dir, tmp_path)
-    assert_handoff(run_dir, results)
-    # 40 steps are far from MNIST-1D's ~0.95 ceiling but well above chance (0.1).
-    assert results[-1]["test_accuracy"] > 0.15, results[-1]
+def test_mnist1d_example_trains_101_through_the_dag(dag, tmp_path: Path, work_root: Path) -> None:  # noqa: ANN001
+    state = run_101(dag, MNIST1D, "example-mnist1d", str(tmp_path / "runs"))
+    # 60 steps are far from MNIST-1D's ~0.95 ceiling but above chance (0.1).
+    assert state["final"]["test_accuracy"] > 0.15, state["final"]
 
 
+@pytest.mark.airflow
 @pytest.mark.cluster
-def test_keras_app_tfrecords_example_on_a_bucket(
-    gcs_bucket: str, tmp_path: Path, no_leftover_processes
+def test_keras_app_tfrecords_example_trains_101_on_a_bucket(
+    dag,
+    gcs_bucket: str,
+    tmp_path: Path,
+    work_root: Path,  # noqa: ANN001
 ) -> None:
-    no_leftover_processes(re.escape(str(tmp_path)))
     data_dir = f"{gcs_bucket}/synthetic-images"
     written = run([str(WRITE_TFRECORDS), data_dir, "--train-files", "4", "--records-per-file", "128"])
     assert len(written["files"]) == 5 and all(f.startswith(data_dir) for f in written["files"])
-    summary = check(TFRECORDS, tmp_path, data_dir)
-    assert summary["parameters"] > 100_000  # the keras.applications backbone, not a toy model
-    run_dir = f"{gcs_bucket}/run"
-    results = train_segments(TFRECORDS, run_dir, tmp_path, data_dir)
-    assert_handoff(run_dir, results)
-    assert results[-1]["checkpoint"].startswith(f"{run_dir}/")
+    state = run_101(dag, TFRECORDS, "example-tfrecords", f"{gcs_bucket}/runs", data_dir)
+    assert state["segments"]["2"]["checkpoint"].startswith(f"{gcs_bucket}/runs/")
 
 
 # ---- the TFRecord problem's staging and sharding, in this process --------------------------------------

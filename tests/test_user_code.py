@@ -400,3 +400,37 @@ def test_the_run_command_takes_usr_dir_and_makes_it_absolute(tmp_path: Path, mon
         ]
     )
     assert job.usr_dir == str(package) and job.model == "cli_pkg_model"
+
+
+# ---- checkpoints and fingerprints of user models -----------------------------------------------------
+
+
+def test_a_checkpoint_of_other_variables_is_refused_naming_them() -> None:
+    import keras
+    from syncswitch import checkpoints
+
+    def model(units: int) -> keras.Model:
+        inputs = keras.Input(shape=(6,))
+        return keras.Model(
+            inputs, keras.layers.Dense(3, name="out")(keras.layers.Dense(units, name="hidden")(inputs))
+        )
+
+    manifest = {"uri": "runs/x/checkpoints/ckpt-000000000064", "signature": {"model": "mine"}}
+    manifest["structure"] = checkpoints.structure(model(4).weights)
+    checkpoints.check_structure(manifest, model(4).weights)  # the same builder: accepted
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+        checkpoints.check_structure(manifest, model(5).weights)
+    message = str(error.value)
+    assert message.startswith(
+        "run_dir: the latest checkpoint runs/x/checkpoints/ckpt-000000000064 holds other"
+    )
+    assert "hidden/kernel [6, 4] float32" in message and "hidden/kernel [6, 5] float32" in message
+
+
+def test_the_user_codes_digest_is_part_of_the_fingerprint() -> None:
+    from syncswitch_airflow.history import job_fingerprint
+
+    params = JobSpec(**{k: v for k, v in TEXT_JOB.items() if k != "job_name"}).to_params()
+    assert job_fingerprint(params) == job_fingerprint(params, "")
+    assert job_fingerprint(params, "0123456789abcdef") != job_fingerprint(params, "fedcba9876543210")
+    assert usercode.identity({"digest": "ab", "packages": {"pkg": "1.0"}}) == "ab;pkg==1.0"
