@@ -24,7 +24,8 @@ if [ ! -x "$PYTHON" ]; then
     python3 -m venv "$VENV"
     TF="tensorflow-cpu==${TF_VERSION}"
     if command -v nvidia-smi >/dev/null 2>&1; then TF="tensorflow[and-cuda]==${TF_VERSION}"; fi
-    "$VENV/bin/pip" install -q "$TF" "google-cloud-storage>=2.18" "scikit-learn>=1.5" numpy paramiko
+    "$VENV/bin/pip" install -q "$TF" "google-cloud-storage>=2.18" "scikit-learn>=1.5" numpy paramiko \
+        "tensorflow-datasets==4.9.10"
 fi
 
 # This run's runtime, unpacked into the venv's site-packages (replacing an image's older one).

@@ -33,7 +33,9 @@ LONG_RUNNING = ("postgres", "fake-gcs", "api-server", "scheduler", "dag-processo
 # Top-level modules the trainer image provides: tensorflow-cpu (with keras), numpy, scikit-learn,
 # google-cloud-storage (google.cloud, google.auth, google.api_core).
 # google-cloud-storage brings requests and urllib3 (its transport); storage.py names their errors.
-TRAINER_RUNTIME_MODULES = {"tensorflow", "keras", "numpy", "sklearn", "google", "requests", "urllib3"}
+TRAINER_RUNTIME_MODULES = {
+    *("tensorflow", "keras", "numpy", "sklearn", "google", "requests", "urllib3", "tensorflow_datasets"),
+}
 
 
 def compose_binary() -> Path:
