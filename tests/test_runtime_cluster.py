@@ -411,8 +411,8 @@ def other_model_run(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("extra", "field", "accepted"),
     [
-        (["--model", "vgg"], "--model", "resnet"),
-        (["--problem", "mnist"], "--problem", "digits"),
+        (["--model", "vgg"], "model: unknown 'vgg'", "resnet"),
+        (["--problem", "mnist"], "problem: unknown 'mnist'", "digits"),
         (
             ["--hparam-set", "resnet_cifar_99", "--problem", "synthetic_cifar"],
             "hparam_set",

@@ -117,7 +117,13 @@ def _spec_from_file(path: str) -> SegmentSpec:
 
 
 def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
+    from syncswitch import usercode
+    from syncswitch.registry import REGISTRY
+
     model = args.model or ("cnn" if args.problem == "digits" else "resnet")
+    usercode.load(args.usr_dir)  # its names are registered once it is imported
+    REGISTRY.entry("model", model)  # SpecError naming the field and the accepted names
+    REGISTRY.entry("problem", args.problem)
     if not args.hparam_set and model not in DEFAULT_HPARAM_SET:
         raise SpecError("hparam-set", f"model {model!r} has no default hparam set; name one")
     hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
