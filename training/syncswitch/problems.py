@@ -180,7 +180,7 @@ def _check_batching(batch_size: int, num_shards: int, seed: int) -> None:
         raise ValueError(f"seed must be >= 0, got {seed}")
 
 
-def _stateless_seed(seed: int, shard_index: Any, index: Any) -> tf.Tensor:
+def stateless_seed(seed: int, shard_index: Any, index: Any) -> tf.Tensor:
     """A [2] int64 seed unique to (seed, shard, element): shards never share augmentation streams."""
     import tensorflow as tf
 
@@ -386,7 +386,7 @@ class CifarProblem(ImageClassification):
 
         def decode_and_augment(index: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             image, label = self.decode(record)
-            return self.augment(image, _stateless_seed(seed, shard_index, index)), label
+            return self.augment(image, stateless_seed(seed, shard_index, index)), label
 
         # Shard by record (not by file) so any worker count gets an even, disjoint share.
         return (
@@ -454,7 +454,7 @@ class SyntheticCifarProblem(ImageClassification):
         def make_batch(index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             # Shard s takes batch numbers s, s + num_shards, ...: disjoint seeds per shard.
             batch_number = index * num_shards + tf.cast(shard_index, tf.int64)
-            return self._examples(batch_size, _stateless_seed(seed, 0, batch_number))
+            return self._examples(batch_size, stateless_seed(seed, 0, batch_number))
 
         return tf.data.Dataset.counter().map(make_batch).prefetch(tf.data.AUTOTUNE)
 

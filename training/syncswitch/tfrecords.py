@@ -30,7 +30,7 @@ from typing import Any
 import tensorflow as tf
 
 from syncswitch import storage
-from syncswitch.problems import Problem, ProblemError, stage_folder
+from syncswitch.problems import Problem, ProblemError, stage_folder, stateless_seed
 
 TRAIN_PATTERN = "train-*.tfrecord"
 TEST_PATTERN = "test-*.tfrecord"
@@ -169,7 +169,7 @@ class TFRecordImageProblem(Problem):
 
         def decode_and_augment(index: tf.Tensor, serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             image, label = self.decode(serialized)
-            return self.augment(image, example_seed(seed, shard_index, index)), label
+            return self.augment(image, stateless_seed(seed, shard_index, index)), label
 
         return (
             self.records(files, shard_index=shard_index, num_shards=num_shards)
@@ -195,13 +195,6 @@ class TFRecordImageProblem(Problem):
 
 def _digest(uri: str) -> str:
     return hashlib.sha256(uri.encode()).hexdigest()[:12]
-
-
-def example_seed(seed: int, shard_index: Any, index: tf.Tensor) -> tf.Tensor:
-    """A [2] int64 stateless seed unique to (seed, shard, element): no two shards or examples share
-    an augmentation, and the same seed gives the same stream."""
-    shard = tf.cast(shard_index, tf.int64)
-    return tf.stack([tf.constant(seed, tf.int64) * 65_536 + shard, tf.cast(index, tf.int64)])
 
 
 def serialize_example(image: bytes, label: int) -> bytes:
