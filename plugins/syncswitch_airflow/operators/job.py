@@ -148,10 +148,9 @@ def ship_user_code(job: JobSpec, layout: RunLayout, cluster: dict[str, Any]) -> 
     """The job's user code as state.json keeps it ({usr_dir, digest, packages}, and ``uri``: the
     copy in the run's bucket folder that nodes on other hosts import, so nothing is installed on
     them by hand). A local cluster imports usr_dir where it is."""
-    if not job.usr_dir:
-        return usercode.describe_names(job)
     user_code = usercode.describe_names(job)
-    if cluster.get("backend", "local") != "local" and usercode.kind_of(job.usr_dir) != "module":
+    shippable = job.usr_dir and usercode.kind_of(job.usr_dir) != "module"
+    if shippable and cluster.get("backend", "local") != "local":
         user_code["uri"] = layout.cluster_user_code(user_code["digest"])
         usercode.upload(job.usr_dir, user_code["uri"])
     return user_code
