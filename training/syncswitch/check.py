@@ -66,7 +66,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
         dataset = problem.train_dataset(
             local_data, batch_size=hp.batch_size, shard_index=0, num_shards=job.num_workers, seed=job.seed
         )
-        features, labels = _first(dataset, problem_what, "train_dataset")
+        features, labels = _first(dataset, job.problem, "train_dataset")
     with _blame(model_what, "building it", job.usr_dir, builder):
         from syncswitch.models import build_model, decayed_weights
         from syncswitch.params import FlatModel
@@ -94,15 +94,15 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
     }
 
 
-def _first(dataset: Any, what: str, which: str) -> tuple[Any, Any]:
+def _first(dataset: Any, problem: str, which: str) -> tuple[Any, Any]:
+    """The first element of problem ``problem``'s dataset ``which``, a (features, labels) pair."""
     element = next(iter(dataset.take(1)), None)
     if element is None:
-        raise UserCodeError(what.split(" ")[0], f"{what.split(' ', 1)[1]}: {which} yields nothing")
+        raise UserCodeError("problem", f"{problem!r}: {which} yields nothing")
     if not isinstance(element, tuple) or len(element) != 2:
         raise UserCodeError(
-            what.split(" ")[0],
-            f"{what.split(' ', 1)[1]}: {which} must yield (features, labels) pairs, got "
-            f"{type(element).__name__}",
+            "problem",
+            f"{problem!r}: {which} must yield (features, labels) pairs, got {type(element).__name__}",
         )
     return element
 
@@ -150,7 +150,7 @@ def _evaluation_batch(model: Any, problem: Any, local_data: str, job: Any) -> di
         )
     with _blame(f"problem {job.problem!r}", "test_dataset", job.usr_dir, problem):
         test_batches = problem.test_dataset(local_data, batch_size=CHECK_BATCH)
-        features, labels = _first(test_batches, f"problem {job.problem!r}", "test_dataset")
+        features, labels = _first(test_batches, job.problem, "test_dataset")
     values = {}
     with _blame(f"problem {job.problem!r}", "the evaluation metrics on one test batch", job.usr_dir, problem):
         outputs = model(features, training=False)
