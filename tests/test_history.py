@@ -3,10 +3,14 @@ and the ``syncswitch history`` / ``syncswitch policy next`` commands run as the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from syncswitch.spec import JobSpec
 from syncswitch_airflow.history import (
     RecordConflict,
     RecordError,
+    claim_decision,
     import_records,
     job_fingerprint,
     read_claim,
@@ -90,11 +95,38 @@ def test_records_and_claims_round_trip_in_completion_order(bucket_dir: str) -> N
     assert [c["run_id"] for c in read_claims(bucket_dir, JOB)] == ["a", "b"]
     assert read_claim(bucket_dir, JOB, "a") == claim("a", 0.5, claimed_at=T0 + 1)
     assert read_claim(bucket_dir, JOB, "never-started") is None
-    # Where they live: <bucket_dir>/_history/<job>/{runs,claims}/<safe_run_id>.json
+    # Where they live: <bucket_dir>/_history/<job>/runs/<safe_run_id>.json, and claims.json
     layout = JobHistoryLayout.for_job(bucket_dir, JOB)
     assert layout.root == join(bucket_dir, "_history", JOB)
     assert storage.exists(join(layout.root, "runs", "manual__2024-01-01T00_00_00_00_00.json"))
-    assert storage.list_files(layout.claims) == [layout.claim("a"), layout.claim("b")]
+    assert sorted(storage.read_json(layout.claims)) == ["a", "b"]
+
+
+def test_runs_deciding_at_once_each_see_the_claims_before_theirs(bucket_dir: str) -> None:
+    """Deciding and claiming are one atomic step: six runs racing for items never take the same one."""
+    items = [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125]
+    start = threading.Barrier(len(items))
+
+    def next_item(run_id: str) -> Callable[[list[dict]], dict]:
+        def decide(claims: list[dict]) -> dict:
+            taken = {c["bsp_fraction"] for c in claims}
+            time.sleep(0.05)  # a slow decision widens the window in which the others decide too
+            return claim(run_id, next(f for f in items if f not in taken), claimed_at=time.time())
+
+        return decide
+
+    def run(number: int) -> float:
+        start.wait()
+        decided, new = claim_decision(bucket_dir, JOB, f"run-{number}", next_item(f"run-{number}"))
+        assert new
+        return decided["bsp_fraction"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
+        taken = list(pool.map(run, range(len(items))))
+    assert sorted(taken) == sorted(items)
+    # A retried task gets its own claim back without deciding again.
+    again, new = claim_decision(bucket_dir, JOB, "run-0", lambda _claims: pytest.fail("decided again"))
+    assert (again["bsp_fraction"], new) == (taken[0], False)
 
 
 def test_records_are_immutable(bucket_dir: str) -> None:

@@ -3,7 +3,7 @@
 Where (``syncswitch.layout.JobHistoryLayout``)::
 
     <bucket_dir>/_history/<job_name>/runs/<safe_run_id>.json     record, written when the run finishes
-    <bucket_dir>/_history/<job_name>/claims/<safe_run_id>.json   claim, written when the run has decided
+    <bucket_dir>/_history/<job_name>/claims.json                 {run_id: claim}, one per decided run
 
 ``bucket_dir`` is a local folder or a ``gs://`` URI (``syncswitch.storage``). The timing policy
 (``syncswitch_airflow.timing``) reads both; ``syncswitch history`` shows them. The record format is
@@ -11,8 +11,10 @@ also the import format (one JSON object per line of a ``.jsonl`` file); docs/his
 every field and the fingerprint.
 
 Immutability: a record or claim, once written, is never replaced. Writing the same content again is
-a no-op (a retried task), different content for the same run id raises :class:`RecordConflict`. The
-check reads before it writes; that is enough because the only writer of a run's files is that run. A
+a no-op (a retried task), different content for the same run id raises :class:`RecordConflict`. A
+record's check reads before it writes; that is enough because the only writer of a run's record is
+that run. Claims are one document updated atomically (``storage.update_json``), because a run decides
+from the other runs' claims: :func:`claim_decision` decides and claims in one step. A
 reprocessed logical date is a new DAG run with a new run id, so it gets its own record.
 """
 
@@ -321,18 +323,70 @@ def write_record(bucket_dir: str, job_name: str, record: dict[str, Any]) -> bool
     return _write_once(JobHistoryLayout.for_job(bucket_dir, job_name).record(record["run_id"]), record)
 
 
+def claim_decision(
+    bucket_dir: str, job_name: str, run_id: str, decide: Callable[[list[dict[str, Any]]], dict[str, Any]]
+) -> tuple[dict[str, Any], bool]:
+    """This run's claim, deciding it atomically if the run has none yet; returns (claim, new).
+
+    ``decide`` gets every claim of the job (oldest first) and returns this run's claim. Deciding and
+    writing are one atomic update of the claims document, so overlapping runs (a backfill) always see
+    each other's claims and never take the same item by accident. ``decide`` may be called more than
+    once (a lost race on GCS decides again from the newer claims), so it must have no side effect.
+    A retried task finds its own claim and reuses it (``new`` is False).
+    """
+    check_job_name(job_name)
+    outcome: dict[str, Any] = {}
+
+    def take(claims: dict[str, Any]) -> None:
+        existing = claims.get(run_id)
+        if existing is not None:
+            outcome.update(claim=validate_claim(existing), new=False)
+            return
+        claim = validate_claim(decide(_sorted_claims(claims.values())))
+        if claim["run_id"] != run_id:
+            raise RecordError("run_id", f"the claim is for run {claim['run_id']!r}, not {run_id!r}")
+        claims[run_id] = _as_stored(claim)
+        outcome.update(claim=claim, new=True)
+
+    storage.update_json(JobHistoryLayout.for_job(bucket_dir, job_name).claims, take)
+    return outcome["claim"], outcome["new"]
+
+
 def write_claim(bucket_dir: str, job_name: str, claim: dict[str, Any]) -> bool:
     """Write a started run's claim; True if written, False if the same claim was already there."""
     claim = validate_claim(claim)
-    check_job_name(job_name)
-    return _write_once(JobHistoryLayout.for_job(bucket_dir, job_name).claim(claim["run_id"]), claim)
+    stored, new = claim_decision(bucket_dir, job_name, claim["run_id"], lambda _claims: claim)
+    if not new and stored != _as_stored(claim):
+        raise RecordConflict(
+            f"run_id: a different claim for run {claim['run_id']!r} already exists; history is immutable "
+            "(a reprocessed date is a new DAG run with its own run id)"
+        )
+    return new
 
 
 def read_claim(bucket_dir: str, job_name: str, run_id: str) -> dict[str, Any] | None:
     """This run's claim, if it wrote one (a retried task reuses its decision rather than deciding again)."""
-    check_job_name(job_name)
-    claim = storage.read_json(JobHistoryLayout.for_job(bucket_dir, job_name).claim(run_id), default=None)
+    claim = _claims_document(bucket_dir, job_name).get(run_id)
     return None if claim is None else validate_claim(claim)
+
+
+def read_claims(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
+    """Every claim of the job, checked, oldest first."""
+    return _sorted_claims(_claims_document(bucket_dir, job_name).values())
+
+
+def _claims_document(bucket_dir: str, job_name: str) -> dict[str, Any]:
+    check_job_name(job_name)
+    return storage.read_json(JobHistoryLayout.for_job(bucket_dir, job_name).claims, default={})
+
+
+def _sorted_claims(claims: Iterable[Any]) -> list[dict[str, Any]]:
+    return sorted((validate_claim(c) for c in claims), key=lambda c: (c["claimed_at"], c["run_id"]))
+
+
+def _as_stored(content: dict[str, Any]) -> dict[str, Any]:
+    """``content`` as its stored JSON reads back (tuples become lists), so equal means equal."""
+    return json.loads(json.dumps(content, default=str))
 
 
 def read_records(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
@@ -340,14 +394,6 @@ def read_records(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
     check_job_name(job_name)
     folder = JobHistoryLayout.for_job(bucket_dir, job_name).records
     return sorted(_read_all(folder, validate_record), key=completion_key)
-
-
-def read_claims(bucket_dir: str, job_name: str) -> list[dict[str, Any]]:
-    """Every claim of the job, checked, oldest first."""
-    check_job_name(job_name)
-    folder = JobHistoryLayout.for_job(bucket_dir, job_name).claims
-    claims = _read_all(folder, validate_claim)
-    return sorted(claims, key=lambda c: (c["claimed_at"], c["run_id"]))
 
 
 def _read_all(folder: str, validate: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,8 +413,7 @@ def _check_same_job(job_name: str, record: dict[str, Any]) -> None:
 
 
 def _write_once(uri: str, content: dict[str, Any]) -> bool:
-    # Compare as the stored JSON reads back (tuples become lists), so a retried write is a no-op.
-    content = json.loads(json.dumps(content, default=str))
+    content = _as_stored(content)  # so that a retried write is a no-op
     existing = storage.read_json(uri, default=None)
     if existing is not None:
         if existing == content:

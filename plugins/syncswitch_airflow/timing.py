@@ -39,8 +39,8 @@ Rules (k = ``TimingConfig.repeats``, tol = ``TimingConfig.tolerance``):
    measured the job as it is now. ``numbers["generation"]`` counts generations from 1.
 8. Configuration change. A new fingerprint has no evidence, so its search starts from the baseline;
    coming back to an old fingerprint resumes that fingerprint's history.
-9. Overlapping runs. A run writes a claim ``{run_id, fingerprint, bsp_fraction, phase, claimed_at}``
-   right after deciding, before it trains. A claim of this fingerprint, younger than
+9. Overlapping runs. A run claims ``{run_id, fingerprint, bsp_fraction, phase, claimed_at}`` as it
+   decides, before it trains. A claim of this fingerprint, younger than
    ``claim_ttl_seconds`` and without a record of its run id (either status) is *in flight*. The items
    that could still need evidence are, in search order: while the baseline is incomplete, the baseline
    and then every halving candidate; during the halving search, the current candidate and every smaller
@@ -51,8 +51,8 @@ Rules (k = ``TimingConfig.repeats``, tol = ``TimingConfig.tolerance``):
    first k runs count). Speculative results past a rejection stay in the history and are never
    accepted. With k=1, an empty history and three overlapping runs, the first decides BSP (1.0,
    baseline), the second 0.5 (baseline in flight) and the third 0.25 (1.0 and 0.5 in flight). The
-   exploit phase ignores claims. Two runs deciding in the same instant can both miss each other's
-   claim and take the same item: an extra repeat.
+   exploit phase ignores claims. Deciding and claiming are one atomic step
+   (``history.claim_decision``), so runs deciding in the same instant still see each other.
 """
 
 from __future__ import annotations

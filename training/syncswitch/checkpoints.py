@@ -62,14 +62,17 @@ def check_structure(manifest: dict[str, Any], variables: list[Any]) -> None:
     theirs_set, ours_set = {tuple(map(str, v)) for v in theirs}, {tuple(map(str, v)) for v in ours}
     missing = sorted(theirs_set - ours_set)[:3]
     extra = sorted(ours_set - ours_set.intersection(theirs_set))[:3]
-    detail = "; ".join(
-        part
-        for part in (
-            f"checkpoint has {', '.join(f'{p} {s} {d}' for p, s, d in missing)}" if missing else "",
-            f"the model has {', '.join(f'{p} {s} {d}' for p, s, d in extra)}" if extra else "",
+    detail = (
+        "; ".join(
+            part
+            for part in (
+                f"checkpoint has {', '.join(f'{p} {s} {d}' for p, s, d in missing)}" if missing else "",
+                f"the model has {', '.join(f'{p} {s} {d}' for p, s, d in extra)}" if extra else "",
+            )
+            if part
         )
-        if part
-    ) or "the variables are in another order"
+        or "the variables are in another order"
+    )
     raise CheckpointMismatchError(
         f"run_dir: the latest checkpoint {manifest['uri']} holds other variables than model "
         f"{manifest.get('signature', {}).get('model')!r} builds now ({len(theirs)} vs {len(ours)} variables; "

@@ -55,8 +55,10 @@ class HParams:
         raise AttributeError(f"hparams has no {name!r} (fields and extra: {', '.join(self.keys())})")
 
     def keys(self) -> list[str]:
-        return sorted([f.name for f in dataclasses.fields(self) if f.name not in ("model", "extra")]
-                      + [k for k, _ in self.extra])
+        return sorted(
+            [f.name for f in dataclasses.fields(self) if f.name not in ("model", "extra")]
+            + [k for k, _ in self.extra]
+        )
 
     def override(self, overrides: str | dict[str, str] | None) -> HParams:
         """Return a copy with ``k=v,k=v`` overrides applied (values parsed to the field's type)."""

@@ -21,7 +21,7 @@ A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job
 (:class:`JobHistoryLayout`)::
 
     runs/<run_id>.json                  one immutable record per finished run (syncswitch_airflow.history)
-    claims/<run_id>.json                one immutable claim per started run: the BSP fraction it took
+    claims.json                         {run_id: claim}: the BSP fraction each started run took
 
 Job names are lowercase letters, digits and '-', so ``_history`` can never be a job's folder.
 
@@ -159,10 +159,8 @@ class JobHistoryLayout:
 
     @property
     def claims(self) -> str:
-        return join(self.root, "claims")
-
-    def claim(self, run_id: str) -> str:
-        return join(self.claims, f"{safe_run_id(run_id)}.json")
+        """One document for all claims: a run decides and claims in one atomic update of it."""
+        return join(self.root, "claims.json")
 
 
 def safe_run_id(run_id: str) -> str:

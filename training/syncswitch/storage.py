@@ -5,7 +5,8 @@ hard-coded, while google-cloud-storage honours ``STORAGE_EMULATOR_HOST``, so tes
 path as production against a GCS emulator.
 
 Writes are atomic at object granularity: local files are written to a temp file and renamed; GCS
-object uploads are atomic by nature.
+object uploads are atomic by nature. :func:`update_json` is the one read-modify-write (run state,
+a job's claims): serialised by an fcntl lock locally and by a generation precondition on GCS.
 
 Bucket outages. Every ``gs://`` call goes through :func:`retrying`, the one retry owner (the client
 library's own retries are switched off so that the limit below is the real one): a transient error
@@ -20,10 +21,13 @@ is complete only once its manifest, uploaded last, exists, so an outage never le
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -249,6 +253,66 @@ def write_text(uri: str, text: str) -> None:
 
 def write_json(uri: str, obj: Any) -> None:
     write_text(uri, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def update_json(uri: str, mutate: Callable[[Any], Any], *, attempts: int = 20) -> Any:
+    """Read-modify-write one JSON document atomically; returns the document as written.
+
+    ``mutate`` gets the current document (``{}`` when there is none) and changes it in place. It may
+    run more than once (a lost race on GCS re-reads and re-applies it), so it must not act outside the
+    document. Concurrent writers are serialised: an fcntl lock beside a local file, a generation
+    precondition on a GCS object.
+    """
+    if is_remote(uri):
+        return _update_gcs(uri, mutate, attempts)
+    return _update_local(uri, mutate)
+
+
+def _update_local(path: str, mutate: Callable[[Any], Any]) -> Any:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            document = read_json(path, default={})
+            mutate(document)
+            write_json(path, document)
+            return document
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _update_gcs(uri: str, mutate: Callable[[Any], Any], attempts: int) -> Any:
+    from google.api_core.exceptions import PreconditionFailed
+
+    for attempt in range(attempts):
+        try:
+            # A transient outage is retried inside (retrying); a lost race comes out here.
+            return retrying(f"update {uri}", lambda: _update_gcs_once(uri, mutate))
+        except PreconditionFailed:  # another writer won (between reload and download, or on upload)
+            # Jitter so that writers that lost together do not retry in lockstep.
+            time.sleep(random.uniform(0.01, 0.05 * (attempt + 1)))
+    raise RuntimeError(f"{uri} changed under {attempts} concurrent updates")
+
+
+def _update_gcs_once(uri: str, mutate: Callable[[Any], Any]) -> Any:
+    """One read-modify-write guarded by the object's generation (0 = must not exist yet)."""
+    # A fresh Blob per attempt: reload() stores the generation it saw, and a reused Blob would
+    # pin the next attempt's reads to that stale generation (NotFound -> {} -> 412 forever).
+    blob_ref = _blob(uri)
+    generation = 0
+    document: Any = {}
+    with contextlib.suppress(_not_found_error()):
+        blob_ref.reload(retry=None)
+        generation = blob_ref.generation
+        document = json.loads(blob_ref.download_as_bytes(if_generation_match=generation, retry=None))
+    mutate(document)
+    blob_ref.upload_from_string(
+        json.dumps(document, indent=2, sort_keys=True, default=str),
+        content_type="application/json",
+        if_generation_match=generation,
+        retry=None,
+    )
+    return document
 
 
 def exists(uri: str) -> bool:

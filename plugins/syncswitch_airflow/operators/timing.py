@@ -62,24 +62,24 @@ class TimingPolicyOperator(BaseOperator):
         bucket = absolute_bucket_dir(job.bucket_dir)
         user_code = usercode.identity(usercode.describe_names(job))
         fingerprint = history.job_fingerprint(job.to_params(), user_code)
-        claim = history.read_claim(bucket, job.job_name, run_id)
-        if claim is not None:  # a retry of this task: keep the decision this run already claimed
-            self.log.info("run %s: reusing this run's claim (%s)", run_id, claim["phase"])
-            return claim["decision"]
-        now = time.time()
+        # Records only grow as runs finish: one read a moment old is as good as a fresh one. Claims
+        # are read inside the atomic claim, so that overlapping runs see each other.
         records = history.read_records(bucket, job.job_name)
-        claims = history.read_claims(bucket, job.job_name)
-        decision = timing.decide(records, claims, fingerprint, timing_config(job), now).to_dict()
-        history.write_claim(
-            bucket,
-            job.job_name,
-            {
+        config = timing_config(job)
+
+        def decide(claims: list[dict[str, Any]]) -> dict[str, Any]:
+            now = time.time()
+            decision = timing.decide(records, claims, fingerprint, config, now).to_dict()
+            return {
                 "run_id": run_id,
                 "fingerprint": fingerprint,
                 "bsp_fraction": decision["bsp_fraction"],
                 "phase": decision["phase"],
                 "claimed_at": now,
                 "decision": decision,
-            },
-        )
-        return decision
+            }
+
+        claim, new = history.claim_decision(bucket, job.job_name, run_id, decide)
+        if not new:  # a retry of this task: keep the decision this run already claimed
+            self.log.info("run %s: reusing this run's claim (%s)", run_id, claim["phase"])
+        return claim["decision"]
