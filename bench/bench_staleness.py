@@ -26,8 +26,7 @@ import time
 from typing import Any
 
 from _common import log, machine_line, markdown_table, run_json_command, syncswitch_command
-
-PROTOCOLS = ("bsp", "asp")
+from syncswitch.plan import PROTOCOLS
 
 
 def run_once(args: argparse.Namespace, protocol: str, seed: int, run_dir: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import datetime
 from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup, TriggerRule, cross_downstream
+from syncswitch.plan import PROTOCOLS
 
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 from syncswitch_airflow.operators import (
@@ -30,7 +31,6 @@ from syncswitch_airflow.operators import (
 )
 from syncswitch_airflow.sensors.straggler import StragglerSensor
 
-PROTOCOLS = ("bsp", "asp")
 # A template rather than plan.output: an XComArg would wire plan directly to every task below.
 RUN_DIR = "{{ ti.xcom_pull(task_ids='plan') }}"
 

@@ -28,10 +28,10 @@ from fractions import Fraction
 from typing import Any
 
 from syncswitch.errors import SpecError
+from syncswitch.plan import PROTOCOLS
 
 DEFAULT_PRICES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gce_prices.json")
 ROLES = ("chief", "worker", "ps")
-PROTOCOLS = ("bsp", "asp")
 NO_GPU = ("", "none")
 DIGITS = 4  # costs and prices in the ledger's output
 _SECONDS_PER_HOUR = 3600

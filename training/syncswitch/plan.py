@@ -16,6 +16,8 @@ from typing import Any
 
 Entry = dict[str, Any]
 PROTOCOLS = ("bsp", "asp")
+# A switch order spells the plan in digits, as the original's flag did: "1" BSP, "0" ASP.
+PROTOCOL_DIGITS = {"1": "bsp", "0": "asp"}
 ORIGINS = ("plan", "online")
 
 

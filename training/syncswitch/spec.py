@@ -28,7 +28,6 @@ from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
-PROTOCOLS = {"1": "bsp", "0": "asp"}
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
@@ -320,7 +319,7 @@ class JobSpec:
                 f"{self.job_name!r} must be 1-63 lowercase letters, digits or "
                 "'-', starting and ending with a letter or digit",
             )
-        if not self.switch_order or set(self.switch_order) - set(PROTOCOLS):
+        if not self.switch_order or set(self.switch_order) - set(plans.PROTOCOL_DIGITS):
             raise SpecError(
                 "switch_order",
                 f"{self.switch_order!r} must be a non-empty string of 1 (BSP) "
@@ -517,7 +516,7 @@ class JobSpec:
             entries.append(
                 {
                     "index": index,
-                    "protocol": PROTOCOLS[digit],
+                    "protocol": plans.PROTOCOL_DIGITS[digit],
                     "until_step": until,
                     "origin": "plan",
                     "plan_index": index,
