@@ -77,6 +77,17 @@ class JobFile:
     description: str
 
 
+def usr_dir_beside(params: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``params`` with a relative ``usr_dir`` that exists beside the file made absolute: a file's user
+    code sits beside it, whatever folder Airflow parses it from (or the CLI runs in)."""
+    usr_dir = params.get("usr_dir")
+    if isinstance(usr_dir, str) and usr_dir and not os.path.isabs(usr_dir):
+        beside = (folder / usr_dir).resolve()
+        if beside.exists():
+            return {**params, "usr_dir": str(beside)}
+    return params
+
+
 def read_job_file(path: Path) -> JobFile:
     """Parse and validate one job file; JobFileError names the file and the field."""
     try:
@@ -95,14 +106,8 @@ def read_job_file(path: Path) -> JobFile:
     params = data.get("params") or {}
     if not isinstance(params, dict):
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
-    usr_dir = params.get("usr_dir")
-    if isinstance(usr_dir, str) and usr_dir and not os.path.isabs(usr_dir):
-        # A job file's user code sits beside it, whatever folder Airflow parses it from.
-        beside = (path.parent / usr_dir).resolve()
-        if beside.exists():
-            params = {**params, "usr_dir": str(beside)}
     try:
-        job = JobSpec.from_params({"job_name": stem, **params})
+        job = JobSpec.from_params({"job_name": stem, **usr_dir_beside(params, path.parent)})
         check_slot_budget(job)
     except SpecError as err:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None

@@ -42,6 +42,7 @@ from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.cli import DAG_ID, check_fits_dag, dag_conf, default_project_dir
 from syncswitch_airflow.embedded import AirflowError, EmbeddedAirflow
+from syncswitch_airflow.job_files import usr_dir_beside
 
 PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")
@@ -99,7 +100,8 @@ def _config(path: Path, name: str, label: str, base: dict, params: Any) -> JobSp
     if not isinstance(params, dict):
         raise SweepError(f"{path.name}: configs.{label}: must be a mapping of job params")
     try:
-        job = JobSpec.from_params({**base, **params, "job_name": f"{name}-{label}"})
+        merged = usr_dir_beside({**base, **params}, path.parent)
+        job = JobSpec.from_params({**merged, "job_name": f"{name}-{label}"})
         check_fits_dag(job)
     except SpecError as err:
         raise SweepError(f"{path.name}: configs.{label}: {err}") from None
