@@ -86,7 +86,7 @@ class Sampler:
 
     def sample(self) -> dict[str, Any]:
         from syncswitch import procs
-        from syncswitch_airflow.backends.local import CLUSTER_ENV
+        from syncswitch_airflow.backends.base import CLUSTER_ENV
         from syncswitch_airflow.embedded import INSTANCE_ENV, instance_marker
 
         groups: dict[str, float] = {}

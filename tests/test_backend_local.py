@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, find_processes, wait_for
+from syncswitch.errors import SpecError
 from syncswitch.layout import RunLayout
+from syncswitch.registry import Registry
 from syncswitch.spec import JobSpec
 from syncswitch_airflow.backends import ClusterError, get_backend
 from syncswitch_airflow.backends.base import EXITED, RUNNING, UNKNOWN
@@ -55,8 +58,36 @@ def handle(backend: LocalBackend, tmp_path: Path) -> dict:
 def test_get_backend_names_the_known_backends() -> None:
     assert isinstance(get_backend("local"), LocalBackend)
     assert get_backend("gce").name == "gce" and get_backend("hosts").name == "hosts"
-    with pytest.raises(ClusterError, match="available: local, hosts, gce"):
+    accepted = "accepted: gce, hosts, local"
+    with pytest.raises(ClusterError, match=f"^cluster_backend: unknown 'slurm'; {accepted}"):
         get_backend("slurm")
+    # The job spec validates against the same registry, before anything is provisioned.
+    with pytest.raises(SpecError, match=f"^cluster_backend: unknown 'slurm'; {accepted}"):
+        JobSpec.from_params({"job_name": "demo", "cluster_backend": "slurm"})
+
+
+def test_the_backend_protocol_imports_no_backend_and_installed_packages_add_backends(tmp_path: Path) -> None:
+    code = (
+        "import sys, syncswitch_airflow.backends; "
+        "print(sorted(m for m in sys.modules if m.startswith('syncswitch_airflow.backends.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['syncswitch_airflow.backends.base']"]
+    # A package's entry point names a backend as a built-in is named (a .dist-info folder on sys.path).
+    dist_info = tmp_path / "slurmpkg-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: slurmpkg\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[syncswitch.backends]\nslurm = slurmpkg:SlurmBackend\n")
+    (tmp_path / "slurmpkg.py").write_text("class SlurmBackend:\n    name = 'slurm'\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        registry = Registry()
+        assert registry.names("backend") == ["gce", "hosts", "local", "slurm"]
+        assert registry.sources()["backend"]["slurm"] == "entry point of slurmpkg 0.1"
+        assert registry.entry("backend", "slurm").load()().name == "slurm"
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def test_provision_creates_the_work_folder_idempotently(backend: LocalBackend, tmp_path: Path) -> None:

@@ -171,7 +171,10 @@ def test_params_reject_bad_values(dag, name: str, value: object) -> None:  # noq
     ],
 )
 def test_unregistered_names_fail_validation_naming_the_field(
-    dag, name: str, value: str, message: str  # noqa: ANN001
+    dag,
+    name: str,
+    value: str,
+    message: str,  # noqa: ANN001
 ) -> None:
     params: ParamsDict = copy.deepcopy(dag.params)
     params[name] = value  # the form proposes names; it cannot know a run's usr_dir

@@ -16,7 +16,6 @@ from typing import Any
 from airflow.sdk import Param
 from syncswitch.registry import REGISTRY
 from syncswitch.spec import (
-    CLUSTER_BACKENDS,
     MOMENTUM_RULES,
     ONLINE_POLICIES,
     TIMING_POLICIES,
@@ -170,7 +169,7 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
         ),
         "cluster_backend": _enum(
             d.cluster_backend,
-            CLUSTER_BACKENDS,
+            REGISTRY.names("backend"),
             "Cluster backend",
             "Where the training processes run: local (this machine), hosts (the hosts below, over SSH) "
             "or gce (Compute Engine VMs created for the run, see gce).",

@@ -35,14 +35,15 @@ from typing import Any
 
 from syncswitch.errors import SpecError
 
-KINDS = ("model", "problem", "hparams")
+KINDS = ("model", "problem", "hparams", "backend")
 ENTRY_POINT_GROUPS = {
     "model": "syncswitch.models",
     "problem": "syncswitch.problems",
     "hparams": "syncswitch.hparams",
+    "backend": "syncswitch.backends",
 }
 # The field of a job that names an entry of each kind (for error messages).
-FIELDS = {"model": "model", "problem": "problem", "hparams": "hparam_set"}
+FIELDS = {"model": "model", "problem": "problem", "hparams": "hparam_set", "backend": "cluster_backend"}
 
 BUILTIN_ENTRIES: dict[str, dict[str, str]] = {
     "model": {"resnet": "syncswitch.models:resnet", "cnn": "syncswitch.models:cnn"},
@@ -57,6 +58,13 @@ BUILTIN_ENTRIES: dict[str, dict[str, str]] = {
         "resnet_cifar_32": "syncswitch.hparams:resnet_cifar_32",
         "resnet_cifar_56": "syncswitch.hparams:resnet_cifar_56",
         "cnn_digits": "syncswitch.hparams:cnn_digits",
+    },
+    # Cluster backends live on the Airflow side (syncswitch_airflow.backends.get_backend loads them);
+    # the runtime only needs their names, to validate a job's cluster_backend.
+    "backend": {
+        "local": "syncswitch_airflow.backends.local:LocalBackend",
+        "hosts": "syncswitch_airflow.backends.hosts:HostsBackend",
+        "gce": "syncswitch_airflow.backends.gce:GceBackend",
     },
 }
 BUILTIN_SOURCE = "built-in"

@@ -31,7 +31,6 @@ from syncswitch.stall import DEFAULT_STALL_SECONDS
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
-CLUSTER_BACKENDS = ("local", "hosts", "gce")
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
 _BUILTIN_IMAGE_MODELS = {"cnn": ("digits",), "resnet": ("image_cifar10", "image_cifar100", "synthetic_cifar")}
 _JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -350,7 +349,6 @@ class JobSpec:
         if not 1 <= self.num_ps <= 16:
             raise SpecError("num_ps", f"must be in 1..16, got {self.num_ps}")
         self._validate_names()
-        _choice("cluster_backend", self.cluster_backend, CLUSTER_BACKENDS)
         self._validate_hosts()
         _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
         _choice("online_policy", self.online_policy, ONLINE_POLICIES)
@@ -399,12 +397,14 @@ class JobSpec:
             ) from None
 
     def _validate_names(self) -> None:
-        """Model and problem are names of the registry (syncswitch.registry). A usr_dir's names exist
-        only once it is imported, which validation does not do (it imports TensorFlow, and parsing a
-        job must stay cheap): there syncswitch.check resolves them, before anything is provisioned."""
+        """Cluster backend, model and problem are names of the registry (syncswitch.registry). A
+        usr_dir's names exist only once it is imported, which validation does not do (it imports
+        TensorFlow, and parsing a job must stay cheap): there syncswitch.check resolves them, before
+        anything is provisioned."""
         from syncswitch import usercode
         from syncswitch.registry import REGISTRY
 
+        REGISTRY.entry("backend", self.cluster_backend)  # unknown: the error lists the known ones
         if self.usr_dir:
             usercode.kind_of(self.usr_dir)  # an existing folder, file or importable module
             return

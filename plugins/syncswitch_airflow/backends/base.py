@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +25,20 @@ log = logging.getLogger(__name__)
 
 Handle = dict[str, Any]
 
+# Every cluster process carries its cluster's (and its segment's) folder in these variables: how a
+# backend finds, and on teardown kills, exactly its own processes.
+CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
+SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
+# The Airflow worker's own folder for clusters (local clusters, the hosts backend's leases and keys).
+WORK_DIR_ENV = "SYNCSWITCH_WORK_DIR"
+
 RUNNING = "running"
 EXITED = "exited"
 UNKNOWN = "unknown"
+
+
+def default_work_root() -> str:
+    return os.environ.get(WORK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "syncswitch")
 
 
 class ClusterError(RuntimeError):
@@ -176,20 +188,3 @@ class ClusterBackend(Protocol):
     def teardown(self, handle: Handle) -> dict[str, Any]:
         """Kill every process of the run, verify they are gone, free the work folder; idempotent."""
         ...
-
-
-def get_backend(name: str) -> ClusterBackend:
-    """The backend registered under ``name`` (the ``cluster_backend`` param)."""
-    if name == "local":
-        from syncswitch_airflow.backends.local import LocalBackend
-
-        return LocalBackend()
-    if name == "hosts":
-        from syncswitch_airflow.backends.hosts import HostsBackend
-
-        return HostsBackend()
-    if name == "gce":
-        from syncswitch_airflow.backends.gce import GceBackend
-
-        return GceBackend()
-    raise ClusterError(f"unknown cluster backend {name!r}; available: local, hosts, gce")

@@ -51,13 +51,15 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
+    CLUSTER_ENV,
+    SEGMENT_ENV,
     UNKNOWN,
     ClusterCapacity,
     ClusterError,
     Handle,
     SegmentStatus,
+    default_work_root,
 )
-from syncswitch_airflow.backends.local import CLUSTER_ENV, SEGMENT_ENV, default_work_root
 
 KNOWN_HOSTS_ENV = "SYNCSWITCH_SSH_KNOWN_HOSTS"
 HOSTS_ENV = "SYNCSWITCH_HOSTS_ENV"

@@ -24,7 +24,6 @@ import os
 import posixpath
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -34,17 +33,17 @@ from syncswitch.procs import mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow.backends.base import (
+    CLUSTER_ENV,
+    SEGMENT_ENV,
     ClusterCapacity,
     ClusterError,
     Handle,
     SegmentStatus,
+    default_work_root,
 )
 
-WORK_DIR_ENV = "SYNCSWITCH_WORK_DIR"
 # How many local clusters may run at once. Each takes every core of a small machine, so one.
 CAPACITY_ENV = "SYNCSWITCH_LOCAL_CLUSTERS"
-CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
-SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
@@ -62,10 +61,6 @@ def cluster_environment(**extra: str) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     return {**env, **extra}
-
-
-def default_work_root() -> str:
-    return os.environ.get(WORK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "syncswitch")
 
 
 class LocalBackend:
