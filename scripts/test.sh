@@ -9,5 +9,7 @@ source scripts/_uv.sh
 # shellcheck source=scripts/_system_deps.sh
 source scripts/_system_deps.sh
 uv run --frozen ruff check .
+# Every module the product imports is declared, and every declared package is imported.
+uv run --frozen deptry training plugins dags
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
 exec uv run --frozen pytest -q -p no:cacheprovider --durations=15 "$@"
