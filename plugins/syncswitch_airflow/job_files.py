@@ -145,7 +145,7 @@ def _schedule(path: Path, value: Any) -> Any:
         return datetime.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
     if not isinstance(value, str):
         raise JobFileError(path, "schedule", "must be a cron expression or preset, {every: 6h}, or null")
-    from airflow.timetables.trigger import CronTriggerTimetable
+    from airflow.sdk import CronTriggerTimetable
 
     try:
         CronTriggerTimetable(value, timezone="UTC").validate()
