@@ -121,7 +121,7 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
             "max_online_switches": 0,
             "ckpt_frequency": [500],
         }
-        run_id = airflow.trigger("sync_switch", conf)
+        run_id = airflow.api.trigger("sync_switch", conf)
         layout = RunLayout.for_run(conf["bucket_dir"], "cpu", run_id)
         wait_for_bsp_step(layout, 100)
         log(f"{name}: sampling CPU for {args.samples} x {args.sample_seconds:.0f} s while BSP trains")
@@ -129,7 +129,7 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
         seen = {name for sample in samples for name in sample}  # "other" too, as the totals count it
         training = {c: sum(s.get(c, 0.0) for s in samples) / len(samples) for c in seen}
         sampled_until = time.time()
-        state = airflow.wait("sync_switch", run_id, timeout=3600)
+        state = airflow.api.wait("sync_switch", run_id, timeout=3600)
         if state != "success":
             raise BenchError(f"{name}: the run ended {state}")
         summary = summarize(load_run(layout.root))

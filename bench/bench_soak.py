@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         airflow.start(wait_for_dags=("sync_switch",))
         with Sampler(airflow, work / "runs", args.sample_seconds, args.samples_out) as sampler:
-            run_id = airflow.trigger("sync_switch", conf)
+            run_id = airflow.api.trigger("sync_switch", conf)
             log(f"soak run {run_id}: BSP {args.bsp_steps} + ASP {args.asp_steps} steps")
-            state = airflow.wait("sync_switch", run_id, timeout=6 * 3600)
+            state = airflow.api.wait("sync_switch", run_id, timeout=6 * 3600)
         if state != "success":
             raise BenchError(f"the soak run ended {state}")
         run_dir = next((work / "runs" / "soak").iterdir())

@@ -20,7 +20,7 @@ DAG_ID = "sync_switch"
 
 def trigger(airflow: EmbeddedAirflow, conf: dict[str, Any], dag_id: str = DAG_ID) -> tuple[str, RunLayout]:
     """Trigger a run; returns its run id and run folder."""
-    run_id = airflow.trigger(dag_id, conf)
+    run_id = airflow.api.trigger(dag_id, conf)
     return run_id, RunLayout.for_run(conf["bucket_dir"], conf["job_name"], run_id)
 
 
@@ -55,7 +55,7 @@ def wait_for_task(
     seen: dict[str, str | None] = {}
 
     def reached() -> bool:
-        seen.update(airflow.task_states(DAG_ID, run_id))
+        seen.update(airflow.api.task_states(DAG_ID, run_id))
         return seen.get(task_id) in states
 
     wait_for(reached, timeout=timeout, what=f"{task_id} in {states} (now {seen.get(task_id)})", poll=1.0)
@@ -63,7 +63,7 @@ def wait_for_task(
 
 
 def wait_run(airflow: EmbeddedAirflow, run_id: str, timeout: float = 900) -> str:
-    return airflow.wait(DAG_ID, run_id, timeout=timeout)
+    return airflow.api.wait(DAG_ID, run_id, timeout=timeout)
 
 
 def segment_starts(layout: RunLayout) -> dict[int, int]:

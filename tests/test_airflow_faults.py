@@ -80,7 +80,7 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     # "Clear" of a finished segment: Airflow reruns it (and its setup and teardown), and it finds
     # its result instead of training again.
     checkpoints = checkpoint_names(layout)
-    cleared = airflow.clear_tasks(DAG_ID, run_id, ["segment_0.bsp"])
+    cleared = airflow.api.clear_tasks(DAG_ID, run_id, ["segment_0.bsp"])
     assert "segment_0.bsp" in cleared
     assert wait_run(airflow, run_id) == "success"
     assert segment_starts(layout) == {0: 1, 1: 1}, "clear retrained a finished segment"
@@ -95,9 +95,9 @@ def test_mark_failed_on_a_running_segment_tears_down_and_leaves_no_process(
     run_id, layout = trigger(airflow, job(tmp_path, "markfail", switch_order="1", total_steps=100000))
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 10)
-    airflow.set_task_state(DAG_ID, run_id, "segment_0.bsp", "failed")
+    airflow.api.set_task_state(DAG_ID, run_id, "segment_0.bsp", "failed")
     assert wait_run(airflow, run_id) == "failed"
-    tasks = airflow.task_states(DAG_ID, run_id)
+    tasks = airflow.api.task_states(DAG_ID, run_id)
     assert tasks["teardown_cluster"] == "success", tasks
     # The watcher ended with its segment task, instead of waiting out a timeout.
     assert tasks["segment_0.watch_stragglers"] == "success", tasks

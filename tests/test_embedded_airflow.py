@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes
-from syncswitch_airflow.embedded import EmbeddedAirflow, TriggerRejected
+from syncswitch_airflow.airflow_api import TriggerRejected
+from syncswitch_airflow.embedded import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
@@ -39,7 +40,7 @@ def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAir
         assert health[component]["status"] == "healthy", health
     assert airflow.url.startswith("http://127.0.0.1:")
     assert airflow.import_errors() == []
-    assert airflow.token()  # the fixed admin password from the password file logs in
+    assert airflow.api.token()  # the fixed admin password from the password file logs in
     assert airflow.is_running() and airflow.started_here
 
 
@@ -65,7 +66,7 @@ def test_rest_trigger_with_invalid_conf_is_rejected_naming_the_param(
 ) -> None:
     runs = tmp_path / "runs"
     with pytest.raises(TriggerRejected) as rejected:
-        airflow.trigger("sync_switch", {**conf, "bucket_dir": str(runs)})
+        airflow.api.trigger("sync_switch", {**conf, "bucket_dir": str(runs)})
     assert param in str(rejected.value)
     assert not runs.exists()  # no run was created, so nothing wrote a run folder
 

@@ -36,7 +36,7 @@ def finished_runs(airflow: EmbeddedAirflow, count: int, timeout: float = 900) ->
     runs: list[dict] = []
 
     def done() -> bool:
-        runs[:] = airflow.dag_runs(DAG_ID)
+        runs[:] = airflow.api.dag_runs(DAG_ID)
         return len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs)
 
     wait_for(done, timeout=timeout, what=f"{count} finished runs of {DAG_ID}", poll=3.0)
@@ -86,13 +86,13 @@ def test_a_backfill_over_three_dates_searches_the_switch_point_and_a_reprocessed
     # complete up to 30 s after its last run. Airflow 3 reprocesses a date by clearing its DAG run: the
     # same run id runs again, and trains afresh as a new attempt with its own folder and record.
     wait_for(
-        lambda: all(b["completed_at"] for b in airflow.backfills(DAG_ID)),
+        lambda: all(b["completed_at"] for b in airflow.api.backfills(DAG_ID)),
         timeout=120,
         what="the first backfill marked complete",
         poll=2.0,
     )
     [first] = [r for r in runs if r["logical_date"][:10] == "2026-01-02"]
-    airflow.create_backfill(DAG_ID, "2026-01-02", "2026-01-02", reprocess_behavior="completed")
+    airflow.api.create_backfill(DAG_ID, "2026-01-02", "2026-01-02", reprocess_behavior="completed")
     wait_for(
         lambda: len(history.read_records(bucket, JOB)) == 4,
         timeout=900,

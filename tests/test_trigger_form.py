@@ -50,7 +50,7 @@ def open_trigger_form(page, airflow: EmbeddedAirflow):  # noqa: ANN001, ANN201 -
 
 
 def run_ids(airflow: EmbeddedAirflow) -> set[str]:
-    body = airflow._get_json(f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")  # noqa: SLF001 - test helper
+    body = airflow.api.get_json(f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")
     return {run["dag_run_id"] for run in body["dag_runs"]}
 
 

@@ -35,14 +35,8 @@ from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.embedded import (
-    ADMIN_PASSWORD,
-    ADMIN_USER,
-    AirflowError,
-    AirflowGone,
-    EmbeddedAirflow,
-    TriggerRejected,
-)
+from syncswitch_airflow.airflow_api import AirflowError, TriggerRejected
+from syncswitch_airflow.embedded import ADMIN_PASSWORD, ADMIN_USER, AirflowGone, EmbeddedAirflow
 
 DAG_ID = "sync_switch"
 PROG = "syncswitch run"
@@ -305,7 +299,7 @@ class RunSession:
         error = None
         try:
             self.airflow.start(wait_for_dags=(DAG_ID,), timeout=self.options.boot_timeout)
-            self.run_id = self.airflow.trigger(DAG_ID, self.conf)
+            self.run_id = self.airflow.api.trigger(DAG_ID, self.conf)
             self.started = time.monotonic()  # progress and dag_run_seconds count from the trigger
             self.layout = RunLayout.for_run(self.conf["bucket_dir"], self.spec.job_name, self.run_id)
             self.say(f"run {self.run_id}: switch order {self.spec.switch_order}, {self.spec.workload} steps")
@@ -366,7 +360,7 @@ class RunSession:
         # started again: the run's state is in its database and its training never stopped.
         for attempt in range(_AIRFLOW_RESTARTS + 1):
             try:
-                state = self.airflow.wait(
+                state = self.airflow.api.wait(
                     DAG_ID, self.run_id, timeout=7 * 24 * 3600.0, on_poll=on_poll_with_components
                 )
                 break
@@ -389,10 +383,10 @@ class RunSession:
             return
         try:
             print(f"failing run {self.run_id} so its teardown runs (Ctrl-C again to skip)", file=sys.stderr)
-            self.airflow.mark_failed(DAG_ID, self.run_id)
+            self.airflow.api.mark_failed(DAG_ID, self.run_id)
             deadline = time.monotonic() + _TEARDOWN_WAIT_SECONDS
             while time.monotonic() < deadline:
-                states = self.airflow.task_states(DAG_ID, self.run_id).values()
+                states = self.airflow.api.task_states(DAG_ID, self.run_id).values()
                 if all(s in _FINISHED_TASK_STATES for s in states):
                     return
                 time.sleep(_POLL_SECONDS)

@@ -1,9 +1,9 @@
-"""An embedded Airflow in the project folder, supervised, driven over its REST API.
+"""An embedded Airflow in the project folder: its processes, supervised; its REST API as ``.api``.
 
     airflow = EmbeddedAirflow(project_dir)
     airflow.start()                       # or reuse the one already running in <project>/.airflow
-    run_id = airflow.trigger("sync_switch", conf)
-    airflow.wait("sync_switch", run_id)
+    run_id = airflow.api.trigger("sync_switch", conf)     # syncswitch_airflow.airflow_api.AirflowApi
+    airflow.api.wait("sync_switch", run_id)
     airflow.stop()
 
 The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
@@ -29,16 +29,18 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from syncswitch import procs
 
+from syncswitch_airflow.airflow_api import (
+    AirflowApi,
+    AirflowError,
+    quote,
+)
 from syncswitch_airflow.airflow_supervisor import read_status
 
 ADMIN_USER = "admin"
@@ -46,8 +48,6 @@ ADMIN_USER = "admin"
 # only; this is the embedded development instance, not a deployment (see docker-compose.yaml).
 ADMIN_PASSWORD = "syncswitch"
 PREFERRED_PORT = 8080
-TERMINAL_RUN_STATES = ("success", "failed")
-_HTTP_TIMEOUT_S = 30.0
 BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
 # Every process of one instance carries this marker; stop() kills by it. It starts with AIRFLOW so
 # that the cluster backends, which strip Airflow's variables from training processes, strip it too.
@@ -57,11 +57,6 @@ INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
 DEFAULT_BOOT_TIMEOUT_S = 1800.0
 _BOOT_PROGRESS_EVERY_S = 15.0
 # While the api-server restarts, requests are refused for a few seconds: keep asking this long.
-_API_UNAVAILABLE_GRACE_S = 120.0
-
-
-class AirflowError(RuntimeError):
-    """The embedded Airflow could not start, answer or stop as expected."""
 
 
 class DagImportError(AirflowError):
@@ -70,10 +65,6 @@ class DagImportError(AirflowError):
 
 class AirflowGone(AirflowError):
     """The embedded Airflow (its supervisor) is no longer running."""
-
-
-class TriggerRejected(AirflowError):
-    """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +104,7 @@ class EmbeddedAirflow:
         self._log = logging.getLogger(__name__)
         self._process: subprocess.Popen[bytes] | None = None
         self._record: InstanceRecord | None = None
-        self._token: str | None = None
+        self._api: AirflowApi | None = None
         self.started_here = False
 
     # ---- configuration ---------------------------------------------------------------------
@@ -285,13 +276,13 @@ class EmbeddedAirflow:
     def _adopt(self, record: InstanceRecord | None) -> None:
         """Follow the instance that runs in our home now (another process may have restarted it)."""
         if record != self._record:
-            self._record, self._token = record, None
+            self._record, self._api = record, None
             if self._process is not None and (record is None or record.pid != self._process.pid):
                 self._process.poll()  # reap it if it was ours
                 self._process = None
 
     def health(self) -> dict[str, Any]:
-        return self._get_json("/api/v2/monitor/health", auth=False)
+        return self.api.get_json("/api/v2/monitor/health", auth=False)
 
     def _wait_healthy(self, deadline: float) -> None:
         started = time.monotonic()
@@ -382,7 +373,7 @@ class EmbeddedAirflow:
             )
 
     def import_errors(self) -> list[dict[str, Any]]:
-        return self._get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
+        return self.api.get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
 
     def wait_for_dag(self, dag_id: str, deadline: float) -> None:
         """Wait until ``dag_id`` is serialized, active and free of import errors."""
@@ -394,7 +385,7 @@ class EmbeddedAirflow:
                     "DAG import errors in the dags folder:\n"
                     + "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '').rstrip()}" for e in errors)
                 )
-            status, dag = self._request("GET", f"/api/v2/dags/{_quote(dag_id)}")
+            status, dag = self.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
             if status == 200 and not dag.get("is_stale", False):
                 self._log.info("DAG %s is ready", dag_id)
                 return
@@ -417,7 +408,7 @@ class EmbeddedAirflow:
             with contextlib.suppress(FileNotFoundError):
                 self.pid_file.unlink()
             self._record = None
-            self._token = None
+            self._api = None
 
     def _stop_instance(self, record: InstanceRecord, timeout: float) -> None:
         self._log.info("stopping embedded Airflow pid %d", record.pid)
@@ -452,81 +443,6 @@ class EmbeddedAirflow:
 
     # ---- REST ------------------------------------------------------------------------------
 
-    def token(self) -> str:
-        """A JWT for the admin user (``POST /auth/token``)."""
-        if self._token is None:
-            status, body = self._request(
-                "POST", "/auth/token", {"username": ADMIN_USER, "password": ADMIN_PASSWORD}, auth=False
-            )
-            if status not in (200, 201):
-                raise AirflowError(f"POST /auth/token answered {status}: {body}")
-            self._token = body["access_token"]
-        return self._token
-
-    def unpause(self, dag_id: str) -> None:
-        status, body = self._request("PATCH", f"/api/v2/dags/{_quote(dag_id)}", {"is_paused": False})
-        if status != 200:
-            raise AirflowError(f"unpausing {dag_id} answered {status}: {body}")
-
-    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
-        """Unpause ``dag_id`` and start a run with ``conf``; returns the run id."""
-        self.unpause(dag_id)
-        status, body = self._request(
-            "POST", f"/api/v2/dags/{_quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf}
-        )
-        if status in (400, 422):
-            raise TriggerRejected(_error_text(body))
-        if status != 200:
-            raise AirflowError(f"triggering {dag_id} answered {status}: {_error_text(body)}")
-        run_id = body["dag_run_id"]
-        self._log.info("triggered %s run %s", dag_id, run_id)
-        return run_id
-
-    def run_state(self, dag_id: str, run_id: str) -> str:
-        return self._get_json(f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}")["state"]
-
-    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
-        """task_id -> state (None before the scheduler looks at it) for the run's task instances."""
-        body = self._get_json(
-            f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances?limit=1000"
-        )
-        return {ti["task_id"]: ti.get("state") for ti in body.get("task_instances", [])}
-
-    def dag_runs(self, dag_id: str) -> list[dict[str, Any]]:
-        """Every run of ``dag_id`` (run id, state, conf, logical date, run type)."""
-        return self._get_json(f"/api/v2/dags/{_quote(dag_id)}/dagRuns?limit=1000").get("dag_runs", [])
-
-    def backfills(self, dag_id: str) -> list[dict[str, Any]]:
-        """The backfills of ``dag_id``; ``completed_at`` is set by the scheduler (every 30 s) once all
-        their runs have finished, and only then may another backfill of the DAG be created."""
-        return self._get_json(f"/api/v2/backfills?dag_id={_quote(dag_id)}&limit=1000").get("backfills", [])
-
-    def create_backfill(
-        self,
-        dag_id: str,
-        from_date: str,
-        to_date: str,
-        *,
-        reprocess_behavior: str = "none",
-        max_active_runs: int = 10,
-    ) -> dict[str, Any]:
-        """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to]."""
-        status, body = self._request(
-            "POST",
-            "/api/v2/backfills",
-            {
-                "dag_id": dag_id,
-                "from_date": from_date,
-                "to_date": to_date,
-                "reprocess_behavior": reprocess_behavior,
-                "max_active_runs": max_active_runs,
-            },
-        )
-        if status != 200:
-            raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
-        self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
-        return body
-
     def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """An ``airflow`` CLI command against this instance (its home, database and settings)."""
         return subprocess.run(
@@ -539,102 +455,12 @@ class EmbeddedAirflow:
             timeout=timeout,
         )
 
-    def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
-        """Mark one task instance by hand, as the UI's "Mark as" does."""
-        path = f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}/taskInstances/{_quote(task_id)}"
-        status, body = self._request("PATCH", path, {"new_state": new_state})
-        if status != 200:
-            raise AirflowError(f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
-        self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
-
-    def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[str]:
-        """Clear task instances of a run, as the UI's "Clear" does; returns what was cleared."""
-        payload = {"dag_run_id": run_id, "task_ids": task_ids, "dry_run": False, "only_failed": False}
-        status, body = self._request("POST", f"/api/v2/dags/{_quote(dag_id)}/clearTaskInstances", payload)
-        if status != 200:
-            raise AirflowError(f"clearing {task_ids} answered {status}: {_error_text(body)}")
-        cleared = sorted(ti["task_id"] for ti in body.get("task_instances", []))
-        self._log.info("cleared %s of run %s", ", ".join(cleared), run_id)
-        return cleared
-
-    def mark_failed(self, dag_id: str, run_id: str) -> None:
-        """Fail the run by hand; Airflow still runs its teardown tasks."""
-        status, body = self._request(
-            "PATCH", f"/api/v2/dags/{_quote(dag_id)}/dagRuns/{_quote(run_id)}", {"state": "failed"}
-        )
-        if status != 200:
-            raise AirflowError(f"marking {run_id} failed answered {status}: {body}")
-        self._log.info("marked %s run %s failed", dag_id, run_id)
-
-    def wait(
-        self,
-        dag_id: str,
-        run_id: str,
-        timeout: float = 3600.0,
-        poll_seconds: float = 2.0,
-        on_poll: Callable[[str, dict[str, str | None]], None] | None = None,
-    ) -> str:
-        """Poll until the run is success or failed; returns that state. ``on_poll`` sees every poll.
-
-        An api-server that does not answer for a while (the supervisor is restarting it) is waited
-        for; AirflowGone when the instance itself is gone."""
-        deadline = time.monotonic() + timeout
-        unanswered_since: float | None = None
-        while True:
-            self._check_alive()
-            try:
-                state = self.run_state(dag_id, run_id)
-                tasks = self.task_states(dag_id, run_id)
-            except OSError as exc:  # connection refused or reset: the api-server is restarting
-                now = time.monotonic()
-                if unanswered_since is None:
-                    unanswered_since = now
-                    self._log.info("the Airflow API does not answer (%s); waiting for it", exc)
-                elif now - unanswered_since > _API_UNAVAILABLE_GRACE_S:
-                    waited = now - unanswered_since
-                    raise AirflowError(f"the Airflow API did not answer for {waited:.0f} s") from exc
-                time.sleep(poll_seconds)
-                continue
-            if unanswered_since is not None:
-                self._log.info("the Airflow API answers again")
-                unanswered_since = None
-            if on_poll is not None:
-                on_poll(state, tasks)
-            if state in TERMINAL_RUN_STATES:
-                return state
-            if time.monotonic() >= deadline:
-                raise AirflowError(f"run {run_id} still {state} after {timeout:.0f} s")
-            time.sleep(poll_seconds)
-
-    def _get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
-        status, body = self._request("GET", path, auth=auth)
-        if status != 200:
-            raise AirflowError(f"GET {path} answered {status}: {_error_text(body)}")
-        return body
-
-    def _request(
-        self, method: str, path: str, payload: dict[str, Any] | None = None, auth: bool = True
-    ) -> tuple[int, Any]:
-        status, body = self._send(method, path, payload, auth)
-        if status == 401 and auth:
-            self._token = None  # expired: log in again once
-            status, body = self._send(method, path, payload, auth)
-        return status, body
-
-    def _send(self, method: str, path: str, payload: dict[str, Any] | None, auth: bool) -> tuple[int, Any]:
-        headers = {"Accept": "application/json"}
-        data = None
-        if payload is not None:
-            data = json.dumps(payload).encode()
-            headers["Content-Type"] = "application/json"
-        if auth:
-            headers["Authorization"] = f"Bearer {self.token()}"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
-                return response.status, _decode(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, _decode(exc.read())
+    @property
+    def api(self) -> AirflowApi:
+        """The REST client of the running instance (its URL; log in as the admin user)."""
+        if self._api is None:
+            self._api = AirflowApi(self.url, ADMIN_USER, ADMIN_PASSWORD, check_alive=self._check_alive)
+        return self._api
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -675,29 +501,3 @@ def boot_timeout() -> float:
         return float(raw) if raw else DEFAULT_BOOT_TIMEOUT_S
     except ValueError:
         raise AirflowError(f"{BOOT_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-
-
-def _quote(part: str) -> str:
-    return urllib.parse.quote(part, safe="")
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-def _error_text(body: Any) -> str:
-    """The human part of a FastAPI error body: ``detail`` as a string or a list of pydantic errors."""
-    if not isinstance(body, dict):
-        return str(body)
-    detail = body.get("detail", body)
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg')}"
-            if isinstance(item, dict)
-            else str(item)
-            for item in detail
-        )
-    return detail if isinstance(detail, str) else json.dumps(detail)

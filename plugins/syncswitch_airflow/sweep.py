@@ -40,8 +40,9 @@ from syncswitch import storage
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
+from syncswitch_airflow.airflow_api import AirflowError
 from syncswitch_airflow.cli import DAG_ID, check_fits_dag, dag_conf, default_project_dir
-from syncswitch_airflow.embedded import AirflowError, EmbeddedAirflow
+from syncswitch_airflow.embedded import EmbeddedAirflow
 from syncswitch_airflow.job_files import usr_dir_beside
 
 PROG = "syncswitch sweep"
@@ -118,11 +119,11 @@ def run_sweep(sweep: Sweep, airflow: EmbeddedAirflow, say: Any) -> list[dict[str
     for number, (repeat, label, job) in enumerate(plan, start=1):
         conf = {**dag_conf(job), "seed": job.seed + repeat}
         started = time.monotonic()
-        run_id = airflow.trigger(DAG_ID, conf)
+        run_id = airflow.api.trigger(DAG_ID, conf)
         layout = RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id)
         which = f"[{number}/{len(plan)}] {label} repeat {repeat + 1}"
         say(f"{which}: run {run_id}")
-        state = airflow.wait(DAG_ID, run_id, timeout=RUN_TIMEOUT_SECONDS)
+        state = airflow.api.wait(DAG_ID, run_id, timeout=RUN_TIMEOUT_SECONDS)
         say(f"{which}: {state} in {time.monotonic() - started:.0f} s")
         done.append(
             {"label": label, "repeat": repeat, "run_id": run_id, "run_dir": layout.root, "state": state}

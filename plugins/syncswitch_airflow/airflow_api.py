@@ -1,0 +1,241 @@
+"""A client of one Airflow's REST API (``/api/v2``), logged in as one user: DAG runs, task instances,
+backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.embedded`` owns the
+processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+TERMINAL_RUN_STATES = ("success", "failed")
+_HTTP_TIMEOUT_S = 30.0
+# An api-server may not answer for a while (a supervisor restarting it); waits tolerate this long.
+_API_UNAVAILABLE_GRACE_S = 120.0
+
+
+class AirflowError(RuntimeError):
+    """Airflow could not start, answer or stop as expected."""
+
+
+class TriggerRejected(AirflowError):
+    """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
+
+
+class AirflowApi:
+    """The REST API at ``url`` as ``username``; a JWT is fetched on first use and again when it expires.
+
+    ``check_alive`` is called on every poll of :meth:`wait`: it raises when the Airflow behind the
+    API is gone for good (not merely restarting its api-server), so a wait ends instead of timing out.
+    """
+
+    def __init__(
+        self, url: str, username: str, password: str, check_alive: Callable[[], None] | None = None
+    ) -> None:
+        self.url = url
+        self._username, self._password = username, password
+        self._check_alive = check_alive or (lambda: None)
+        self._token: str | None = None
+        self._log = logging.getLogger(__name__)
+
+    def token(self) -> str:
+        """A JWT for the admin user (``POST /auth/token``)."""
+        if self._token is None:
+            status, body = self.request(
+                "POST", "/auth/token", {"username": self._username, "password": self._password}, auth=False
+            )
+            if status not in (200, 201):
+                raise AirflowError(f"POST /auth/token answered {status}: {body}")
+            self._token = body["access_token"]
+        return self._token
+
+    def unpause(self, dag_id: str) -> None:
+        status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": False})
+        if status != 200:
+            raise AirflowError(f"unpausing {dag_id} answered {status}: {body}")
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        """Unpause ``dag_id`` and start a run with ``conf``; returns the run id."""
+        self.unpause(dag_id)
+        status, body = self.request(
+            "POST", f"/api/v2/dags/{quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf}
+        )
+        if status in (400, 422):
+            raise TriggerRejected(_error_text(body))
+        if status != 200:
+            raise AirflowError(f"triggering {dag_id} answered {status}: {_error_text(body)}")
+        run_id = body["dag_run_id"]
+        self._log.info("triggered %s run %s", dag_id, run_id)
+        return run_id
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        return self.get_json(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}")["state"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        """task_id -> state (None before the scheduler looks at it) for the run's task instances."""
+        body = self.get_json(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}/taskInstances?limit=1000")
+        return {ti["task_id"]: ti.get("state") for ti in body.get("task_instances", [])}
+
+    def dag_runs(self, dag_id: str) -> list[dict[str, Any]]:
+        """Every run of ``dag_id`` (run id, state, conf, logical date, run type)."""
+        return self.get_json(f"/api/v2/dags/{quote(dag_id)}/dagRuns?limit=1000").get("dag_runs", [])
+
+    def backfills(self, dag_id: str) -> list[dict[str, Any]]:
+        """The backfills of ``dag_id``; ``completed_at`` is set by the scheduler (every 30 s) once all
+        their runs have finished, and only then may another backfill of the DAG be created."""
+        return self.get_json(f"/api/v2/backfills?dag_id={quote(dag_id)}&limit=1000").get("backfills", [])
+
+    def create_backfill(
+        self,
+        dag_id: str,
+        from_date: str,
+        to_date: str,
+        *,
+        reprocess_behavior: str = "none",
+        max_active_runs: int = 10,
+    ) -> dict[str, Any]:
+        """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to]."""
+        status, body = self.request(
+            "POST",
+            "/api/v2/backfills",
+            {
+                "dag_id": dag_id,
+                "from_date": from_date,
+                "to_date": to_date,
+                "reprocess_behavior": reprocess_behavior,
+                "max_active_runs": max_active_runs,
+            },
+        )
+        if status != 200:
+            raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
+        self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
+        return body
+
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
+        """Mark one task instance by hand, as the UI's "Mark as" does."""
+        path = f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}/taskInstances/{quote(task_id)}"
+        status, body = self.request("PATCH", path, {"new_state": new_state})
+        if status != 200:
+            raise AirflowError(f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
+        self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
+
+    def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[str]:
+        """Clear task instances of a run, as the UI's "Clear" does; returns what was cleared."""
+        payload = {"dag_run_id": run_id, "task_ids": task_ids, "dry_run": False, "only_failed": False}
+        status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/clearTaskInstances", payload)
+        if status != 200:
+            raise AirflowError(f"clearing {task_ids} answered {status}: {_error_text(body)}")
+        cleared = sorted(ti["task_id"] for ti in body.get("task_instances", []))
+        self._log.info("cleared %s of run %s", ", ".join(cleared), run_id)
+        return cleared
+
+    def mark_failed(self, dag_id: str, run_id: str) -> None:
+        """Fail the run by hand; Airflow still runs its teardown tasks."""
+        status, body = self.request(
+            "PATCH", f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}", {"state": "failed"}
+        )
+        if status != 200:
+            raise AirflowError(f"marking {run_id} failed answered {status}: {body}")
+        self._log.info("marked %s run %s failed", dag_id, run_id)
+
+    def wait(
+        self,
+        dag_id: str,
+        run_id: str,
+        timeout: float = 3600.0,
+        poll_seconds: float = 2.0,
+        on_poll: Callable[[str, dict[str, str | None]], None] | None = None,
+    ) -> str:
+        """Poll until the run is success or failed; returns that state. ``on_poll`` sees every poll.
+
+        An api-server that does not answer for a while (the supervisor is restarting it) is waited
+        for; AirflowGone when the instance itself is gone."""
+        deadline = time.monotonic() + timeout
+        unanswered_since: float | None = None
+        while True:
+            self._check_alive()
+            try:
+                state = self.run_state(dag_id, run_id)
+                tasks = self.task_states(dag_id, run_id)
+            except OSError as exc:  # connection refused or reset: the api-server is restarting
+                now = time.monotonic()
+                if unanswered_since is None:
+                    unanswered_since = now
+                    self._log.info("the Airflow API does not answer (%s); waiting for it", exc)
+                elif now - unanswered_since > _API_UNAVAILABLE_GRACE_S:
+                    waited = now - unanswered_since
+                    raise AirflowError(f"the Airflow API did not answer for {waited:.0f} s") from exc
+                time.sleep(poll_seconds)
+                continue
+            if unanswered_since is not None:
+                self._log.info("the Airflow API answers again")
+                unanswered_since = None
+            if on_poll is not None:
+                on_poll(state, tasks)
+            if state in TERMINAL_RUN_STATES:
+                return state
+            if time.monotonic() >= deadline:
+                raise AirflowError(f"run {run_id} still {state} after {timeout:.0f} s")
+            time.sleep(poll_seconds)
+
+    def get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
+        status, body = self.request("GET", path, auth=auth)
+        if status != 200:
+            raise AirflowError(f"GET {path} answered {status}: {_error_text(body)}")
+        return body
+
+    def request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None, auth: bool = True
+    ) -> tuple[int, Any]:
+        status, body = self._send(method, path, payload, auth)
+        if status == 401 and auth:
+            self._token = None  # expired: log in again once
+            status, body = self._send(method, path, payload, auth)
+        return status, body
+
+    def _send(self, method: str, path: str, payload: dict[str, Any] | None, auth: bool) -> tuple[int, Any]:
+        headers = {"Accept": "application/json"}
+        data = None
+        if payload is not None:
+            data = json.dumps(payload).encode()
+            headers["Content-Type"] = "application/json"
+        if auth:
+            headers["Authorization"] = f"Bearer {self.token()}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
+                return response.status, _decode(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _decode(exc.read())
+
+
+def quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _error_text(body: Any) -> str:
+    """The human part of a FastAPI error body: ``detail`` as a string or a list of pydantic errors."""
+    if not isinstance(body, dict):
+        return str(body)
+    detail = body.get("detail", body)
+    if isinstance(detail, list):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg')}"
+            if isinstance(item, dict)
+            else str(item)
+            for item in detail
+        )
+    return detail if isinstance(detail, str) else json.dumps(detail)
