@@ -15,7 +15,7 @@ The ``gce`` param (a dict, or ``key=value`` text separated by ``;``)::
     spot              roles on spot VMs: "worker" (default), "ps", or "none"; never "chief"
     network, subnetwork   the VPC (default "default"); VMs get internal addresses only
     image             boot image (default projects/debian-cloud/global/images/family/debian-12)
-    python            the interpreter with the training runtime on the VMs (images/gce-startup.sh)
+    python            the interpreter with the training runtime on the VMs (backends/gce-startup.sh)
     ssh_user          the login the backend's per-run key is installed for (default syncswitch)
     max_run_seconds   the VMs' server-side time limit (maxRunDuration): a run whose teardown never
                       comes still ends (default 86400)

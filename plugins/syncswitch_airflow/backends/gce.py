@@ -38,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import syncswitch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.api_core.exceptions import Conflict
@@ -67,8 +68,9 @@ CAPACITY_ENV = "SYNCSWITCH_GCE_CLUSTERS"
 SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
 GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
-STARTUP_SCRIPT = Path(__file__).resolve().parents[3] / "images" / "gce-startup.sh"
-RUNTIME_PACKAGE = Path(__file__).resolve().parents[3] / "training" / "syncswitch"
+# Both found beside the code, so that an installed package (site-packages) works as a checkout does.
+STARTUP_SCRIPT = Path(__file__).resolve().with_name("gce-startup.sh")
+RUNTIME_PACKAGE = Path(syncswitch.__file__).resolve().parent
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +211,7 @@ class GceBackend:
 
     @staticmethod
     def _upload_runtime(layout: RunLayout) -> None:
-        """What the VMs' startup script installs (images/gce-startup.sh): this runtime, as it is here."""
+        """What the VMs' startup script installs (backends/gce-startup.sh): this runtime, as it is here."""
         storage.write_bytes(layout.cluster_runtime, _runtime_tarball())
 
     def _create_vms(
