@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     records = [r for r in history.read_records(bucket, args.job) if r["run_id"] not in before]
     print(f"\n{len(records)} runs in {time.monotonic() - started:.0f} s, in completion order:\n")
     rows = [
-        [r["logical_date"][:10], r["bsp_fraction"], r["policy_phase"], r["status"], r["final_accuracy"],
-         round(r["total_seconds"], 1)]
+        [r["logical_date"][:10], f"{r['bsp_fraction']:g}", r["policy_phase"], r["status"],
+         f"{r['final_accuracy']:.4f}", f"{r['total_seconds']:.1f}"]
         for r in records
     ]  # fmt: skip
     print(markdown_table(["date", "BSP fraction", "phase", "status", "accuracy", "total (s)"], rows))
