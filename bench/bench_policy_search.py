@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
             if runs and all(r["state"] in ("success", "failed") for r in runs):
                 break
             time.sleep(10)
-        airflow.api.unpause(job_file.dag_id)  # stays unpaused: a user's recurring job would
     finally:
         airflow.command("dags", "pause", job_file.dag_id)
         airflow.stop()
