@@ -36,13 +36,27 @@ class AirflowApi:
     """
 
     def __init__(
-        self, url: str, username: str, password: str, check_alive: Callable[[], None] | None = None
+        self,
+        url: str | Callable[[], str],
+        username: str,
+        password: str,
+        check_alive: Callable[[], None] | None = None,
     ) -> None:
-        self.url = url
+        # A callable is asked on every request: an Airflow restarted under a long wait may come back
+        # on another port, and the client must follow it.
+        self._url = url if callable(url) else (lambda: url)
         self._username, self._password = username, password
         self._check_alive = check_alive or (lambda: None)
         self._token: str | None = None
         self._log = logging.getLogger(__name__)
+
+    @property
+    def url(self) -> str:
+        return self._url()
+
+    def log_out(self) -> None:
+        """Forget the token: the next request logs in again (the Airflow behind the URL changed)."""
+        self._token = None
 
     def token(self) -> str:
         """A JWT for the admin user (``POST /auth/token``)."""

@@ -276,7 +276,9 @@ class EmbeddedAirflow:
     def _adopt(self, record: InstanceRecord | None) -> None:
         """Follow the instance that runs in our home now (another process may have restarted it)."""
         if record != self._record:
-            self._record, self._api = record, None
+            self._record = record
+            if self._api is not None:
+                self._api.log_out()  # the new instance's token, on the client its callers already hold
             if self._process is not None and (record is None or record.pid != self._process.pid):
                 self._process.poll()  # reap it if it was ours
                 self._process = None
@@ -459,7 +461,10 @@ class EmbeddedAirflow:
     def api(self) -> AirflowApi:
         """The REST client of the running instance (its URL; log in as the admin user)."""
         if self._api is None:
-            self._api = AirflowApi(self.url, ADMIN_USER, ADMIN_PASSWORD, check_alive=self._check_alive)
+            # The URL as a callable: a client handed out before a restart follows the new instance.
+            self._api = AirflowApi(
+                lambda: self.url, ADMIN_USER, ADMIN_PASSWORD, check_alive=self._check_alive
+            )
         return self._api
 
 
