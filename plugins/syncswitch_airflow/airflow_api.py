@@ -59,7 +59,7 @@ class AirflowApi:
         self._token = None
 
     def token(self) -> str:
-        """A JWT for the admin user (``POST /auth/token``)."""
+        """A JWT for this client's user (``POST /auth/token``), fetched once and kept until it expires."""
         if self._token is None:
             status, body = self.request(
                 "POST", "/auth/token", {"username": self._username, "password": self._password}, auth=False
