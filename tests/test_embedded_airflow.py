@@ -123,7 +123,7 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
 def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:
-    """Issue 4 end to end on the real scheduler: worker 1 is 4x slower for the first 45 s. The sensor
+    """Issue 4 end to end on the real scheduler: worker 1 is 4x slower for the first 40 s. The sensor
     beside the BSP segment raises, greedy switches to ASP; when the straggler clears, it switches back
     to BSP for the rest of the BSP budget; then the planned ASP segment runs. The workload stays exact
     and teardown leaves nothing running."""
@@ -132,10 +132,13 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
         airflow,
         tmp_path,
         *("--bucket-dir", str(runs), "--job-name", "greedy-e2e", "--switch-order", "10"),
-        # ASP runs digits at ~200 steps/s here: the BSP budget must outlast the straggler's 45 s, or
-        # the ASP stand-in finishes it before there is a recovery to switch back on.
-        *("--train-steps", "8000", "400", "--ckpt-frequency", "500", "--online-policy", "greedy"),
-        *("--straggler", "worker=1,start=0,duration=45,slowdown=4"),
+        # Timeline measured here (s from the BSP segment's start): first BSP step 12, switch ~28, first
+        # ASP step 36; the straggler clears at 40 and the detector needs 3 clean 5 s windows (+2.5 s
+        # lateness, + the sensor's resume) to see it, ~60. ASP runs digits at ~250 steps/s, so the BSP
+        # budget must keep the ASP stand-in busy well past that (12000 steps: until ~80), or it
+        # finishes the budget before there is a recovery to switch back on.
+        *("--train-steps", "12000", "400", "--ckpt-frequency", "500", "--online-policy", "greedy"),
+        *("--straggler", "worker=1,start=0,duration=40,slowdown=4"),
         timeout=1500,
     )
     actions = [d["action"] for d in summary["online_switches"]]
@@ -143,9 +146,9 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     assert all(d["reason"] for d in summary["online_switches"])
     protocols = [s["protocol"] for s in summary["segments"]]
     assert protocols == ["bsp", "asp", "bsp", "asp"], summary["segments"]
-    assert sum(s["steps"] for s in summary["segments"]) == 8400, "the workload must stay exact"
+    assert sum(s["steps"] for s in summary["segments"]) == 12400, "the workload must stay exact"
     state = json.loads((Path(summary["run_dir"]) / "state.json").read_text())
     assert [e["origin"] for e in state["plan"]] == ["plan", "online", "online", "plan"]
-    assert state["plan"][-1]["until_step"] == 8400
+    assert state["plan"][-1]["until_step"] == 12400
     assert state["decisions"][0]["workers"] == [1]
     assert_no_processes("greedy-e2e.*syncswitch|syncswitch.*greedy-e2e", timeout=30)
