@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     from conftest import GcsEmulator, _free_port
     from syncswitch import storage
     from syncswitch.spec import JobSpec
-    from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV, HostsBackend
+    from syncswitch_airflow.backends.hosts import HostsBackend
     from syncswitch_airflow.backends.local import LocalBackend
+    from syncswitch_airflow.settings import setting
 
     try:
         links = {text: link_shape(text, tb.PROFILES) for text in args.links}
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     gcs = GcsEmulator(work, _free_port(), host=bed.gateway)
     gcs.start()
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
-    os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
+    os.environ[setting("ssh_known_hosts").env] = bed.known_hosts_path
     os.environ["SYNCSWITCH_WORK_DIR"] = str(work / "local")
     results: dict[str, dict[str, float | None]] = {}
     segments = len(args.switch_order)

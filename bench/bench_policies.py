@@ -290,7 +290,7 @@ def testbed_cluster() -> Iterator[list[str]]:
     import testbed as tb
     from conftest import GcsEmulator, _free_port
     from syncswitch import storage
-    from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV
+    from syncswitch_airflow.settings import setting
 
     reason = tb.ensure_prerequisites()
     if reason:
@@ -301,7 +301,7 @@ def testbed_cluster() -> Iterator[list[str]]:
     gcs = GcsEmulator(gcs_root, _free_port(), host=bed.gateway)
     gcs.start()
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
-    os.environ[KNOWN_HOSTS_ENV] = bed.known_hosts_path
+    os.environ[setting("ssh_known_hosts").env] = bed.known_hosts_path
     try:
         bucket = f"bench-policies-{uuid.uuid4().hex[:8]}"
         storage.gcs_client().create_bucket(bucket)

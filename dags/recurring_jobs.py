@@ -1,4 +1,4 @@
-"""Recurring Sync-Switch jobs: one DAG per file in jobs/ (or $SYNCSWITCH_JOBS_DIR).
+"""Recurring Sync-Switch jobs: one DAG per file in jobs/ (or ``[syncswitch] jobs_dir``).
 
 Each job file sets a schedule, its job params (the defaults of every run, backfills included), a
 timing policy and tags; see syncswitch_airflow.job_files and docs/recurring-jobs.md. A job file that

@@ -29,9 +29,10 @@ from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import JobHistoryLayout, RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.gce import GceBackend
-from syncswitch_airflow.hooks.compute import ENDPOINT_ENV, ComputeHook
+from syncswitch_airflow.hooks.compute import ComputeHook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import testbed as tb  # noqa: E402
@@ -61,7 +62,9 @@ def fake(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     """The fake API, the storage on the testbed's gateway, and an anonymous Google connection."""
     connection = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
     with FakeComputeEngine(bed, PROJECT) as api:
-        env = {ENDPOINT_ENV: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
+        # The endpoint as Airflow's config section (AIRFLOW__SYNCSWITCH__GCE_API_ENDPOINT).
+        endpoint = settings.setting("gce_api_endpoint").airflow_env
+        env = {endpoint: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
         with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("gce-gcs"), env):
             yield api
     # The testbed's hosts share this machine's filesystem: what a VM kept on its boot disk (deleted

@@ -30,8 +30,9 @@ from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
-from syncswitch_airflow.backends.hosts import KNOWN_HOSTS_ENV, HostsBackend
+from syncswitch_airflow.backends.hosts import HostsBackend
 from test_testbed import _connect as connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -60,7 +61,9 @@ def bed() -> Iterator[tb.Testbed]:
 def cluster_env(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
     """The module's storage on the testbed's gateway, and the testbed's known_hosts for host-key checks."""
     root = tmp_path_factory.mktemp("hosts-gcs")
-    with storage_on_gateway(bed.gateway, root, {KNOWN_HOSTS_ENV: bed.known_hosts_path}) as server:
+    # known_hosts as Airflow's config section (AIRFLOW__SYNCSWITCH__SSH_KNOWN_HOSTS).
+    known_hosts = settings.setting("ssh_known_hosts").airflow_env
+    with storage_on_gateway(bed.gateway, root, {known_hosts: bed.known_hosts_path}) as server:
         yield server
 
 

@@ -9,7 +9,6 @@ in the DAG's validate task.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,18 @@ from syncswitch.spec import (
     SpecError,
 )
 
+from syncswitch_airflow import settings
+
 # Segment slots in the DAG: the offline plan plus every online switch must fit (each switch adds
 # one segment). 6 covers "101" with 2 online switches and keeps the graph readable.
 MAX_SEGMENT_SLOTS = 6
-BUCKET_DIR_ENV = "SYNCSWITCH_BUCKET_DIR"
 # Four k=v pairs; JobSpec.from_params checks the keys and values and names what is wrong.
 STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$"
 
 
 def default_bucket_dir(project_dir: str | Path) -> str:
-    """``$SYNCSWITCH_BUCKET_DIR``, else ``<project>/runs``."""
-    return os.environ.get(BUCKET_DIR_ENV) or str(Path(project_dir).resolve() / "runs")
+    """``[syncswitch] bucket_dir``, else ``<project>/runs``."""
+    return settings.get("bucket_dir") or str(Path(project_dir).resolve() / "runs")
 
 
 def check_slot_budget(job: JobSpec, slots: int = MAX_SEGMENT_SLOTS) -> None:

@@ -11,7 +11,7 @@ decision the next run would get (``--json``: all of it as one JSON object). ``hi
 records of a .jsonl file (docs/history.md), each as its own immutable record. ``policy next`` decides
 from a .jsonl history without a bucket: the reasoning goes to stderr and the last stdout line is one
 JSON object (``bsp_fraction``, ``phase``, ``reason``, ``numbers``, ``fingerprint``). A .jsonl history has
-no claims, so nothing is in flight. The bucket defaults to ``$SYNCSWITCH_BUCKET_DIR``, else ``./runs``.
+no claims, so nothing is in flight. The bucket defaults to ``[syncswitch] bucket_dir``, else ``./runs``.
 
 Exit 0 on success; 2 on bad input (a flag, a field of a record, a conflicting import), with one line
 naming the flag or field and what it accepts. Kept apart from ``syncswitch.cli`` and imported lazily, so
@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from typing import Any, NoReturn
 
 from syncswitch import storage
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.history import (
     RecordError,
     check_job_name,
@@ -42,7 +42,6 @@ from syncswitch_airflow.timing import TimingConfig, completion_key, search_state
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 DEFAULT_BUCKET_DIR = "runs"
-BUCKET_DIR_ENV = "SYNCSWITCH_BUCKET_DIR"
 FINGERPRINT_PREFIX = 8
 # TimingConfig field -> the flag that sets it, so a validation error names what the user typed.
 POLICY_FLAGS = {
@@ -85,8 +84,8 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
 def _bucket_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-dir",
-        default=os.environ.get(BUCKET_DIR_ENV) or DEFAULT_BUCKET_DIR,
-        help=f"local folder or gs:// URI (default: ${BUCKET_DIR_ENV}, else ./{DEFAULT_BUCKET_DIR})",
+        default=settings.get("bucket_dir") or DEFAULT_BUCKET_DIR,
+        help=f"local folder or gs:// URI (default: [syncswitch] bucket_dir, else ./{DEFAULT_BUCKET_DIR})",
     )
 
 
@@ -178,7 +177,7 @@ def _import(argv: list[str]) -> int:
 
 
 def job_file_timing(job: str) -> dict[str, Any]:
-    """The timing settings of the job file of ``job`` (``jobs/<job>.yaml``, or in $SYNCSWITCH_JOBS_DIR),
+    """The timing settings of the job file of ``job`` (``jobs/<job>.yaml``, or in ``[syncswitch] jobs_dir``),
     so that the search state shown is the one the job's runs decide by; {} without a job file."""
     from syncswitch_airflow.cli import default_project_dir
     from syncswitch_airflow.job_files import JobFileError, jobs_dir, read_job_file

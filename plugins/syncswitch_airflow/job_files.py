@@ -33,10 +33,10 @@ import yaml
 from airflow.sdk import DAG
 from syncswitch.spec import JobSpec, SpecError
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.dag_factory import build_sync_switch_dag
 from syncswitch_airflow.dag_params import build_params, check_slot_budget
 
-JOBS_DIR_ENV = "SYNCSWITCH_JOBS_DIR"
 KEYS = (
     "dag_id",
     "description",
@@ -223,10 +223,9 @@ class InvalidJobFiles(DAG):
 
 
 def jobs_dir(project_dir: Path) -> Path:
-    """``$SYNCSWITCH_JOBS_DIR``, else ``<project>/jobs``."""
-    import os
+    """``[syncswitch] jobs_dir``, else ``<project>/jobs``."""
 
-    return Path(os.environ.get(JOBS_DIR_ENV) or Path(project_dir) / "jobs")
+    return Path(settings.get("jobs_dir") or Path(project_dir) / "jobs")
 
 
 def load_job_dags(jobs_dir: Path, bucket_dir: str) -> list[DAG]:

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
+
 log = logging.getLogger(__name__)
 
 Handle = dict[str, Any]
@@ -29,8 +31,6 @@ Handle = dict[str, Any]
 # backend finds, and on teardown kills, exactly its own processes.
 CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
 SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
-# The Airflow worker's own folder for clusters (local clusters, the hosts backend's leases and keys).
-WORK_DIR_ENV = "SYNCSWITCH_WORK_DIR"
 
 RUNNING = "running"
 EXITED = "exited"
@@ -38,7 +38,9 @@ UNKNOWN = "unknown"
 
 
 def default_work_root() -> str:
-    return os.environ.get(WORK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "syncswitch")
+    """The Airflow worker's own folder for clusters (local clusters, the hosts backend's leases and
+    keys): ``[syncswitch] work_dir``, else ``<tmp>/syncswitch``."""
+    return settings.get("work_dir") or os.path.join(tempfile.gettempdir(), "syncswitch")
 
 
 class ClusterError(RuntimeError):
@@ -106,12 +108,13 @@ class ClusterCapacity:
             return True
         return False
 
-    def claim(self, run: str, cluster_dir: str, what: str, capacity_env: str) -> None:
-        """``acquire``, or ClusterBusy naming the holders and the variable that sets the capacity."""
+    def claim(self, run: str, cluster_dir: str, what: str, capacity_setting: str) -> None:
+        """``acquire``, or ClusterBusy naming the holders and the setting that sets the capacity."""
         if not self.acquire(run, cluster_dir):
+            env = settings.setting(capacity_setting).env
             raise ClusterBusy(
                 f"all {self.capacity} {what} cluster slot(s) are taken (by {', '.join(self.holders())}); "
-                f"${capacity_env} sets how many run at once"
+                f"[{settings.SECTION}] {capacity_setting} (or ${env}) sets how many run at once"
             )
 
     def release(self, run: str) -> None:

@@ -20,8 +20,8 @@ firewall rule, checks by label that nothing is left, and records when each VM en
 (``syncswitch.costs.ledger``) prices active seconds. ``reap`` deletes what expired or finished runs
 left behind (the ``sync_switch_reaper`` DAG runs it).
 
-Settings (environment of the Airflow worker): SYNCSWITCH_GCE_CLUSTERS (clusters at once, default 4),
-SYNCSWITCH_GCE_API_ENDPOINT (hooks.compute), and those of the hosts backend.
+Settings (``[syncswitch]``, syncswitch_airflow.settings): gce_clusters (clusters at once, default 4),
+gce_api_endpoint (hooks.compute), and those of the hosts backend.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ from syncswitch.hosts import HostSpec
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import ClusterCapacity, ClusterError, Handle, SegmentStatus
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
 from syncswitch_airflow.hooks.compute import ComputeHook
 
-CAPACITY_ENV = "SYNCSWITCH_GCE_CLUSTERS"
+CAPACITY_SETTING = "gce_clusters"
 SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
 GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
@@ -165,9 +166,7 @@ class GceBackend:
         return self._hook
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity(
-            os.path.join(self.work_root, "leases-gce"), int(os.environ.get(CAPACITY_ENV, "4"))
-        )
+        return ClusterCapacity(os.path.join(self.work_root, "leases-gce"), settings.get_int(CAPACITY_SETTING))
 
     # ---- provisioning ----------------------------------------------------------------------------
 
@@ -177,7 +176,7 @@ class GceBackend:
         run = posixpath.basename(layout.root)
         local_dir = os.path.join(self.work_root, f"gce-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "gce", CAPACITY_ENV)
+        capacity.claim(run, local_dir, "gce", CAPACITY_SETTING)
         gce = job.gce
         plan = vm_plan(gce, job.job_name, run, job.num_workers, job.num_ps)
         cloud = {

@@ -20,12 +20,12 @@ lease kills the node if the launcher goes. **segment_status**, **stop_segment** 
 Teardown stops every process marked with the host's work folder, verifies none is left, and removes
 the folder, on every host; a host that cannot be reached is reported, not waited for.
 
-Deployment settings (environment of the Airflow worker):
-    SYNCSWITCH_SSH_KNOWN_HOSTS   known_hosts file; when set, unknown host keys are refused
-    SYNCSWITCH_HOSTS_ENV         K=V;K=V for every process on the hosts (e.g. the GCS emulator as the
-                                 hosts reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
-                                 SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
-    SYNCSWITCH_HOSTS_CLUSTERS    how many hosts clusters may exist at once (default 1)
+Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch_airflow.settings):
+    ssh_known_hosts   known_hosts file; when set, unknown host keys are refused
+    hosts_env         K=V;K=V for every process on the hosts (e.g. the GCS emulator as the hosts
+                      reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
+                      SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
+    hosts_clusters    how many hosts clusters may exist at once (default 1)
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
     CLUSTER_ENV,
     SEGMENT_ENV,
@@ -61,9 +62,7 @@ from syncswitch_airflow.backends.base import (
     default_work_root,
 )
 
-KNOWN_HOSTS_ENV = "SYNCSWITCH_SSH_KNOWN_HOSTS"
-HOSTS_ENV = "SYNCSWITCH_HOSTS_ENV"
-CAPACITY_ENV = "SYNCSWITCH_HOSTS_CLUSTERS"
+CAPACITY_SETTING = "hosts_clusters"
 FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 120.0
@@ -83,7 +82,7 @@ class SshSession:
         self.client = paramiko.SSHClient()
 
     def __enter__(self) -> SshSession:
-        known_hosts = os.environ.get(KNOWN_HOSTS_ENV)
+        known_hosts = settings.get("ssh_known_hosts")
         if known_hosts:
             self.client.load_host_keys(known_hosts)
             self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
@@ -176,9 +175,9 @@ def host_work_dir(host: HostSpec, job_name: str, run: str) -> str:
 
 
 def hosts_environment() -> dict[str, str]:
-    """What every process on the hosts gets: the forwarded variables, then $SYNCSWITCH_HOSTS_ENV."""
+    """What every process on the hosts gets: the forwarded variables, then ``[syncswitch] hosts_env``."""
     env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
-    for item in os.environ.get(HOSTS_ENV, "").split(";"):
+    for item in (settings.get("hosts_env") or "").split(";"):
         key, sep, value = item.strip().partition("=")
         if sep and key:
             env[key] = value
@@ -214,7 +213,7 @@ class HostsBackend:
 
     def capacity(self) -> ClusterCapacity:
         return ClusterCapacity(
-            os.path.join(self.work_root, "leases-hosts"), int(os.environ.get(CAPACITY_ENV, "1"))
+            os.path.join(self.work_root, "leases-hosts"), settings.get_int(CAPACITY_SETTING)
         )
 
     # ---- cluster ---------------------------------------------------------------------------------
@@ -223,7 +222,7 @@ class HostsBackend:
         run = posixpath.basename(layout.root)
         local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "hosts", CAPACITY_ENV)
+        capacity.claim(run, local_dir, "hosts", CAPACITY_SETTING)
         try:
             return self.start_cluster(job, job.hosts, layout, local_dir)
         except BaseException:

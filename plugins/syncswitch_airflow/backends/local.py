@@ -1,6 +1,6 @@
 """The local cluster backend: a run's training processes on this machine, one work folder per run.
 
-Work folder (``$SYNCSWITCH_WORK_DIR`` or ``<tmp>/syncswitch``, then ``<job_name>-<run_id>``)::
+Work folder (``[syncswitch] work_dir`` or ``<tmp>/syncswitch``, then ``<job_name>-<run_id>``)::
 
     cluster.json                  the handle
     forkserver/                   the cluster's fork server (syncswitch.forkserver): TensorFlow imported
@@ -32,6 +32,7 @@ from syncswitch.layout import RunLayout
 from syncswitch.procs import mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
     CLUSTER_ENV,
     SEGMENT_ENV,
@@ -43,7 +44,7 @@ from syncswitch_airflow.backends.base import (
 )
 
 # How many local clusters may run at once. Each takes every core of a small machine, so one.
-CAPACITY_ENV = "SYNCSWITCH_LOCAL_CLUSTERS"
+CAPACITY_SETTING = "local_clusters"
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
@@ -76,7 +77,7 @@ class LocalBackend:
 
     def capacity(self) -> ClusterCapacity:
         return ClusterCapacity(
-            os.path.join(self.work_root, "leases"), int(os.environ.get(CAPACITY_ENV, "1")), _cluster_alive
+            os.path.join(self.work_root, "leases"), settings.get_int(CAPACITY_SETTING), _cluster_alive
         )
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
@@ -85,7 +86,7 @@ class LocalBackend:
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, work_dir, "local", CAPACITY_ENV)
+        capacity.claim(run, work_dir, "local", CAPACITY_SETTING)
         try:
             return self._provision(job, layout, run, work_dir)
         except BaseException:

@@ -5,7 +5,7 @@ listing a run's instances by label, firewall rules, a non-blocking insert (a rep
 from a status poll must not hold the triggerer), preemption notices, and operation waits that are
 safe from several threads (the provider's share one discovery connection: see ``get_conn``).
 
-``api_endpoint`` (or ``$SYNCSWITCH_GCE_API_ENDPOINT``) points every client at another endpoint: a
+``api_endpoint`` (or ``[syncswitch] gce_api_endpoint``) points every client at another endpoint: a
 Private Service Connect endpoint in production, the fake Compute Engine API in the tests
 (tests/fake_compute.py). Credentials come from the Airflow connection as usual (the tests use an
 anonymous one).
@@ -13,7 +13,6 @@ anonymous one).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,7 +24,9 @@ from google.api_core.exceptions import NotFound
 from google.cloud import compute_v1
 from googleapiclient.discovery import build
 
-ENDPOINT_ENV = "SYNCSWITCH_GCE_API_ENDPOINT"
+from syncswitch_airflow import settings
+
+ENDPOINT_SETTING = "gce_api_endpoint"
 PREEMPTED = "compute.instances.preempted"
 
 
@@ -34,7 +35,7 @@ class ComputeHook(ComputeEngineHook):
 
     def __init__(self, *, api_endpoint: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.api_endpoint = (api_endpoint or os.environ.get(ENDPOINT_ENV, "")).rstrip("/")
+        self.api_endpoint = (api_endpoint or settings.get(ENDPOINT_SETTING) or "").rstrip("/")
 
     # ---- clients: the provider's, pointed at our endpoint when one is set ------------------------------
 
