@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(10)
     finally:
-        airflow.command("dags", "pause", job_file.dag_id)
+        airflow.api.pause(job_file.dag_id)
         airflow.stop()
     records = [r for r in history.read_records(bucket, args.job) if r["run_id"] not in before]
     print(f"\n{len(records)} runs in {time.monotonic() - started:.0f} s, in completion order:\n")

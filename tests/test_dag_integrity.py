@@ -20,6 +20,7 @@ from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 REAPER = "sync_switch_reaper"
+CONSUMER = "on_new_model"  # the example downstream DAG
 
 SLOT_TASKS = ("segment_{}.bsp", "segment_{}.asp", "segment_{}.watch_stragglers")
 
@@ -33,7 +34,7 @@ def bag() -> DagBag:
 
 @pytest.fixture(scope="module")
 def dag(bag: DagBag):  # noqa: ANN201 - airflow DAG
-    assert {"sync_switch", "job_digits_nightly", REAPER} <= set(bag.dag_ids)
+    assert {"sync_switch", "job_digits_nightly", REAPER, CONSUMER} <= set(bag.dag_ids)
     return bag.dags["sync_switch"]
 
 
@@ -248,6 +249,9 @@ def test_every_param_of_every_dag_accepts_its_default(bag: DagBag) -> None:
         values = copy.deepcopy(dag.params).validate()
         if dag_id == REAPER:
             assert values == {"projects": []}
+            continue
+        if dag_id == CONSUMER:
+            assert values == {}
             continue
         JobSpec.from_params(values)  # and the job it describes is valid
         assert values["data_dir"] is None or values["data_dir"], dag_id

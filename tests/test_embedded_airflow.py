@@ -12,14 +12,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
-from proc_utils import assert_no_processes
+from proc_utils import assert_no_processes, wait_for
 from syncswitch_airflow.airflow_api import TriggerRejected
 from syncswitch_airflow.embedded import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
+CONSUMER_DAG = "on_new_model"  # dags/on_new_model.py
 
 pytestmark = [
     pytest.mark.airflow,
@@ -89,13 +91,18 @@ def syncswitch_run(
 
 def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    result, summary = syncswitch_run(
-        airflow,
-        tmp_path,
-        *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
-        *("--cluster-name", "ignored", "--online-policy", "greedy"),
-        timeout=900,
-    )
+    airflow.api.unpause(CONSUMER_DAG)  # the example downstream DAG: paused when created
+    try:
+        result, summary = syncswitch_run(
+            airflow,
+            tmp_path,
+            *("--bucket-dir", str(runs), "--job-name", "cli-e2e", "--total-steps", "120"),
+            *("--cluster-name", "ignored", "--online-policy", "greedy"),
+            timeout=900,
+        )
+        assert_the_new_model_ran_the_downstream_dag(airflow, summary)
+    finally:
+        airflow.api.pause(CONSUMER_DAG)  # the session's other runs need no consumer
     lines = result.stdout.strip().splitlines()
     assert summary["state"] == "success"
     assert summary["run_id"] and Path(summary["run_dir"]).is_dir()
@@ -115,9 +122,41 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     assert any(line.startswith("final accuracy") for line in lines)
     assert "triggered sync_switch run" in result.stderr and "triggered" not in result.stdout
     assert "--cluster-name is accepted" in result.stderr
+    # The report task links to the run's report, bucket folder and TensorBoard logs, as the UI shows.
+    status, links = airflow.api.request(
+        "GET", f"/api/v2/dags/sync_switch/dagRuns/{quote(summary['run_id'])}/taskInstances/report/links"
+    )
+    assert status == 200, links
+    run_url = "file://" + quote(summary["run_dir"])
+    assert links["extra_links"] == {
+        "Run bucket folder": f"{run_url}/",
+        "Run report": f"{run_url}/report/index.html",
+        "TensorBoard logs": f"{run_url}/tensorboard/",
+    }
     # --keep-ui: Airflow is still up and the URL and login were printed.
     assert airflow.is_running() and summary["airflow_url"] == airflow.url
     assert any(airflow.url in line and "password" in line for line in lines)
+
+
+def assert_the_new_model_ran_the_downstream_dag(airflow: EmbeddedAirflow, summary: dict) -> None:
+    """The report task's asset events name the run's report and model; the example DAG scheduled on
+    the models alias ran on this one and found its files."""
+    query = f"source_dag_id=sync_switch&source_run_id={quote(summary['run_id'])}"
+    events = airflow.api.get_json(f"/api/v2/assets/events?{query}")["asset_events"]
+    by_uri = {e["uri"]: e["extra"] for e in events}
+    assert set(by_uri) == {"syncswitch://cli-e2e/model", "syncswitch://cli-e2e/report"}, events
+    model = by_uri["syncswitch://cli-e2e/model"]
+    assert model["run_id"] == summary["run_id"] and model["run_dir"] == summary["run_dir"]
+    assert model["saved_model"] == f"{summary['run_dir']}/export/saved_model"
+    assert model["test_accuracy"] == pytest.approx(summary["final_accuracy"])
+    assert by_uri["syncswitch://cli-e2e/report"]["report"] == summary["report"]
+
+    def consumer_state() -> str | None:
+        runs = airflow.api.dag_runs(CONSUMER_DAG)
+        return runs[-1]["state"] if runs else None
+
+    wait_for(lambda: consumer_state() in ("success", "failed"), timeout=300, what=f"a {CONSUMER_DAG} run")
+    assert consumer_state() == "success"
 
 
 def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(

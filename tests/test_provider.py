@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 
 import airflow
+import pytest
+from syncswitch_airflow import settings
 from syncswitch_airflow.provider_info import PACKAGE_NAME, get_provider_info
 
 AIRFLOW = Path(sys.executable).parent / "airflow"
@@ -44,3 +46,67 @@ def test_airflow_providers_list_shows_it(tmp_path: Path) -> None:
     assert PACKAGE_NAME in listed, sorted(listed)
     assert listed[PACKAGE_NAME]["description"].startswith("Sync-Switch (ICDCS'21) on Airflow")
     assert listed[PACKAGE_NAME]["version"] == metadata.version(PACKAGE_NAME)
+
+    # Airflow's own configuration knows the [syncswitch] section: its defaults, and its variables.
+    def config_value(key: str, **extra: str) -> str:
+        argv = [str(AIRFLOW), "config", "get-value", settings.SECTION, key]
+        done = subprocess.run(argv, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert config_value("gce_clusters") == "4"
+    assert config_value("gce_clusters", AIRFLOW__SYNCSWITCH__GCE_CLUSTERS="7") == "7"
+
+
+def test_a_setting_comes_from_its_old_variable_then_the_config_section_then_its_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hosts_clusters = settings.setting("hosts_clusters")
+    assert (hosts_clusters.env, hosts_clusters.airflow_env) == (
+        "SYNCSWITCH_HOSTS_CLUSTERS",
+        "AIRFLOW__SYNCSWITCH__HOSTS_CLUSTERS",
+    )
+    monkeypatch.delenv(hosts_clusters.env, raising=False)
+    monkeypatch.delenv(hosts_clusters.airflow_env, raising=False)
+    assert settings.get_int("hosts_clusters") == 1
+    monkeypatch.setenv(hosts_clusters.airflow_env, "3")
+    assert settings.get_int("hosts_clusters") == 3
+    monkeypatch.setenv(hosts_clusters.env, "5")  # a deployment from before the section: still heard
+    assert settings.get_int("hosts_clusters") == 5
+    monkeypatch.setenv(hosts_clusters.env, "many")
+    with pytest.raises(settings.SettingError, match=r"\[syncswitch\] hosts_clusters .*got 'many'"):
+        settings.get_int("hosts_clusters")
+    with pytest.raises(KeyError, match="no \\[syncswitch\\] setting 'clusters'; settings: bucket_dir"):
+        settings.get("clusters")
+
+
+def test_the_docs_list_every_setting() -> None:
+    """The install guide's table is the settings table's: no setting missing, none made up."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "install-into-airflow.md").read_text()
+    section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert rows == {s.key for s in settings.SETTINGS}
+
+
+def test_run_links_point_at_the_report_the_folder_and_the_tensorboard_logs() -> None:
+    """The tasks' extra links (the embedded Airflow end-to-end test reads them through the REST API)."""
+    from types import SimpleNamespace
+
+    from syncswitch_airflow.links import RUN_LINKS
+
+    def links(run_dir: object) -> dict[str, str]:
+        return {link.name: link.get_link(SimpleNamespace(run_dir=run_dir), ti_key=None) for link in RUN_LINKS}
+
+    assert links("gs://my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00") == {
+        "Run report": "https://storage.cloud.google.com/my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00"
+        "/report/index.html",
+        "Run bucket folder": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
+        "manual__2026-11-25T10_00_00_00_00/",
+        "TensorBoard logs": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
+        "manual__2026-11-25T10_00_00_00_00/tensorboard/",
+    }
+    assert links("/data/runs/job/a run")["Run report"] == "file:///data/runs/job/a%20run/report/index.html"
+    # Before the plan task has made the run folder, the template renders to nothing: no link.
+    assert set(links("None").values()) == set(links(None).values()) == {""}
+    info = get_provider_info()
+    assert info["extra-links"] == [f"syncswitch_airflow.links.{type(link).__name__}" for link in RUN_LINKS]

@@ -70,9 +70,15 @@ class AirflowApi:
         return self._token
 
     def unpause(self, dag_id: str) -> None:
-        status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": False})
+        self.set_paused(dag_id, False)
+
+    def pause(self, dag_id: str) -> None:
+        self.set_paused(dag_id, True)
+
+    def set_paused(self, dag_id: str, paused: bool) -> None:
+        status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": paused})
         if status != 200:
-            raise AirflowError(f"unpausing {dag_id} answered {status}: {body}")
+            raise AirflowError(f"{'pausing' if paused else 'unpausing'} {dag_id} answered {status}: {body}")
 
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
         """Unpause ``dag_id`` and start a run with ``conf``; returns the run id."""

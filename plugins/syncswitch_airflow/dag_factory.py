@@ -17,6 +17,7 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup, TriggerRule, cross_downstream
 from syncswitch.plan import PROTOCOLS
 
+from syncswitch_airflow.assets import MODELS, REPORTS
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 from syncswitch_airflow.operators import (
     EvaluateRunOperator,
@@ -71,7 +72,7 @@ def build_sync_switch_dag(
         evaluate = EvaluateRunOperator(
             task_id="evaluate", run_dir=RUN_DIR, trigger_rule=TriggerRule.NONE_FAILED
         )
-        report = ReportRunOperator(task_id="report", run_dir=RUN_DIR)
+        report = ReportRunOperator(task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS])
         teardown = TeardownClusterOperator(task_id="teardown_cluster")
         finalize = FinalizeRunOperator(task_id="finalize", trigger_rule=TriggerRule.ALL_DONE)
         cross_downstream(last_slot, [evaluate])

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from syncswitch_airflow.links import RUN_LINKS
+from syncswitch_airflow.settings import provider_config
+
 PACKAGE_NAME = "syncswitch"  # the distribution (pyproject.toml [project] name)
 INTEGRATION = "Sync-Switch"
 OPERATOR_MODULES = ("cluster", "job", "segment", "timing", "finalize")
 TRIGGER_MODULES = ("capacity", "segment", "straggler")
+RUN_LINKS_MODULE = "syncswitch_airflow.links"
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -46,4 +50,6 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": [modules(f"triggers.{name}") for name in TRIGGER_MODULES],
             }
         ],
+        "extra-links": [f"{RUN_LINKS_MODULE}.{type(link).__name__}" for link in RUN_LINKS],
+        "config": provider_config(),
     }

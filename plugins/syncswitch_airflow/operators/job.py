@@ -19,7 +19,9 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 from syncswitch.state import create_run, record_final
 
+from syncswitch_airflow.assets import emit_run_outputs
 from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS, check_slot_budget
+from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import (
     RUN_KEY_XCOM,
     absolute_bucket_dir,
@@ -160,6 +162,7 @@ class RunFolderOperator(BaseOperator):
     """An operator that works on the run folder planned for this DAG run (templated ``run_dir``)."""
 
     template_fields = ("run_dir",)
+    operator_extra_links = RUN_LINKS
     ui_color = "#eafaea"
 
     def __init__(self, *, run_dir: Any, **kwargs: Any) -> None:
@@ -247,7 +250,9 @@ def job_hparams(job: JobSpec, plan_index: int) -> HParams:
 
 
 class ReportRunOperator(RunFolderOperator):
-    """Plots, summary.json and index.html in the run's report folder; its log ends with the summary."""
+    """Plots, summary.json and index.html in the run's report folder; its log ends with the summary.
+    The report, and the model where the run exported one, become the job's asset events (assets.py)
+    for the aliases among the task's outlets."""
 
     def execute(self, context: Context) -> dict[str, Any]:
         from syncswitch_airflow.report import build_report, format_summary_lines
@@ -255,6 +260,11 @@ class ReportRunOperator(RunFolderOperator):
         summary = build_report(self.run_dir)
         for line in format_summary_lines(summary):
             self.log.info("run %s: %s", context["run_id"], line)
+        if self.outlets:
+            added = emit_run_outputs(
+                context["outlet_events"], require_state(self.run_dir), summary.get("index_html")
+            )
+            self.log.info("run %s: asset events for %s", context["run_id"], ", ".join(added) or "nothing")
         return {
             "report": summary.get("index_html"),
             "final_accuracy": summary.get("final_accuracy"),

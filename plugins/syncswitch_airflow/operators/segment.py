@@ -30,6 +30,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import State, straggler_reference_time
 
 from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import require_state
 from syncswitch_airflow.triggers.segment import SegmentTrigger, is_finished, read_result, record_result
 
@@ -40,6 +41,7 @@ class SegmentOperator(BaseOperator):
     """Launch plan entry ``slot`` if it runs ``protocol``; defer until the segment ends."""
 
     template_fields = ("run_dir",)
+    operator_extra_links = RUN_LINKS
 
     def __init__(
         self,

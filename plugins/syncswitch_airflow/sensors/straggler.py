@@ -28,6 +28,7 @@ from syncswitch.state import State, read_state, record_decision
 from syncswitch.state import apply_switch as switch_plan
 
 from syncswitch_airflow.detector import DetectorConfig, Verdict
+from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.policies import Decision, PolicyContext, get_policy, measured_switch_gap
 from syncswitch_airflow.triggers.straggler import StragglerTrigger
 
@@ -48,6 +49,7 @@ class StragglerSensor(BaseSensorOperator):
     """
 
     template_fields: Sequence[str] = ("run_dir", "slot")
+    operator_extra_links = RUN_LINKS
     ui_color = "#f4d58d"
 
     def __init__(
