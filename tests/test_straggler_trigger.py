@@ -25,7 +25,9 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, update_state
 from syncswitch_airflow.sensors.straggler import DEFAULT_SWITCH_GAP_SECONDS, StragglerSensor, apply_switch
 from syncswitch_airflow.triggers import straggler as straggler_trigger
-from syncswitch_airflow.triggers.straggler import CLASSPATH, StragglerTrigger
+from syncswitch_airflow.triggers.straggler import StragglerTrigger
+
+CLASSPATH = f"{StragglerTrigger.__module__}.{StragglerTrigger.__qualname__}"
 
 DETECTOR = {"window_seconds": 0.5, "threshold": 1.5, "raise_after": 2, "clear_after": 2, "lateness": 0.1}
 TICK = 0.05
@@ -230,7 +232,7 @@ def test_a_lasting_straggler_is_reported_again_every_recheck_seconds(layout: Run
 def test_serialize_round_trips(layout: RunLayout) -> None:
     trigger = trigger_for(layout, straggling_since=12.5, straggling_workers=[1], recheck_seconds=30.0)
     classpath, kwargs = trigger.serialize()
-    assert classpath == CLASSPATH == f"{StragglerTrigger.__module__}.{StragglerTrigger.__name__}"
+    assert classpath == CLASSPATH == "syncswitch_airflow.triggers.straggler.StragglerTrigger"
     assert StragglerTrigger(**kwargs).serialize() == (classpath, kwargs)
     assert kwargs["straggling_since"] == 12.5 and kwargs["detector"] == DETECTOR
 

@@ -30,7 +30,7 @@ from syncswitch.state import apply_switch as switch_plan
 from syncswitch_airflow.detector import DetectorConfig, Verdict
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.policies import Decision, PolicyContext, get_policy, measured_switch_gap
-from syncswitch_airflow.triggers.straggler import StragglerTrigger
+from syncswitch_airflow.triggers.straggler import StragglerTrigger, WatchStatus
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class StragglerSensor(BaseSensorOperator):
         if item is None:
             raise AirflowSkipException(f"slot {slot} is past the end of the plan")
         if self._segment_ended(layout, state, item):
-            return self._finish(state, item, "segment_ended")
+            return self._finish(state, item, WatchStatus.SEGMENT_ENDED)
         if _runs_tasks_one_at_a_time(context):
             # `airflow dags test` / dag.test() run one task at a time, inline: a deferred sensor would
             # block the segment it waits for (or its retry) from ever running.
@@ -93,7 +93,7 @@ class StragglerSensor(BaseSensorOperator):
                 state.get("run_id"),
                 item["index"],
             )
-            return self._finish(state, item, "not_watched")
+            return self._finish(state, item, WatchStatus.NOT_WATCHED)
         since, workers = _straggler_behind(state, item)
         self._defer(
             context, state, item, start_after=None, straggling_since=since, straggling_workers=workers
@@ -141,18 +141,18 @@ class StragglerSensor(BaseSensorOperator):
             layout.segment_result(item["index"], item["protocol"])
         )
 
-    def _finish(self, state: State, item: dict[str, Any], status: str) -> dict[str, Any]:
+    def _finish(self, state: State, item: dict[str, Any], status: WatchStatus) -> dict[str, Any]:
         decisions = [d for d in state.get("decisions", []) if d.get("segment") == item["index"]]
         log.info(
             "run %s segment %d (%s): %s; %d decision(s) recorded",
             state.get("run_id"),
             item["index"],
             item["protocol"],
-            status.replace("_", " "),
+            status.value.replace("_", " "),
             len(decisions),
         )
         return {
-            "status": status,
+            "status": status.value,
             "segment": item["index"],
             "protocol": item["protocol"],
             "decisions": decisions,
@@ -168,7 +168,7 @@ class StragglerSensor(BaseSensorOperator):
             raise AirflowSkipException(f"slot {slot} is no longer in the plan")
         if event.get("protocol", item["protocol"]) != item["protocol"]:
             # The plan moved under this slot (a switch in an earlier slot): what it watched is gone.
-            return self._finish(state, item, "plan_changed")
+            return self._finish(state, item, WatchStatus.PLAN_CHANGED)
         verdict = Verdict.from_dict(event["verdict"])
         decision = self._decide(layout, state, item, verdict)
         record = decision_record(state, item, decision, event.get("change"))
@@ -187,7 +187,7 @@ class StragglerSensor(BaseSensorOperator):
             return record
         state = record_decision(layout, record)
         if decision.reason == SEGMENT_ENDED:
-            return self._finish(state, item, "segment_ended")
+            return self._finish(state, item, WatchStatus.SEGMENT_ENDED)
         self._defer(
             context,
             state,

@@ -9,11 +9,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from enum import StrEnum
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from syncswitch_airflow.backends import get_backend
+
+
+class CapacityStatus(StrEnum):
+    """The ``status`` of the trigger's event."""
+
+    FREE = "free"
 
 
 class ClusterCapacityTrigger(BaseTrigger):
@@ -46,4 +53,4 @@ class ClusterCapacityTrigger(BaseTrigger):
                     ", ".join(holders),
                 )
             await asyncio.sleep(self.poll_seconds)
-        yield TriggerEvent({"status": "free"})
+        yield TriggerEvent({"status": CapacityStatus.FREE.value})

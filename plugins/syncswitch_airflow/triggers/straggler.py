@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from enum import StrEnum
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
@@ -42,7 +43,15 @@ END_CHECK_SECONDS = 0.5
 # Task states after which a segment task will not run again in this DAG run (no retry pending).
 FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
-CLASSPATH = "syncswitch_airflow.triggers.straggler.StragglerTrigger"
+
+class WatchStatus(StrEnum):
+    """The ``status`` of what a watch hands back (the trigger's event, the sensor's XCom)."""
+
+    SEGMENT_ENDED = "segment_ended"
+    SEGMENT_TASK_ENDED = "segment_task_ended"
+    VERDICT = "verdict"
+    PLAN_CHANGED = "plan_changed"  # the sensor's: a switch in an earlier slot moved the plan
+    NOT_WATCHED = "not_watched"  # the sensor's: run one task at a time, it cannot watch
 
 
 def task_state(dag_id: str, run_id: str, task_id: str) -> str | None:
@@ -92,7 +101,7 @@ class StragglerTrigger(BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
-            CLASSPATH,
+            f"{type(self).__module__}.{type(self).__qualname__}",
             {
                 "run_dir": self.run_dir,
                 "index": self.index,
@@ -108,10 +117,10 @@ class StragglerTrigger(BaseTrigger):
             },
         )
 
-    def _payload(self, status: str, **extra: Any) -> dict[str, Any]:
-        return {"status": status, "index": self.index, "protocol": self.protocol, **extra}
+    def _payload(self, status: WatchStatus, **extra: Any) -> dict[str, Any]:
+        return {"status": status.value, "index": self.index, "protocol": self.protocol, **extra}
 
-    def _end(self, status: str, **extra: Any) -> TaskSuccessEvent:
+    def _end(self, status: WatchStatus, **extra: Any) -> TaskSuccessEvent:
         return TaskSuccessEvent(xcoms={"return_value": self._payload(status, **extra)})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -134,7 +143,7 @@ class StragglerTrigger(BaseTrigger):
                 continue
             if ended:
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
-                yield self._end("segment_ended")
+                yield self._end(WatchStatus.SEGMENT_ENDED)
                 return
             fired = self._judge(detector, records)
             if fired is not None:
@@ -147,7 +156,9 @@ class StragglerTrigger(BaseTrigger):
                     verdict.workers,
                     verdict.slowdown,
                 )
-                yield TriggerEvent(self._payload("verdict", change=change, verdict=verdict.to_dict()))
+                yield TriggerEvent(
+                    self._payload(WatchStatus.VERDICT, change=change, verdict=verdict.to_dict())
+                )
                 return
             if time.monotonic() >= next_task_check:
                 next_task_check = time.monotonic() + self.task_check_seconds
@@ -160,7 +171,7 @@ class StragglerTrigger(BaseTrigger):
                         self.segment_task.get("task_id"),
                         state,
                     )
-                    yield self._end("segment_task_ended", task_state=state)
+                    yield self._end(WatchStatus.SEGMENT_TASK_ENDED, task_state=state)
                     return
             await self._sleep_unless_ended(result_uri)
 
