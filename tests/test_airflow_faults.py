@@ -152,11 +152,23 @@ def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airfl
             timeout=300,
             what="training",
         )
-        EmbeddedAirflow(airflow.project_dir, home=airflow.home).stop()
+        # Stopped as a user stops a kept UI: each component gets one SIGTERM and ends by itself.
+        stop = subprocess.run(
+            [str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--stop-ui"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out, err = cli.communicate(timeout=900)
     finally:
         if cli.poll() is None:
             cli.kill()
+    assert stop.returncode == 0 and "embedded Airflow stopped" in stop.stderr, stop.stderr
+    assert "SIGKILL" not in stop.stderr, stop.stderr
+    supervisor_log = (airflow.home / "embedded.log").read_text()
+    assert "did not stop" not in supervisor_log, supervisor_log
+    triggerer_log = (airflow.home / "logs" / "components" / "triggerer.log").read_text()
+    assert "second exit signal" not in triggerer_log  # a signal reached it twice: "force exit"
     assert cli.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["state"] == "success"

@@ -226,3 +226,17 @@ def test_progress_follows_the_plan_through_the_run_folder(tmp_path: Path) -> Non
     )
     progress.update()
     assert len(lines) == 3
+
+
+def test_stop_ui_without_an_airflow_home_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "never-started"
+    result = subprocess.run(
+        [str(SYNCSWITCH), "run", "--airflow-home", str(home), "--stop-ui"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "no embedded Airflow" in result.stderr and "Traceback" not in result.stderr
+    assert not home.exists()

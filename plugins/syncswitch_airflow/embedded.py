@@ -395,9 +395,12 @@ class EmbeddedAirflow:
         raise AirflowError(f"DAG {dag_id!r} did not appear in {self.dags_folder}; see {self.log_path}")
 
     def stop(self, timeout: float = 45.0) -> None:
-        """SIGTERM the instance's process group, wait (the supervisor gives its components 30 s),
-        SIGKILL what is left; fail if any process of the instance survives. Holds the start lock, so a
-        start in another process waits for a stop under way instead of racing it."""
+        """SIGTERM the instance's supervisor, wait (it gives its components 30 s), SIGKILL what is
+        left; fail if any process of the instance survives. Holds the start lock, so a start in
+        another process waits for a stop under way instead of racing it."""
+        if not self.home.is_dir():
+            self._log.info("no embedded Airflow in %s (no such folder)", self.home)
+            return
         with self._start_lock():
             record = self.running_instance() or self._record
             if record is None:
@@ -414,7 +417,10 @@ class EmbeddedAirflow:
 
     def _stop_instance(self, record: InstanceRecord, timeout: float) -> None:
         self._log.info("stopping embedded Airflow pid %d", record.pid)
-        procs.signal_group(record.pid, signal.SIGTERM)
+        # The supervisor alone: it stops each component once. A SIGTERM to the whole group reached
+        # every component twice (directly and from the supervisor), and Airflow's triggerer takes a
+        # second one as "force exit", which left its runner to be SIGKILLed 5 s later.
+        procs.signal_pid(record.pid, signal.SIGTERM)
         if not self._wait_group_gone(record.pid, timeout):
             self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)
             procs.signal_group(record.pid, signal.SIGKILL)
