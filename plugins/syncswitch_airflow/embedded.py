@@ -215,8 +215,8 @@ class EmbeddedAirflow:
         self._write_password_file()
         self._log.info("starting the embedded Airflow on 127.0.0.1:%d, home %s", api_port, self.home)
         with open(self.log_path, "ab") as log:
-            # Own session: stop() signals the whole process group, and a Ctrl-C in the terminal
-            # reaches only the CLI, which then stops Airflow in order.
+            # Own session: stop() can wait for (and at worst SIGKILL) the whole process group, and a
+            # Ctrl-C in the terminal reaches only the CLI, which then stops Airflow in order.
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "syncswitch_airflow.airflow_supervisor"],
                 cwd=self.project_dir,
