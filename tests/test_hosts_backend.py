@@ -397,7 +397,7 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
     Not through dag.test(): it runs one task at a time, so the sensor never watches a running segment
     (the greedy e2e under the real scheduler is test_embedded_airflow's, with a CPU straggler). The
     segment-task state the trigger asks Airflow's execution API for is stubbed as "running"."""
-    from syncswitch.state import create_run
+    from syncswitch.state import create_run, record_cluster
     from syncswitch_airflow.detector import Verdict
     from syncswitch_airflow.policies import get_policy
     from syncswitch_airflow.sensors.straggler import apply_switch, decision_record, policy_context
@@ -419,7 +419,8 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
     backend = HostsBackend()
     handle = backend.provision(spec_job, layout)
     try:
-        create_run(layout, run_id, spec_job.to_params(), spec_job.plan_entries(), handle)
+        record_cluster(layout, handle)
+        create_run(layout, run_id, spec_job.to_params(), spec_job.plan_entries())
         item = spec_job.plan_entries()[0]
         spec = spec_job.segment_spec(item, run_id, layout.root)
         backend.launch_segment(handle, spec.replace(straggler_reference_time=time.time()))

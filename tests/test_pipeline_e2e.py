@@ -176,6 +176,8 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
     assert_exact_workload(state, 200)
     assert state["final"]["test_accuracy"] >= 0.95
     assert state["segments"]["1"]["start_step"] == pytest.approx(50)  # continued from segment 0
+    # The handle's one copy, which the segments and the teardown read; the work folder it named is gone.
+    assert state["cluster"]["backend"] == "local" and state["cluster"]["work_dir"].startswith(str(work_root))
     summary = json.loads(storage.read_text(layout.report + "/summary.json"))
     assert summary["final_accuracy"] >= 0.95
     assert_cluster_gone(work_root)

@@ -65,7 +65,7 @@ def build_sync_switch_dag(
         validate = ValidateJobOperator(task_id="validate")
         timing = TimingPolicyOperator(task_id="timing_policy")
         provision = ProvisionClusterOperator(task_id="provision_cluster").as_setup()
-        plan = PlanRunOperator(task_id="plan", cluster=provision.output, timing=timing.output)
+        plan = PlanRunOperator(task_id="plan", timing=timing.output)
         validate >> timing >> provision >> plan
         last_slot = _segment_slots(plan)
         # Skipped (unused) slots at the end must not skip evaluation; a failed segment still stops it.

@@ -24,12 +24,12 @@ A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json``
 index, protocol, start_step, end_step, samples, updates, started_at, first_step_at, ended_at,
 seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup.
 
-Every change to state.json is one of the named operations below (create_run, record_segment,
-straggler_reference_time, apply_switch, record_decision, record_vm, record_cluster_event,
-record_final, finish_run), each a
-read-modify-write through ``storage.update_json`` (an fcntl lock for local folders, a generation
-precondition for GCS objects). Several writers act at once (segment triggers, the straggler sensor), and every
-operation is idempotent, so a retried task or a restarted triggerer can repeat it safely. (On GCS an
+Every change to state.json is one of the named operations below (record_cluster, create_run,
+record_segment, straggler_reference_time, apply_switch, record_decision, record_vm,
+record_cluster_event, record_final, finish_run), each a read-modify-write through
+``storage.update_json`` (an fcntl lock for local folders, a generation precondition for GCS
+objects). Several writers act at once (segment triggers, the straggler sensor), and every operation
+is idempotent, so a retried task or a restarted triggerer can repeat it safely. (On GCS an
 update whose answer was lost in an outage is retried and meets a changed generation: it is then
 re-read and re-applied, which the idempotence makes harmless.)
 """
@@ -74,30 +74,34 @@ def update_state(layout: RunLayout, mutate: Callable[[State], None], attempts: i
 # ---- the named operations: the only writers of state.json -------------------------------------------
 
 
+def record_cluster(layout: RunLayout, handle: dict[str, Any]) -> State:
+    """The provisioned cluster's handle (``state["cluster"]``), written by the provisioning task
+    before the run's state is created, and refreshed when it provisions again (a retry). Every later
+    task reads it here: the segments launch on it and the teardown releases it."""
+    return update_state(layout, lambda s: s.__setitem__("cluster", handle))
+
+
 def create_run(
     layout: RunLayout,
     run_id: str,
     job_params: dict[str, Any],
     plan: list[dict],
-    cluster: dict,
     timing: dict[str, Any] | None = None,
     user_code: dict[str, Any] | None = None,
 ) -> tuple[State, bool]:
     """The run's state with its offline plan and the timing policy's decision; (state, created). A
     retried or cleared run of the same run id keeps its state (the plan may already have changed
-    online and segments may have ended): only the cluster handle is refreshed and the status is
-    running again."""
+    online and segments may have ended): only the status is running again."""
     created: list[bool] = []
 
     def write(state: State) -> None:
         if state.get("run_id") == run_id and state.get("plan"):
-            state["cluster"] = cluster
             state["status"] = "running"
             return
-        # VMs are recorded from provisioning on, before the run's state is created.
-        kept = {k: state[k] for k in ("vms", "cluster_events") if k in state}
+        # The cluster and its VMs are recorded from provisioning on, before the run's state exists.
+        kept = {k: state[k] for k in ("cluster", "vms", "cluster_events") if k in state}
         state.clear()
-        state.update(new_state(layout, run_id, job_params), plan=plan, cluster=cluster, timing=timing or {})
+        state.update(new_state(layout, run_id, job_params), plan=plan, timing=timing or {})
         state["user_code"] = user_code or {}
         state.update(kept)
         created.append(True)

@@ -6,6 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException
+from syncswitch.state import read_state, record_cluster
 
 from syncswitch_airflow.backends import ClusterBusy, ClusterError, get_backend
 from syncswitch_airflow.operators.common import job_from_params, run_key, run_layout
@@ -13,29 +14,42 @@ from syncswitch_airflow.triggers.capacity import ClusterCapacityTrigger
 
 
 class ProvisionClusterOperator(BaseOperator):
-    """Reserve the run's cluster on the chosen backend; the handle goes to XCom (and into state.json)."""
+    """Reserve the run's cluster on the chosen backend; its handle goes into the run's state.json,
+    where the segments and the teardown read it (the one copy: nothing is kept on this worker)."""
 
     ui_color = "#fff4e0"
 
     def execute(self, context: Context, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Provision; while every cluster slot is taken, wait deferred for one and try again."""
+        """Provision; while every cluster slot is taken, wait deferred for one and try again.
+        Returns what was provisioned (backend and work folder), for the task's XCom tab."""
         job = job_from_params(context)
         backend = get_backend(job.cluster_backend)
+        layout = run_layout(job, run_key(context))
         try:
-            handle = backend.provision(job, run_layout(job, run_key(context)))
+            handle = backend.provision(job, layout)
         except ClusterBusy as busy:
             self.log.info("run %s: %s; waiting for a free slot", context["run_id"], busy)
             self.defer(trigger=ClusterCapacityTrigger(backend.name), method_name="execute")
         except ClusterError as err:
             raise AirflowException(f"cannot provision the {backend.name} cluster: {err}") from None
+        try:
+            record_cluster(layout, handle)
+        except BaseException:
+            # A cluster whose handle is nowhere could never be torn down: release it now.
+            backend.teardown(handle)
+            raise
         self.log.info(
-            "run %s: %s cluster ready (%s)", context["run_id"], backend.name, handle.get("work_dir", handle)
+            "run %s: %s cluster ready (%s); handle in %s",
+            context["run_id"],
+            backend.name,
+            handle.get("work_dir", handle),
+            layout.state,
         )
-        return handle
+        return {"backend": backend.name, "work_dir": handle.get("work_dir"), "state": layout.state}
 
 
 class TeardownClusterOperator(BaseOperator):
-    """Kill every process of the run and free its work folder.
+    """Kill every process of the run and free its cluster (the handle in state.json).
 
     Runs as the DAG's teardown task: after success, after a failure and after a manual fail. The
     run's outcome is recorded after it, by the finalize task.
@@ -43,13 +57,11 @@ class TeardownClusterOperator(BaseOperator):
 
     ui_color = "#fff4e0"
 
-    def __init__(self, *, provision_task_id: str = "provision_cluster", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.provision_task_id = provision_task_id
-
     def execute(self, context: Context) -> dict[str, Any]:
         run_id = context["run_id"]
-        handle = context["ti"].xcom_pull(task_ids=self.provision_task_id)
+        job = job_from_params(context)
+        state = read_state(run_layout(job, run_key(context))) or {}
+        handle = state.get("cluster")
         if not handle:
             self.log.info("run %s: no cluster was provisioned; nothing to tear down", run_id)
             return {}

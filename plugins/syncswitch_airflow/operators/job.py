@@ -114,15 +114,15 @@ class PlanRunOperator(BaseOperator):
     """Create the run folder's ``state.json`` with the offline plan; returns the run folder.
 
     Idempotent: on an Airflow retry, an existing state of the same run is kept (its plan may already
-    have been changed online and segments may have completed); only the cluster handle is refreshed.
+    have been changed online and segments may have completed). The cluster handle is already there:
+    the provisioning task wrote it.
     """
 
-    template_fields = ("cluster", "timing")
+    template_fields = ("timing",)
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, cluster: Any, timing: Any, **kwargs: Any) -> None:
+    def __init__(self, *, timing: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.cluster = cluster
         self.timing = timing
 
     def execute(self, context: Context) -> str:
@@ -132,9 +132,9 @@ class PlanRunOperator(BaseOperator):
         run_id = run_key(context)
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
-        user_code = ship_user_code(job, layout, self.cluster)
+        user_code = ship_user_code(job, layout)
         state, created = create_run(
-            layout, run_id, params, job.plan_entries(), self.cluster, self.timing, user_code=user_code
+            layout, run_id, params, job.plan_entries(), self.timing, user_code=user_code
         )
         self.log.info(
             "run %s: %s plan in %s: %s",
@@ -146,13 +146,13 @@ class PlanRunOperator(BaseOperator):
         return layout.root
 
 
-def ship_user_code(job: JobSpec, layout: RunLayout, cluster: dict[str, Any]) -> dict[str, Any]:
+def ship_user_code(job: JobSpec, layout: RunLayout) -> dict[str, Any]:
     """The job's user code as state.json keeps it ({usr_dir, digest, packages}, and ``uri``: the
     copy in the run's bucket folder that nodes on other hosts import, so nothing is installed on
     them by hand). A local cluster imports usr_dir where it is."""
     user_code = usercode.describe_names(job)
     shippable = job.usr_dir and usercode.kind_of(job.usr_dir) != "module"
-    if shippable and cluster.get("backend", "local") != "local":
+    if shippable and job.cluster_backend != "local":
         user_code["uri"] = layout.cluster_user_code(user_code["digest"])
         usercode.upload(job.usr_dir, user_code["uri"])
     return user_code

@@ -76,7 +76,7 @@ class SegmentOperator(BaseOperator):
             )
         if entry["protocol"] != self.protocol:
             raise AirflowSkipException(f"segment {self.slot} runs {entry['protocol']}, not {self.protocol}")
-        handle = state["cluster"]
+        handle, job = state["cluster"], JobSpec.from_params(state["job"])
         result = read_result(self.run_dir, self.slot, self.protocol)
         if result is not None and is_finished(result, entry):
             self.log.info(
@@ -87,7 +87,7 @@ class SegmentOperator(BaseOperator):
         if backend.segment_status(handle, self.slot).running:
             self.log.info("run %s: segment %d is still running; waiting for it", state["run_id"], self.slot)
         else:
-            self._launch(backend, state, entry, stale_result=result is not None)
+            self._launch(backend, state, job, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
                 run_dir=self.run_dir,
@@ -95,18 +95,19 @@ class SegmentOperator(BaseOperator):
                 protocol=self.protocol,
                 until_step=entry["until_step"],
                 handle=handle,
-                stall_seconds=JobSpec.from_params(state["job"]).stall_seconds,
+                stall_seconds=job.stall_seconds,
                 poll_seconds=self.poll_seconds,
                 log_seconds=self.log_seconds,
             ),
             method_name="execute_complete",
         )
 
-    def _launch(self, backend: Any, state: State, entry: dict[str, Any], stale_result: bool) -> None:
+    def _launch(
+        self, backend: Any, state: State, job: JobSpec, entry: dict[str, Any], stale_result: bool
+    ) -> None:
         if stale_result:
             # The trigger must not mistake an earlier attempt's result for this one's.
             storage.delete(self.layout.segment_result(self.slot, self.protocol))
-        job = JobSpec.from_params(state["job"])
         reference = straggler_reference_time(self.layout, self.protocol, time.time())
         spec = job.segment_spec(entry, state["run_id"], state["run_dir"])
         user_code = state.get("user_code") or {}
