@@ -15,8 +15,8 @@ from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk import TriggerRule
 from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import ParamValidationError
+from syncswitch.plan import MAX_SEGMENTS as MAX_SEGMENT_SLOTS
 from syncswitch.spec import JobSpec, SpecError
-from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 REAPER = "sync_switch_reaper"

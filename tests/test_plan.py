@@ -137,3 +137,17 @@ def test_straggler_specs_of_both_kinds_round_trip_and_repeat() -> None:
     assert (cpu.kind, cpu.describe(), network.kind, network.describe()) == ("cpu", "x4", "network", "+30 ms")
     assert list(cpu.episodes(1000.0)) == [(1020.0, 1080.0)]
     assert list(islice(network.episodes(1000.0), 3)) == [(1005.0, 1015.0), (1065.0, 1075.0), (1125.0, 1135.0)]
+
+
+@pytest.mark.parametrize(("order", "online", "fits"), [("10", 4, True), ("10", 5, False), ("101", 4, False)])
+def test_a_job_fits_the_plans_segment_limit_with_every_online_switch(
+    order: str, online: int, fits: bool
+) -> None:
+    from syncswitch.errors import SpecError
+
+    params = {"switch_order": order, "max_online_switches": online}
+    if fits:
+        JobSpec.from_params(params)
+    else:
+        with pytest.raises(SpecError, match="max_online_switches"):
+            JobSpec.from_params(params)

@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,7 +168,6 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
     if args.airflow_boot_timeout is not None and args.airflow_boot_timeout <= 0:
         raise UsageError(f"--airflow-boot-timeout must be > 0 seconds, got {args.airflow_boot_timeout}")
     spec = JobSpec.from_params(conf_from_args(args))
-    check_fits_dag(spec)
     project_dir = Path(args.project_dir).resolve() if args.project_dir else default_project_dir()
     options = RunOptions(
         project_dir=project_dir,
@@ -180,23 +178,6 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
         stop_ui=args.stop_ui,
     )
     return spec, options, notes
-
-
-def check_fits_dag(spec: JobSpec) -> None:
-    """The DAG's own limit (its segment slots), checked before Airflow starts. Raises SpecError."""
-    # dag_params imports airflow.sdk, which creates $AIRFLOW_HOME/logs on import: point it at a
-    # throwaway folder so a rejected command leaves nothing behind (~/airflow included).
-    with tempfile.TemporaryDirectory(prefix="syncswitch-import-") as scratch:
-        previous = os.environ.get("AIRFLOW_HOME")
-        os.environ["AIRFLOW_HOME"] = scratch
-        try:
-            from syncswitch_airflow.dag_params import check_slot_budget
-        finally:
-            if previous is None:
-                del os.environ["AIRFLOW_HOME"]
-            else:
-                os.environ["AIRFLOW_HOME"] = previous
-    check_slot_budget(spec)
 
 
 def default_project_dir() -> Path:

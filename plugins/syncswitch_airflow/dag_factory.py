@@ -15,10 +15,9 @@ import datetime
 from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup, TriggerRule, cross_downstream
-from syncswitch.plan import PROTOCOLS
+from syncswitch.plan import MAX_SEGMENTS, PROTOCOLS
 
 from syncswitch_airflow.assets import MODELS, REPORTS
-from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS
 from syncswitch_airflow.operators import (
     EvaluateRunOperator,
     FinalizeRunOperator,
@@ -82,9 +81,9 @@ def build_sync_switch_dag(
 
 
 def _segment_slots(plan: Any) -> list[Any]:
-    """MAX_SEGMENT_SLOTS task groups after ``plan``, each after the one before; the last group's tasks."""
+    """MAX_SEGMENTS task groups after ``plan``, each after the one before; the last group's tasks."""
     previous: list[Any] = [plan]
-    for slot in range(MAX_SEGMENT_SLOTS):
+    for slot in range(MAX_SEGMENTS):
         after_previous = {"trigger_rule": TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS}
         with TaskGroup(group_id=f"segment_{slot}", tooltip=f"plan entry {slot}: BSP or ASP, and its watcher"):
             segments = [

@@ -13,20 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param
+from syncswitch import plan as plans
 from syncswitch.registry import REGISTRY
 from syncswitch.spec import (
     MOMENTUM_RULES,
     ONLINE_POLICIES,
     TIMING_POLICIES,
     JobSpec,
-    SpecError,
 )
 
 from syncswitch_airflow import settings
 
-# Segment slots in the DAG: the offline plan plus every online switch must fit (each switch adds
-# one segment). 6 covers "101" with 2 online switches and keeps the graph readable.
-MAX_SEGMENT_SLOTS = 6
 # Four k=v pairs; JobSpec.from_params checks the keys and values and names what is wrong.
 STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$"
 
@@ -34,17 +31,6 @@ STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$
 def default_bucket_dir(project_dir: str | Path) -> str:
     """``[syncswitch] bucket_dir``, else ``<project>/runs``."""
     return settings.get("bucket_dir") or str(Path(project_dir).resolve() / "runs")
-
-
-def check_slot_budget(job: JobSpec, slots: int = MAX_SEGMENT_SLOTS) -> None:
-    """Raise SpecError unless the planned segments plus the online-switch cap fit the DAG's slots."""
-    planned = len(job.switch_order)
-    if planned + job.max_online_switches > slots:
-        raise SpecError(
-            "switch_order/max_online_switches",
-            f"{planned} planned segment(s) + max_online_switches {job.max_online_switches} exceed the "
-            f"DAG's {slots} segment slots; shorten switch_order or lower max_online_switches",
-        )
 
 
 def _enum(value: str, choices: Any, title: str, description: str) -> Param:
@@ -211,9 +197,9 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
         "max_online_switches": _int(
             d.max_online_switches,
             "Max online switches",
-            f"Cap on switches added at run time; planned segments + this must be <= {MAX_SEGMENT_SLOTS}.",
+            f"Cap on switches added at run time; planned segments + this must be <= {plans.MAX_SEGMENTS}.",
             0,
-            MAX_SEGMENT_SLOTS - 1,
+            plans.MAX_SEGMENTS - 1,
         ),
         "stragglers": Param(
             [s.to_text() for s in d.stragglers],

@@ -35,7 +35,7 @@ from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow import settings
 from syncswitch_airflow.dag_factory import build_sync_switch_dag
-from syncswitch_airflow.dag_params import build_params, check_slot_budget
+from syncswitch_airflow.dag_params import build_params
 
 KEYS = (
     "dag_id",
@@ -108,7 +108,6 @@ def read_job_file(path: Path) -> JobFile:
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
     try:
         job = JobSpec.from_params({"job_name": stem, **usr_dir_beside(params, path.parent)})
-        check_slot_budget(job)
     except SpecError as err:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None
     schedule = _schedule(path, data.get("schedule"))

@@ -41,7 +41,7 @@ from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.airflow_api import AirflowError
-from syncswitch_airflow.cli import DAG_ID, check_fits_dag, dag_conf, default_project_dir
+from syncswitch_airflow.cli import DAG_ID, dag_conf, default_project_dir
 from syncswitch_airflow.embedded import EmbeddedAirflow
 from syncswitch_airflow.job_files import usr_dir_beside
 
@@ -103,7 +103,6 @@ def _config(path: Path, name: str, label: str, base: dict, params: Any) -> JobSp
     try:
         merged = usr_dir_beside({**base, **params}, path.parent)
         job = JobSpec.from_params({**merged, "job_name": f"{name}-{label}"})
-        check_fits_dag(job)
     except SpecError as err:
         raise SweepError(f"{path.name}: configs.{label}: {err}") from None
     return job

@@ -19,6 +19,9 @@ PROTOCOLS = ("bsp", "asp")
 # A switch order spells the plan in digits, as the original's flag did: "1" BSP, "0" ASP.
 PROTOCOL_DIGITS = {"1": "bsp", "0": "asp"}
 ORIGINS = ("plan", "online")
+# A run's plan holds at most this many segments: the offline ones plus one per online switch. The DAG
+# has one task slot per segment; 6 covers "101" with 2 online switches and keeps the graph readable.
+MAX_SEGMENTS = 6
 
 
 class PlanError(ValueError):

@@ -368,6 +368,13 @@ class JobSpec:
             )
         if self.max_online_switches < 0:
             raise SpecError("max_online_switches", "must be >= 0")
+        if n + self.max_online_switches > plans.MAX_SEGMENTS:
+            raise SpecError(
+                "switch_order/max_online_switches",
+                f"{n} planned segment(s) + max_online_switches {self.max_online_switches} exceed the "
+                f"{plans.MAX_SEGMENTS} segments a run may have; shorten switch_order or lower "
+                "max_online_switches",
+            )
         if self.momentum_ramp_steps < 0:
             raise SpecError("momentum_ramp_steps", "must be >= 0")
         for s in self.stragglers:

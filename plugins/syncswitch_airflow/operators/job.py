@@ -16,11 +16,10 @@ from syncswitch import checkpoints, usercode
 from syncswitch import plan as plans
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
-from syncswitch.spec import JobSpec, SpecError
+from syncswitch.spec import JobSpec
 from syncswitch.state import create_run, record_final
 
 from syncswitch_airflow.assets import emit_run_outputs
-from syncswitch_airflow.dag_params import MAX_SEGMENT_SLOTS, check_slot_budget
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import (
     RUN_KEY_XCOM,
@@ -43,16 +42,8 @@ class ValidateJobOperator(BaseOperator):
 
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, max_segment_slots: int = MAX_SEGMENT_SLOTS, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_segment_slots = max_segment_slots
-
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
-        try:
-            check_slot_budget(job, self.max_segment_slots)
-        except SpecError as err:
-            raise AirflowFailException(f"invalid job params: {err}") from None
         from syncswitch.check import needs_check
 
         if needs_check(job):
