@@ -51,6 +51,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
 from syncswitch import linkdelay  # noqa: E402 - found through the line above when loaded by path
 
+# Run inside a host by Testbed.connect_ms: connect COUNT times to ADDRESS:PORT and print the fastest
+# connect in ms, or the name of the error ("timeout", "ConnectionRefusedError", ...) on a failure.
+_CONNECT_SCRIPT = """
+import socket, sys, time
+address, port, count, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+best = None
+for _ in range(count):
+    start = time.perf_counter()
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+    except OSError as exc:
+        print("timeout" if isinstance(exc, TimeoutError) else type(exc).__name__)
+        sys.exit(0)
+    elapsed = (time.perf_counter() - start) * 1000
+    best = elapsed if best is None else min(best, elapsed)
+print(best)
+"""
 STATE_ROOT = "/run/syncswitch-testbed"  # tmpfs: gone after a reboot, like the namespaces themselves
 SSHD = "/usr/sbin/sshd"
 SSH_PORT = 22
@@ -815,6 +832,26 @@ class Testbed:
     def processes(self, host: TestHost | OutsideNamespace | str) -> list[int]:
         """Pids of the live processes in the host's network namespace: the host's process table."""
         return _pids_in_netns(self._netns(host))
+
+    def connect_ms(
+        self,
+        from_host: TestHost | OutsideNamespace | str,
+        address: str,
+        port: int,
+        *,
+        count: int = 1,
+        timeout: float = 2.0,
+    ) -> float | str:
+        """The fastest of ``count`` TCP connects from a host to address:port, in ms; the error's name
+        ("timeout", "ConnectionRefusedError", ...) when one fails."""
+        argv = [sys.executable, "-c", _CONNECT_SCRIPT, address, str(port), str(count), str(timeout)]
+        proc = self.exec(from_host, argv, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise TestbedError(f"connect probe from {from_host} failed: {proc.stderr.strip()}")
+        try:
+            return float(proc.stdout)
+        except ValueError:
+            return proc.stdout.strip()
 
     # ----- link shaping
 

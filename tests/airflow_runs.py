@@ -1,13 +1,16 @@
-"""Helpers for tests that drive DAG runs on the session's real embedded Airflow (real scheduler)."""
+"""Helpers for tests that drive DAG runs on the session's real embedded Airflow (real scheduler), and
+triggers on their own (first_event)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from airflow.triggers.base import BaseTrigger, TaskSuccessEvent
 from proc_utils import wait_for
 from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
@@ -148,3 +151,17 @@ class DuringRun:
             self._script(self)
         except BaseException as exc:  # re-raised by stop(), in the test's thread
             self._errors.append(exc)
+
+
+def first_event(trigger: BaseTrigger, timeout: float = 30.0) -> dict[str, Any]:
+    """The payload of the trigger's first event; for an event that ends the watcher on the triggerer
+    (TaskSuccessEvent), the XCom it gives the task."""
+
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            if isinstance(event, TaskSuccessEvent):
+                return event.xcoms["return_value"]
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))

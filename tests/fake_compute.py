@@ -36,7 +36,6 @@ import ipaddress
 import itertools
 import json
 import re
-import sys
 import threading
 import time
 import uuid
@@ -45,13 +44,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import testbed as tb  # noqa: E402
+import testbed as tb
 
 API_ROOT = "https://www.googleapis.com/compute/v1"
 _API_PREFIXES = ("https://www.googleapis.com/compute/v1/", "https://compute.googleapis.com/compute/v1/")

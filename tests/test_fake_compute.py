@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import google_auth_httplib2
 import httplib2
 import paramiko
 import pytest
+import testbed as tb
 from fake_compute import PREEMPTED, STOCKOUT_CODE, FakeComputeEngine
 from google.api_core import exceptions
 from google.api_core.client_options import ClientOptions
@@ -27,9 +27,6 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from googleapiclient.discovery import build
 from googleapiclient.errors import HttpError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import testbed as tb  # noqa: E402
 
 pytestmark = pytest.mark.testbed
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
 from conftest import new_bucket, storage_on_gateway
 from fake_compute import FakeComputeEngine
@@ -33,9 +34,6 @@ from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.gce import GceBackend
 from syncswitch_airflow.hooks.compute import ComputeHook
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import testbed as tb  # noqa: E402
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 

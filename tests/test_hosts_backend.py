@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testbed as tb
 from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
 from conftest import GcsEmulator, new_bucket, storage_on_gateway
 from proc_utils import wait_for
@@ -33,10 +34,6 @@ from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.hosts import HostsBackend
-from test_testbed import _connect as connect
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import testbed as tb  # noqa: E402
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
@@ -346,7 +343,7 @@ def xcoms(dag_run: Any) -> list[Any]:  # noqa: ANN401
 
 def connect_ms(bed: tb.Testbed, source: tb.TestHost, target: tb.TestHost) -> float:
     """The smallest of five TCP connects from ``source`` to ``target``'s sshd, in ms."""
-    result = connect(bed, source, target.address, tb.SSH_PORT, count=5, timeout=5.0)
+    result = bed.connect_ms(source, target.address, tb.SSH_PORT, count=5, timeout=5.0)
     assert isinstance(result, float), f"{source.name} -> {target.name}: {result}"
     return result
 
@@ -397,12 +394,12 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
     Not through dag.test(): it runs one task at a time, so the sensor never watches a running segment
     (the greedy e2e under the real scheduler is test_embedded_airflow's, with a CPU straggler). The
     segment-task state the trigger asks Airflow's execution API for is stubbed as "running"."""
+    from airflow_runs import first_event
     from syncswitch.state import create_run, record_cluster
     from syncswitch_airflow.detector import Verdict
     from syncswitch_airflow.policies import get_policy
     from syncswitch_airflow.sensors.straggler import apply_switch, decision_record, policy_context
     from syncswitch_airflow.triggers import straggler as straggler_trigger
-    from test_straggler_trigger import first_event
 
     spec_job = job(
         bed,

@@ -7,7 +7,6 @@ asyncio.run; no Airflow database is needed.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
-from airflow.triggers.base import TaskSuccessEvent
+from airflow_runs import first_event
 from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
@@ -87,20 +86,6 @@ class SegmentWriter:
         self.thread.join(timeout=5)
         for writer in self.writers:
             writer.close()
-
-
-def first_event(trigger: StragglerTrigger, timeout: float = 30.0) -> dict[str, Any]:
-    """The payload of the trigger's first event; for an event that ends the watcher on the triggerer
-    (TaskSuccessEvent), the XCom it gives the task."""
-
-    async def first() -> dict[str, Any]:
-        async for event in trigger.run():
-            if isinstance(event, TaskSuccessEvent):
-                return event.xcoms["return_value"]
-            return event.payload
-        raise AssertionError("the trigger ended without an event")
-
-    return asyncio.run(asyncio.wait_for(first(), timeout))
 
 
 def trigger_for(layout: RunLayout, protocol: str = "bsp", **kwargs: Any) -> StragglerTrigger:

@@ -18,32 +18,12 @@ from pathlib import Path
 
 import paramiko
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import testbed as tb  # noqa: E402
+import testbed as tb
 
 pytestmark = pytest.mark.testbed
 
 # Per-process names, so two test runs on one machine never take down each other's testbed.
 _RUN_ID = os.getpid() % 100000
-
-# Run inside a host: connect COUNT times to ADDRESS:PORT and print the fastest connect in ms, or the
-# name of the error ("timeout", "ConnectionRefusedError", ...) when the first attempt fails.
-_CONNECT_SCRIPT = """
-import socket, sys, time
-address, port, count, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-best = None
-for _ in range(count):
-    start = time.perf_counter()
-    try:
-        socket.create_connection((address, port), timeout=timeout).close()
-    except OSError as exc:
-        print("timeout" if isinstance(exc, TimeoutError) else type(exc).__name__)
-        sys.exit(0)
-    elapsed = (time.perf_counter() - start) * 1000
-    best = elapsed if best is None else min(best, elapsed)
-print(best)
-"""
 
 # Run inside a host: accept connections on ADDRESS:PORT and read them to the end.
 _SINK_SCRIPT = """
@@ -101,27 +81,10 @@ def _in_host(
     return proc.stdout.strip()
 
 
-def _connect(
-    bed: tb.Testbed,
-    from_host: tb.TestHost | tb.OutsideNamespace | str,
-    address: str,
-    port: int,
-    *,
-    count: int = 1,
-    timeout: float = 2.0,
-) -> float | str:
-    """Fastest of `count` TCP connects from a host, in ms; the error's name when one fails."""
-    result = _in_host(bed, from_host, _CONNECT_SCRIPT, address, port, count, timeout)
-    try:
-        return float(result)
-    except ValueError:
-        return result
-
-
 def _start_sink(bed: tb.Testbed, host: tb.TestHost, port: int) -> subprocess.Popen:
     sink = bed.popen(host, [sys.executable, "-c", _SINK_SCRIPT, "0.0.0.0", str(port)])
     deadline = time.monotonic() + 10
-    while not isinstance(_connect(bed, host, host.address, port), float):
+    while not isinstance(bed.connect_ms(host, host.address, port), float):
         assert time.monotonic() < deadline, f"sink on {host.name}:{port} never listened"
         time.sleep(0.05)
     return sink
@@ -168,8 +131,8 @@ def test_hosts_are_reachable_from_this_machine_and_from_each_other(bed: tb.Testb
     for host in bed.hosts:
         with socket.create_connection((host.address, host.ssh_port), timeout=5) as conn:
             assert conn.recv(4) == b"SSH-"
-    assert isinstance(_connect(bed, h0, h1.address, 22), float)
-    assert isinstance(_connect(bed, h2, h0.address, 22), float)
+    assert isinstance(bed.connect_ms(h0, h1.address, 22), float)
+    assert isinstance(bed.connect_ms(h2, h0.address, 22), float)
 
 
 def test_ssh_login_runs_commands_in_the_hosts_namespace(bed: tb.Testbed) -> None:
@@ -213,10 +176,10 @@ def test_processes_are_the_hosts_own(bed: tb.Testbed) -> None:
 
 def test_delay_raises_the_round_trip_by_twice_the_one_way_delay(bed: tb.Testbed) -> None:
     h0, h1, _ = bed.hosts
-    before = _connect(bed, h0, h1.address, 22, count=5)
+    before = bed.connect_ms(h0, h1.address, 22, count=5)
     bed.set_link(h1, delay_ms=20)
     try:
-        shaped = _connect(bed, h0, h1.address, 22, count=5)
+        shaped = bed.connect_ms(h0, h1.address, 22, count=5)
     finally:
         bed.clear_link(h1)
     assert isinstance(before, float) and isinstance(shaped, float), (before, shaped)
@@ -245,7 +208,7 @@ def test_profiles_shape_and_clear(bed: tb.Testbed) -> None:
     try:
         assert bed.links[host.name] == tb.LinkShape(**tb.PROFILES["cross-region"])
         assert tb.Testbed.existing(bed.name).links == bed.links
-        assert isinstance(_connect(bed, bed.hosts[0], host.address, 22), float)
+        assert isinstance(bed.connect_ms(bed.hosts[0], host.address, 22), float)
     finally:
         bed.clear_link(host)
     assert host.name not in bed.links
@@ -258,10 +221,10 @@ def test_a_killed_host_is_gone_and_can_be_revived(bed: tb.Testbed) -> None:
         bed.kill_host(h2)
         assert bed.processes(h2) == []
         assert sleeper.wait(timeout=5) == -9
-        assert _connect(bed, h0, h2.address, 22, timeout=1.0) == "timeout"
+        assert bed.connect_ms(h0, h2.address, 22, timeout=1.0) == "timeout"
     finally:
         bed.revive_host(h2)
-    assert isinstance(_connect(bed, h0, h2.address, 22), float)
+    assert isinstance(bed.connect_ms(h0, h2.address, 22), float)
 
 
 def test_outside_namespace_cannot_reach_a_host_port(bed: tb.Testbed) -> None:
@@ -273,10 +236,10 @@ def test_outside_namespace_cannot_reach_a_host_port(bed: tb.Testbed) -> None:
         with socket.create_server((bed.gateway, 0)) as on_this_machine:
             gateway_port = on_this_machine.getsockname()[1]
             # The outside is routed through this machine: the gateway, a local address, answers...
-            assert isinstance(_connect(bed, outside, bed.gateway, gateway_port), float)
+            assert isinstance(bed.connect_ms(outside, bed.gateway, gateway_port), float)
         # ...another host reaches the port, and the outside does not even get a refusal from it.
-        assert isinstance(_connect(bed, h0, h1.address, port), float)
-        assert _connect(bed, outside, h1.address, port, timeout=1.0) in ("timeout", "OSError")
+        assert isinstance(bed.connect_ms(h0, h1.address, port), float)
+        assert bed.connect_ms(outside, h1.address, port, timeout=1.0) in ("timeout", "OSError")
     finally:
         _stop(sink)
 
