@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from syncswitch.spec import ONLINE_POLICIES
+from syncswitch.fields import ONLINE_POLICIES
 from syncswitch_airflow.detector import Verdict
 from syncswitch_airflow.policies import (
     POLICY_NAMES,

@@ -31,6 +31,7 @@ from typing import Any, NoReturn, TextIO
 from syncswitch import storage
 from syncswitch.costs import cost_headline
 from syncswitch.events import EventTail
+from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
@@ -47,38 +48,7 @@ _TEARDOWN_WAIT_SECONDS = 120.0
 _AIRFLOW_RESTARTS = 3
 _FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
-# Flags of the original main.py -> JobSpec fields. nargs "+" flags take one value per segment.
-ORIGINAL_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--job-name": ("job_name", {}),
-    "--num-ps": ("num_ps", {}),
-    "--num-worker": ("num_workers", {}),
-    "--bucket-dir": ("bucket_dir", {}),
-    "--model": ("model", {}),
-    "--hparam-set": ("hparam_set", {}),
-    "--problem": ("problem", {}),
-    "--data-dir": ("data_dir", {}),
-    "--train-steps": ("train_steps", {"nargs": "+"}),
-    "--ckpt-frequency": ("ckpt_frequency", {"nargs": "+"}),
-    "--switch-order": ("switch_order", {}),
-    "--hparams": ("hparams", {"nargs": "+"}),
-}
-NEW_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--total-steps": ("total_steps", {}),
-    "--bsp-fraction": ("bsp_fraction", {}),
-    "--momentum-rule": ("momentum_rule", {}),
-    "--online-policy": ("online_policy", {}),
-    "--straggler": (
-        "stragglers",
-        {"action": "append", "metavar": "worker=1,start=20,duration=60,slowdown=4|delay_ms=30"},
-    ),
-    "--max-online-switches": ("max_online_switches", {}),
-    "--cluster-backend": ("cluster_backend", {}),
-    "--host": ("hosts", {"action": "append", "metavar": "address=10.0.0.2,key=/path/to/key[,role=worker]"}),
-    "--gce": ("gce", {"metavar": "project=p;zones=us-central1-a;gpus=k80 k80 p100 v100"}),
-    "--seed": ("seed", {}),
-    # tensor2tensor's --t2t_usr_dir: user code registering models, problems and hparam sets.
-    "--usr-dir": ("usr_dir", {"metavar": "FOLDER|FILE.py|MODULE"}),
-}
+# Flags of the original main.py that this command takes and ignores (the backend names the cluster).
 IGNORED_FLAGS = ("--cluster-name", "--eval-name")
 
 
@@ -105,15 +75,13 @@ class RunOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    job = parser.add_argument_group("job (the original main.py flags; dashes or underscores)")
-    for flag, (dest, kwargs) in ORIGINAL_FLAGS.items():
-        extra = ("--num-workers",) if flag == "--num-worker" else ()
-        job.add_argument(*_aliases(flag, *extra), dest=dest, default=None, **kwargs)
+    original = parser.add_argument_group("job: the original main.py flags (dashes or underscores)")
+    new = parser.add_argument_group("job: the new fields")
+    for field in FIELDS:
+        group = original if field.original_flag else new
+        group.add_argument(*field_flags(field), dest=field.name, default=None, **_flag_kwargs(field))
     for flag in IGNORED_FLAGS:
-        job.add_argument(*_aliases(flag), default=None, help="accepted and ignored")
-    new = parser.add_argument_group("new parameters")
-    for flag, (dest, kwargs) in NEW_FLAGS.items():
-        new.add_argument(*_aliases(flag), dest=dest, default=None, **kwargs)
+        original.add_argument(*_aliases(flag), default=None, help="accepted and ignored")
     cli = parser.add_argument_group("this command")
     cli.add_argument(
         "--keep-ui", action="store_true", help="leave Airflow running; print the UI URL and login"
@@ -133,6 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def field_flags(field: Field) -> list[str]:
+    """A field's flags: its own (the original's spelling where it had one), then its name's; a
+    switch (--pin-cores / --no-pin-cores) only with dashes."""
+    if field.type == "boolean":
+        return [field.flag]
+    return _aliases(field.flag, "--" + field.name.replace("_", "-"))
+
+
+def _flag_kwargs(field: Field) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"help": field.description.replace("%", "%%")}
+    if field.type == "boolean":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif field.repeat_flag:
+        kwargs["action"] = "append"
+    elif field.type == "array":
+        kwargs["nargs"] = "+"
+    # No argparse choices: JobSpec names the field and its accepted values in one line.
+    if field.metavar:
+        kwargs["metavar"] = field.metavar
+    return kwargs
+
+
 def _aliases(*flags: str) -> list[str]:
     """Each flag with dashes and with underscores (the original main.py used both spellings)."""
     names: list[str] = []
@@ -146,10 +136,10 @@ def _aliases(*flags: str) -> list[str]:
 def conf_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The raw params the user gave (absent flags are left to JobSpec's defaults)."""
     conf: dict[str, Any] = {}
-    for dest, _kwargs in (*ORIGINAL_FLAGS.values(), *NEW_FLAGS.values()):
-        value = getattr(args, dest)
+    for field in FIELDS:
+        value = getattr(args, field.name)
         if value is not None:
-            conf[dest] = value
+            conf[field.name] = value
     if conf.get("usr_dir") and os.path.exists(conf["usr_dir"]):
         # The Airflow tasks and the cluster do not run in this shell's folder.
         conf["usr_dir"] = os.path.abspath(conf["usr_dir"])
@@ -199,10 +189,9 @@ def dag_conf(spec: JobSpec) -> dict[str, Any]:
 
 
 def flag_for(field_name: str) -> str:
-    for flag, (dest, _kwargs) in (*ORIGINAL_FLAGS.items(), *NEW_FLAGS.items()):
-        if dest == field_name or (field_name == "straggler" and dest == "stragglers"):
-            return flag
-    return "--" + field_name.replace("_", "-")
+    """The flag that sets a field named in an error ("switch_order/max_online_switches": the first)."""
+    field = FIELDS_BY_NAME.get(field_name.split("/")[0].split(".")[0])
+    return field.flag if field else "--" + field_name.replace("_", "-")
 
 
 # ---- main ---------------------------------------------------------------------------------------

@@ -23,17 +23,15 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
+from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
-MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
-ONLINE_POLICIES = ("none", "greedy", "elastic")
-TIMING_POLICIES = ("fixed", "search")
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
 _BUILTIN_IMAGE_MODELS = {"cnn": ("digits",), "resnet": ("image_cifar10", "image_cifar100", "synthetic_cifar")}
-_JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -307,6 +305,8 @@ class JobSpec:
             values[name] = _float(name, values[name])
         for name in ("pin_cores", "evaluate_segments", "evaluate_checkpoints"):
             values[name] = _bool(name, values[name])
+        for field in FIELDS:  # each field's bounds and accepted values, from the one table
+            field.check(values[field.name])
         spec = cls(**values)
         spec.validate()
         return spec
@@ -332,26 +332,14 @@ class JobSpec:
                     f"has {len(self.train_steps)} values but switch_order "
                     f"{self.switch_order!r} has {n} segments",
                 )
-            if any(s < 1 for s in self.train_steps):
-                raise SpecError("train_steps", "every value must be >= 1")
         else:
             if self.total_steps < n:
                 raise SpecError("total_steps", f"must be >= the number of segments ({n})")
-            if not 0.0 <= self.bsp_fraction <= 1.0:
-                raise SpecError("bsp_fraction", f"must be in [0, 1], got {self.bsp_fraction}")
         for name, values in (("ckpt_frequency", self.ckpt_frequency), ("hparams", self.hparams)):
             if len(values) not in (1, n):
                 raise SpecError(name, f"needs 1 value or one per segment ({n}), got {len(values)}")
-        if any(f < 0 for f in self.ckpt_frequency):
-            raise SpecError("ckpt_frequency", "values must be >= 0 (0 = only at segment end)")
-        if not 1 <= self.num_workers <= 64:
-            raise SpecError("num_workers", f"must be in 1..64, got {self.num_workers}")
-        if not 1 <= self.num_ps <= 16:
-            raise SpecError("num_ps", f"must be in 1..16, got {self.num_ps}")
         self._validate_names()
         self._validate_hosts()
-        _choice("momentum_rule", self.momentum_rule, MOMENTUM_RULES)
-        _choice("online_policy", self.online_policy, ONLINE_POLICIES)
         self._validate_timing()
         if self.problem in ("image_cifar10", "image_cifar100") and not self.data_dir:
             raise SpecError("data_dir", f"problem {self.problem!r} needs a data_dir (local path or gs://)")
@@ -362,12 +350,6 @@ class JobSpec:
             )
         if self.model == "resnet" and self.problem == "digits":
             raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
-        if not self.stall_seconds >= 10:
-            raise SpecError(
-                "stall_seconds", f"must be >= 10 (seconds without a new step), got {self.stall_seconds}"
-            )
-        if self.max_online_switches < 0:
-            raise SpecError("max_online_switches", "must be >= 0")
         if n + self.max_online_switches > plans.MAX_SEGMENTS:
             raise SpecError(
                 "switch_order/max_online_switches",
@@ -375,8 +357,6 @@ class JobSpec:
                 f"{plans.MAX_SEGMENTS} segments a run may have; shorten switch_order or lower "
                 "max_online_switches",
             )
-        if self.momentum_ramp_steps < 0:
-            raise SpecError("momentum_ramp_steps", "must be >= 0")
         for s in self.stragglers:
             if s.worker >= self.num_workers:
                 raise SpecError(
@@ -442,15 +422,6 @@ class JobSpec:
             )
 
     def _validate_timing(self) -> None:
-        _choice("timing_policy", self.timing_policy, TIMING_POLICIES)
-        if self.timing_repeats < 1:
-            raise SpecError("timing_repeats", f"must be an integer >= 1, got {self.timing_repeats}")
-        if not self.timing_tolerance >= 0:
-            raise SpecError("timing_tolerance", f"must be a number >= 0, got {self.timing_tolerance}")
-        if not 0 < self.timing_floor <= 0.5:
-            raise SpecError("timing_floor", f"must be a number in (0, 0.5], got {self.timing_floor}")
-        if self.timing_refine < 0:
-            raise SpecError("timing_refine", f"must be an integer >= 0, got {self.timing_refine}")
         if self.timing_policy == "search":
             # The policy chooses the BSP share of one BSP-then-ASP job, as the paper's search did.
             if self.switch_order != "10":
@@ -647,8 +618,3 @@ def _bool(name: str, value: Any) -> bool:
     if str(value).lower() in ("false", "0", "no"):
         return False
     raise SpecError(name, f"must be true or false, got {value!r}")
-
-
-def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        raise SpecError(name, f"{value!r} is not one of: {', '.join(accepted)}")

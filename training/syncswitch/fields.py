@@ -1,0 +1,357 @@
+"""The job's fields, each declared once: its type, bounds, accepted values, title, description, flag.
+
+``JobSpec`` (spec.py) holds a job's values and the rules between fields; this table holds what each
+field accepts on its own and how people set it. Generated from it:
+
+- the ``sync_switch`` DAG's Params, which render the Trigger form and check REST conf
+  (``syncswitch_airflow.dag_params``);
+- the flags of ``syncswitch run``, the original main.py's spellings included
+  (``syncswitch_airflow.cli``);
+- the per-field checks of ``JobSpec.from_params`` (bounds and accepted values, ``check``).
+
+tests/test_fields.py checks that the three agree for every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from syncswitch import plan as plans
+from syncswitch.errors import SpecError
+
+MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
+ONLINE_POLICIES = ("none", "greedy", "elastic")
+TIMING_POLICIES = ("fixed", "search")
+JOB_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+# Four or five k=v pairs; StragglerSpec.parse checks the keys and values and names what is wrong.
+STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One job field. ``type`` is its JSON-schema type; an array's items are ``items``."""
+
+    name: str
+    type: str  # string | integer | number | boolean | array | object
+    title: str
+    description: str
+    items: str = ""  # an array's item type: integer | string
+    minimum: float | None = None  # of the value, or of every item of an array
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    choices: tuple[str, ...] = ()  # the accepted values
+    registry: str = ""  # a name registered under this kind (syncswitch.registry)
+    pattern: str = ""  # of a string, or of every item of a string array
+    nullable: bool = False  # may be left empty in the form (null): the default applies
+    original_flag: str = ""  # the original main.py's spelling, where it had the field
+    repeat_flag: str = ""  # a flag given once per item (--host a --host b) instead of one flag with N values
+    metavar: str = ""
+    per_segment: bool = False  # an array of one value, or one per segment
+
+    @property
+    def flag(self) -> str:
+        """The flag of ``syncswitch run``: the original's spelling, else the field's name."""
+        return self.repeat_flag or self.original_flag or "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> None:
+        """Raise SpecError unless a parsed value is within the field's bounds and accepted values."""
+        values = value if self.type == "array" else (value,)
+        for item in values:
+            if self.choices and item not in self.choices:
+                raise SpecError(self.name, f"{item!r} is not one of: {', '.join(self.choices)}")
+            if isinstance(item, int | float) and not isinstance(item, bool) and not self._in_bounds(item):
+                raise SpecError(self.name, f"must be {self.bounds_text()}, got {item}")
+
+    def _in_bounds(self, number: float) -> bool:
+        if self.minimum is not None and (
+            number <= self.minimum if self.exclusive_minimum else number < self.minimum
+        ):
+            return False
+        return self.maximum is None or number <= self.maximum
+
+    def bounds_text(self) -> str:
+        """``in 1..64``, ``>= 0``, ``in (0, 0.5]``: what the bounds allow, for error messages."""
+        low, high = _number_text(self.minimum), _number_text(self.maximum)
+        if self.minimum is not None and self.maximum is not None:
+            if self.exclusive_minimum:
+                return f"in ({low}, {high}]"
+            return f"in {low}..{high}" if self.type == "integer" else f"in [{low}, {high}]"
+        if self.minimum is not None:
+            return f"> {low}" if self.exclusive_minimum else f">= {low}"
+        return f"<= {high}"
+
+
+def _number_text(number: float | None) -> str:
+    return "" if number is None else f"{number:g}"
+
+
+FIELDS: tuple[Field, ...] = (
+    Field(
+        "job_name",
+        "string",
+        "Job name",
+        "Names the run folder <bucket_dir>/<job_name>/<run_id>/: lowercase letters, digits and '-'.",
+        pattern=JOB_NAME_PATTERN,
+        original_flag="--job-name",
+    ),
+    Field(
+        "switch_order",
+        "string",
+        "Switch order",
+        "One digit per segment: 1 = BSP (synchronous), 0 = ASP (asynchronous). "
+        "'10' trains BSP, then switches to ASP.",
+        pattern=r"^[01]+$",
+        original_flag="--switch-order",
+    ),
+    Field(
+        "train_steps",
+        "array",
+        "Steps per segment",
+        "BSP-equivalent steps for each segment, as in the original (one per switch_order digit). "
+        "Leave empty to split total_steps by bsp_fraction.",
+        items="integer",
+        minimum=1,
+        original_flag="--train-steps",
+    ),
+    Field(
+        "total_steps",
+        "integer",
+        "Total steps",
+        "The whole workload in BSP-equivalent steps (used when train_steps is empty).",
+        minimum=1,
+    ),
+    Field(
+        "bsp_fraction",
+        "number",
+        "BSP fraction",
+        "Share of total_steps trained with BSP (split evenly over the BSP segments).",
+        minimum=0,
+        maximum=1,
+    ),
+    Field(
+        "ckpt_frequency",
+        "array",
+        "Checkpoint frequency",
+        "Steps between checkpoints, one value for all segments or one per segment (0 = only at segment end).",
+        items="integer",
+        minimum=0,
+        original_flag="--ckpt-frequency",
+        per_segment=True,
+    ),
+    Field(
+        "hparams",
+        "array",
+        "Hyper-parameter overrides",
+        "k=v,k=v overrides of hparam_set (tensor2tensor names), one string for all "
+        "segments or one per segment.",
+        items="string",
+        original_flag="--hparams",
+        per_segment=True,
+    ),
+    Field(
+        "num_workers",
+        "integer",
+        "Workers",
+        "Training workers in the cluster.",
+        minimum=1,
+        maximum=64,
+        original_flag="--num-worker",
+    ),
+    Field(
+        "num_ps",
+        "integer",
+        "Parameter servers",
+        "Parameter servers (used by ASP segments).",
+        minimum=1,
+        maximum=16,
+        original_flag="--num-ps",
+    ),
+    Field(
+        "model",
+        "string",
+        "Model",
+        "A registered model: cnn for digits, resnet for the CIFAR problems, or one of usr_dir's.",
+        registry="model",
+        original_flag="--model",
+    ),
+    Field(
+        "hparam_set",
+        "string",
+        "Hyper-parameter set",
+        "A registered set for the model.",
+        registry="hparams",
+        original_flag="--hparam-set",
+    ),
+    Field(
+        "problem",
+        "string",
+        "Problem",
+        "A registered problem (dataset).",
+        registry="problem",
+        original_flag="--problem",
+    ),
+    Field(
+        "usr_dir",
+        "string",
+        "User code",
+        "A package folder, .py file or module name that registers models, problems "
+        "and hparam sets (tensor2tensor's t2t_usr_dir); checked on one batch before provisioning. "
+        "See docs/bring-your-own-model.md.",
+        nullable=True,
+        metavar="FOLDER|FILE.py|MODULE",
+    ),
+    Field(
+        "data_dir",
+        "string",
+        "Data folder",
+        "Local folder or gs:// URI with the dataset (needed by image_cifar10/100; "
+        "may be a template, e.g. gs://bucket/cifar/{{ ds }}). Empty for the bundled digits.",
+        # Optional: an empty required string would keep the Trigger form from submitting.
+        nullable=True,
+        original_flag="--data-dir",
+    ),
+    Field(
+        "bucket_dir",
+        "string",
+        "Bucket folder",
+        "Where run folders go: a local folder, or gs://bucket/prefix for GCS.",
+        original_flag="--bucket-dir",
+    ),
+    Field(
+        "cluster_backend",
+        "string",
+        "Cluster backend",
+        "Where the training processes run: local (this machine), hosts (the hosts below, over SSH) "
+        "or gce (Compute Engine VMs created for the run, see gce).",
+        registry="backend",
+    ),
+    Field(
+        "hosts",
+        "array",
+        "Hosts",
+        "cluster_backend hosts: one item per host, address=10.0.0.2,key=/path/to/ssh-key "
+        "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1]. The key is a path on "
+        "the Airflow worker; its contents never leave it. Needs a gs:// bucket_dir.",
+        items="string",
+        repeat_flag="--host",
+        metavar="address=10.0.0.2,key=/path/to/key[,role=worker]",
+    ),
+    Field(
+        "gce",
+        "object",
+        "Compute Engine",
+        "cluster_backend gce: {project, zones (one, or one per worker), machine_types, gpus "
+        "(e.g. [k80, k80, p100, v100:2] or none), ps_machine_type, spot (roles: worker, ps), network, "
+        "subnetwork, image, python, ssh_user, max_run_seconds, on_revocation (replace|shrink), disk_gb}. "
+        "The chief VM (worker 0) is always on-demand. Needs a gs:// bucket_dir.",
+        metavar="project=p;zones=us-central1-a;gpus=k80 k80 p100 v100",
+    ),
+    Field(
+        "momentum_rule",
+        "string",
+        "Momentum rule",
+        "Momentum after a switch to ASP: keep, zero, scaled (m/N) or ramped (m/N back up to m).",
+        choices=MOMENTUM_RULES,
+    ),
+    Field(
+        "momentum_ramp_steps",
+        "integer",
+        "Momentum ramp steps",
+        "Steps of the 'ramped' rule.",
+        minimum=0,
+    ),
+    Field(
+        "online_policy",
+        "string",
+        "Online policy",
+        "Reaction to stragglers: none, greedy (ASP while one persists) or elastic (switch only "
+        "when it pays off).",
+        choices=ONLINE_POLICIES,
+    ),
+    Field(
+        "max_online_switches",
+        "integer",
+        "Max online switches",
+        f"Cap on switches added at run time; planned segments + this must be <= {plans.MAX_SEGMENTS}.",
+        minimum=0,
+        maximum=plans.MAX_SEGMENTS - 1,
+    ),
+    Field(
+        "stragglers",
+        "array",
+        "Injected stragglers",
+        "One item per slow worker: worker=1,start=20,duration=60,slowdown=4 (CPU: times "
+        "slower) or worker=1,start=20,duration=60,delay_ms=30 (network: ms added to every round trip "
+        "of the worker's link; hosts or gce backends), optionally every=120 to repeat; seconds after "
+        "the first BSP segment starts.",
+        items="string",
+        pattern=STRAGGLER_PATTERN,
+        repeat_flag="--straggler",
+        metavar="worker=1,start=20,duration=60,slowdown=4|delay_ms=30",
+    ),
+    Field("seed", "integer", "Seed", "Random seed.", minimum=0),
+    Field("pin_cores", "boolean", "Pin cores", "Pin each process to one core."),
+    Field(
+        "evaluate_checkpoints",
+        "boolean",
+        "Evaluate every checkpoint",
+        "Test accuracy at every checkpoint: an accuracy-over-time curve, and time to a "
+        "target accuracy in comparisons (its seconds are subtracted from training time).",
+    ),
+    Field(
+        "stall_seconds",
+        "number",
+        "Stall limit (s)",
+        "A segment whose global step does not move for this long (or for 20x its usual "
+        "time between steps, if longer) is stopped and retried from its last checkpoint.",
+        minimum=10,
+    ),
+    Field(
+        "timing_policy",
+        "string",
+        "Timing policy",
+        "fixed: train bsp_fraction as given. search: the job's history chooses it (BSP baseline runs, "
+        "then a halving search 0.5, 0.25, ... accepted while accuracy holds, then the smallest "
+        "accepted fraction); needs switch_order '10'.",
+        choices=TIMING_POLICIES,
+    ),
+    Field(
+        "timing_repeats",
+        "integer",
+        "Timing: runs per candidate",
+        "k runs of each fraction.",
+        minimum=1,
+    ),
+    Field(
+        "timing_tolerance",
+        "number",
+        "Timing: accuracy tolerance",
+        "A fraction is accepted while its mean accuracy >= the BSP baseline's mean - this.",
+        minimum=0,
+    ),
+    Field(
+        "timing_floor",
+        "number",
+        "Timing: smallest fraction",
+        "The search stops below this BSP fraction.",
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=0.5,
+    ),
+    Field(
+        "timing_refine",
+        "integer",
+        "Timing: refinement steps",
+        "Bisections after the first rejection (0 = off).",
+        minimum=0,
+    ),
+    Field(
+        "evaluate_segments",
+        "boolean",
+        "Evaluate each segment",
+        "Test accuracy at the end of every segment, not only the final one.",
+    ),
+)
+
+FIELDS_BY_NAME = {field.name: field for field in FIELDS}
