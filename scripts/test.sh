@@ -9,7 +9,9 @@ source scripts/_uv.sh
 # shellcheck source=scripts/_system_deps.sh
 source scripts/_system_deps.sh
 uv run --frozen ruff check .
-# Every module the product imports is declared, and every declared package is imported.
-uv run --frozen deptry training plugins dags
+# Each distribution declares every module it imports, and imports every package it declares:
+# the runtime (training/), then the Airflow provider (plugins/ and the DAGs it ships).
+uv run --frozen deptry training --config training/pyproject.toml
+uv run --frozen deptry plugins dags --config plugins/pyproject.toml
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
 exec uv run --frozen pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -171,7 +171,9 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
 
 
 def default_project_dir() -> Path:
-    """The checkout this package is installed from (editable install), else the current folder."""
+    """The checkout this package is installed from (editable install), else the current folder (an
+    installed package: the embedded Airflow then serves the DAG files the package carries, and runs,
+    job files and the Airflow home live in this folder)."""
     checkout = Path(__file__).resolve().parents[2]
     return checkout if (checkout / "dags").is_dir() else Path.cwd()
 

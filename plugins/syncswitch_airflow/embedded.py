@@ -79,6 +79,11 @@ class InstanceRecord:
     started_at: float
 
 
+# The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
+# there); a checkout serves its own dags/ instead.
+PACKAGED_DAGS = Path(__file__).resolve().parent / "dags"
+
+
 class EmbeddedAirflow:
     """One supervised Airflow (a process group) serving ``project_dir``'s DAGs on 127.0.0.1."""
 
@@ -95,7 +100,9 @@ class EmbeddedAirflow:
         self.requested_port = port
         self.settings_overrides = dict(settings or {})
         self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
-        self.dags_folder = self.project_dir / "dags"
+        # A checkout's dags/, else (an installed package run from any folder) the DAG files it carries.
+        own_dags = self.project_dir / "dags"
+        self.dags_folder = own_dags if own_dags.is_dir() else PACKAGED_DAGS
         self.plugins_folder = self.project_dir / "plugins"
         self.log_path = self.home / "embedded.log"
         self.pid_file = self.home / "embedded.json"
@@ -173,6 +180,7 @@ class EmbeddedAirflow:
             # Every component signs and checks task and API tokens with the same key; Airflow's own
             # generated one is short enough to log an InsecureKeyLengthWarning on every request.
             "API_AUTH__JWT_SECRET": self._jwt_secret(),
+            **self._project_settings(),
             **self.settings_overrides,
         }
         env = dict(os.environ)
@@ -186,6 +194,16 @@ class EmbeddedAirflow:
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+    def _project_settings(self) -> dict[str, str]:
+        """The packaged DAG files sit in site-packages, so their folder cannot hold runs and job files:
+        those default to the project folder (where ``syncswitch run`` was started)."""
+        if self.dags_folder != PACKAGED_DAGS:
+            return {}
+        return {
+            "SYNCSWITCH__BUCKET_DIR": str(self.project_dir / "runs"),
+            "SYNCSWITCH__JOBS_DIR": str(self.project_dir / "jobs"),
+        }
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Any
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.settings import provider_config
 
-PACKAGE_NAME = "syncswitch"  # the distribution (pyproject.toml [project] name)
+PACKAGE_NAME = "airflow-provider-syncswitch"  # the distribution (plugins/pyproject.toml [project] name)
 INTEGRATION = "Sync-Switch"
 OPERATOR_MODULES = ("cluster", "job", "segment", "timing", "finalize")
 TRIGGER_MODULES = ("capacity", "segment", "straggler")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -260,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in runtime:
         return runtime[argv[0]](argv[1:])
     module, _, function = PIPELINE_COMMANDS[argv[0]].partition(":")
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        print(
+            f"syncswitch {argv[0]}: needs the Airflow provider (pip install airflow-provider-syncswitch); "
+            "this environment has the training runtime only",
+            file=sys.stderr,
+        )
+        return 2
     return getattr(importlib.import_module(module), function)(argv[1:])
 
 
