@@ -175,3 +175,21 @@ def test_shrinking_keeps_the_global_batch_so_steps_and_the_learning_rate_stay() 
         assert shrunk.num_workers == expected and shrunk.global_batch() == total
         assert shrunk.resolved_hparams().learning_rate == segment.resolved_hparams().learning_rate
     assert segment.on_workers(4) is segment
+
+
+def test_the_vms_install_the_runtimes_locked_versions() -> None:
+    """The metadata carries the runtime's requirements.txt (the lock's pins), and the startup script
+    installs from it, never a bare package name."""
+    from syncswitch.layout import RunLayout
+    from syncswitch.requirements import locked_versions, requirements_text
+    from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, _metadata
+
+    spec = job()
+    metadata = _metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k")
+    assert metadata["syncswitch-requirements"] == requirements_text()
+    assert ("tensorflow-cpu", "2.21.0", False) in locked_versions()
+    assert len(metadata["syncswitch-requirements"].encode()) < 256 * 1024  # a metadata value's limit
+    script = STARTUP_SCRIPT.read_text()
+    installs = [line.strip() for line in script.splitlines() if "pip\" install" in line]
+    assert installs == ['"$VENV/bin/pip" install -q -r /tmp/syncswitch-requirements.txt'], installs
+    assert "attribute syncswitch-requirements > /tmp/syncswitch-requirements.txt" in script

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import syncswitch
 import testbed as tb
 from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
 from conftest import GcsEmulator, new_bucket, storage_on_gateway
@@ -172,6 +173,16 @@ def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_ho
     missing = good[0].replace(bed.key_path, str(tmp_path / "nope"))
     with pytest.raises(ClusterError, match=r"SSH key file .*/nope does not exist"):
         backend.provision(job(bed, bucket, hosts=[missing, good[1]], num_workers=1), layout)
+
+    # An interpreter without the lock's versions: the runtime's code, none of its dependencies.
+    bare = tmp_path / "bare-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    site = bare / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (site / "syncswitch.pth").write_text(str(Path(syncswitch.__file__).parents[1]) + "\n")
+    unpinned = f"{good[0]},python={bare}/bin/python"
+    differ = r"(?s)version check failed.*tensorflow-cpu: missing.*versions differ"
+    with pytest.raises(ClusterError, match=differ):
+        backend.provision(job(bed, bucket, hosts=[unpinned, good[1]], num_workers=1), layout)
 
     # Failed provisioning left nothing behind and gave its cluster slot back.
     assert_hosts_clean(bed)

@@ -75,12 +75,31 @@ def fresh_venv(folder: Path, constraints: Path, *wheels: Path) -> Path:
     return folder / "bin"
 
 
+# How training/syncswitch/requirements.txt is made from the lock (rerun it after `uv lock`).
+EXPORT_RUNTIME = ["export", "--frozen", "--package", RUNTIME, "--no-dev", "--no-emit-workspace"] + [
+    "--no-hashes",
+    "--no-header",
+    "--no-annotate",
+    "--quiet",
+]
+
+
+def test_the_runtimes_requirements_are_the_lock(tmp_path: Path) -> None:
+    exported = tmp_path / "requirements.txt"
+    _run([_uv(), *EXPORT_RUNTIME, "-o", exported], cwd=REPO)
+    shipped = REPO / "training" / "syncswitch" / "requirements.txt"
+    assert shipped.read_text() == exported.read_text(), (
+        f"{shipped} is out of date: uv {' '.join(EXPORT_RUNTIME)} -o {shipped.relative_to(REPO)}"
+    )
+
+
 def test_the_wheels_carry_their_parts(wheels: dict[str, Path]) -> None:
     import zipfile
 
     runtime = zipfile.ZipFile(wheels[RUNTIME]).namelist()
     provider = zipfile.ZipFile(wheels[PROVIDER]).namelist()
     assert "syncswitch/cli.py" in runtime and not any(n.startswith("syncswitch_airflow/") for n in runtime)
+    assert "syncswitch/requirements.txt" in runtime  # the lock's versions, which nodes install
     assert not any(n.startswith("syncswitch/") for n in provider)
     dags = sorted(n for n in provider if n.startswith("syncswitch_airflow/dags/"))
     assert dags == sorted(f"syncswitch_airflow/dags/{p.name}" for p in (REPO / "dags").glob("*.py"))
@@ -99,6 +118,8 @@ def test_the_runtime_wheel_trains_a_segment_without_airflow(
     )
     no_airflow, location = _run([bin_dir / "python", "-c", probe], cwd=tmp_path, env=env).stdout.split()
     assert no_airflow == "True" and location.startswith(str(tmp_path / "venv")), location
+    # Installed with the lock as constraints, it has exactly the versions its requirements.txt pins.
+    _run([bin_dir / "python", "-m", "syncswitch.requirements", "--check"], cwd=tmp_path, env=env)
     run_dir = tmp_path / "run"
     argv = [bin_dir / "syncswitch", "train", "--quiet", "--workers", "1", "--until-step", "30"]
     _run([*argv, "--ckpt-frequency", "0", "--run-dir", run_dir, "--eval"], cwd=tmp_path, env=env)

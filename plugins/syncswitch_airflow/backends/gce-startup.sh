@@ -2,8 +2,9 @@
 # Startup script of a sync-switch Compute Engine VM (metadata "startup-script"; runs as root at boot).
 #
 # Installs the training runtime where the gce backend expects it (metadata "syncswitch-python",
-# default /opt/syncswitch/.venv/bin/python): a venv with TensorFlow and the runtime package the
-# backend uploaded for this run (metadata "syncswitch-runtime", a gs:// tarball of training/syncswitch).
+# default /opt/syncswitch/.venv/bin/python): a venv with the runtime's dependencies at the lock's
+# versions (metadata "syncswitch-requirements") and the runtime package the backend uploaded for this
+# run (metadata "syncswitch-runtime", a gs:// tarball of training/syncswitch).
 # The backend waits until `python -c "import syncswitch.forkserver"` works over SSH, so the runtime
 # is unpacked last. A custom image that already has the venv skips the install (a faster boot).
 # GPU VMs need NVIDIA drivers in the image (e.g. a Deep Learning VM image); TensorFlow's CUDA wheels
@@ -16,16 +17,18 @@ attribute() {
 PYTHON="$(attribute syncswitch-python)"
 RUNTIME="$(attribute syncswitch-runtime)"
 VENV="${PYTHON%/bin/python}"
-TF_VERSION=2.21.0
 
 if [ ! -x "$PYTHON" ]; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv curl
     python3 -m venv "$VENV"
-    TF="tensorflow-cpu==${TF_VERSION}"
-    if command -v nvidia-smi >/dev/null 2>&1; then TF="tensorflow[and-cuda]==${TF_VERSION}"; fi
-    "$VENV/bin/pip" install -q "$TF" "google-cloud-storage>=2.18" "scikit-learn>=1.5" numpy paramiko \
-        "tensorflow-datasets==4.9.10"
+    # The lock's versions (metadata "syncswitch-requirements": the runtime's requirements.txt); a
+    # GPU VM takes the same TensorFlow version with its CUDA libraries instead of the CPU wheel.
+    attribute syncswitch-requirements > /tmp/syncswitch-requirements.txt
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        sed -i 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' /tmp/syncswitch-requirements.txt
+    fi
+    "$VENV/bin/pip" install -q -r /tmp/syncswitch-requirements.txt
 fi
 
 # This run's runtime, unpacked into the venv's site-packages (replacing an image's older one).

@@ -58,6 +58,7 @@ from syncswitch.gce import (
 )
 from syncswitch.hosts import HostSpec
 from syncswitch.layout import RunLayout
+from syncswitch.requirements import requirements_text
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow import settings
@@ -616,6 +617,8 @@ def _metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str
         "startup-script": STARTUP_SCRIPT.read_text(),
         "syncswitch-runtime": layout.cluster_runtime,
         "syncswitch-python": gce.python,
+        # The runtime's dependencies at the lock's versions (70 lines: well under metadata's 256 KB).
+        "syncswitch-requirements": requirements_text(),
     }
 
 

@@ -291,6 +291,9 @@ class HostsBackend:
             ready = self._server_ready(ssh, server_dir)
             if ready:
                 return ready
+            # Workers on other TensorFlow or Keras versions than the chief's would not load each
+            # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
+            ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
             env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
             command = _python(
                 host,

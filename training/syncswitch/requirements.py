@@ -1,0 +1,73 @@
+"""The runtime's locked versions: what every cluster node must run, and a check that it does.
+
+``requirements.txt`` beside this file is ``uv export --package syncswitch`` of the workspace's lock
+(regenerated with the command in tests/test_packages.py, which fails when it drifts). It travels in
+the runtime's wheel. The gce backend installs it on its VMs (the startup script); the hosts backend
+checks every host against it before it starts a fork server there, because workers that run other
+TensorFlow or Keras versions than the chief do not load each other's checkpoints reliably.
+
+    python -m syncswitch.requirements --check     # exit 1 and one line per mismatch; 0 when all match
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata, resources
+
+REQUIREMENTS_FILE = "requirements.txt"
+
+
+def requirements_text() -> str:
+    return resources.files("syncswitch").joinpath(REQUIREMENTS_FILE).read_text(encoding="utf-8")
+
+
+def locked_versions() -> list[tuple[str, str, bool]]:
+    """(distribution, version, conditional) per pin; conditional pins carry an environment marker
+    (e.g. ``; sys_platform == 'win32'``) and may rightly be absent."""
+    pins = []
+    for line in requirements_text().splitlines():
+        requirement, _, marker = line.partition(";")
+        name, sep, version = requirement.strip().partition("==")
+        if sep and not name.startswith(("#", "-")):
+            pins.append((name.strip(), version.strip(), bool(marker.strip())))
+    return pins
+
+
+def mismatches() -> list[str]:
+    """One line per pin this interpreter does not satisfy: another version, or missing."""
+    found = []
+    for name, wanted, conditional in locked_versions():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if not conditional:
+                found.append(f"{name}: missing (the lock has {wanted})")
+            continue
+        if installed != wanted:
+            found.append(f"{name}: {installed} installed, the lock has {wanted}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m syncswitch.requirements", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="compare this interpreter with the lock")
+    args = parser.parse_args(argv)
+    if not args.check:
+        print(requirements_text(), end="")
+        return 0
+    problems = mismatches()
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        # Last, so that a caller who keeps only the tail of the output still reads it.
+        print(
+            f"{len(problems)} of the lock's {len(locked_versions())} versions differ here; install them "
+            "with: python -m syncswitch.requirements > r.txt && pip install -r r.txt",
+            file=sys.stderr,
+        )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
