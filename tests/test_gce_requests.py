@@ -190,6 +190,6 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     assert ("tensorflow-cpu", "2.21.0", False) in locked_versions()
     assert len(metadata["syncswitch-requirements"].encode()) < 256 * 1024  # a metadata value's limit
     script = STARTUP_SCRIPT.read_text()
-    installs = [line.strip() for line in script.splitlines() if "pip\" install" in line]
+    installs = [line.strip() for line in script.splitlines() if 'pip" install' in line]
     assert installs == ['"$VENV/bin/pip" install -q -r /tmp/syncswitch-requirements.txt'], installs
     assert "attribute syncswitch-requirements > /tmp/syncswitch-requirements.txt" in script
