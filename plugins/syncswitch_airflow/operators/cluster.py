@@ -15,7 +15,7 @@ from syncswitch_airflow.triggers.capacity import ClusterCapacityTrigger
 
 class ProvisionClusterOperator(BaseOperator):
     """Reserve the run's cluster on the chosen backend; its handle goes into the run's state.json,
-    where the segments and the teardown read it (the one copy: nothing is kept on this worker)."""
+    its one copy, where the segments and the teardown read it."""
 
     ui_color = "#fff4e0"
 
