@@ -66,8 +66,8 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
     """Cores used by each component over ``seconds`` (processes that start or end meanwhile count
     for the part they were seen in)."""
     from syncswitch import procs
-    from syncswitch_airflow.airflow_supervisor import read_status
-    from syncswitch_airflow.embedded import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.tools.airflow_supervisor import read_status
+    from syncswitch_airflow.tools.embedded import INSTANCE_ENV, instance_marker
 
     marker = instance_marker(airflow.running_instance())
 
@@ -103,8 +103,8 @@ def wait_for_bsp_step(layout: Any, step: float, timeout: float = 600) -> None:
 
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from syncswitch.layout import RunLayout
-    from syncswitch_airflow.embedded import EmbeddedAirflow
     from syncswitch_airflow.report import load_run, summarize
+    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     airflow = EmbeddedAirflow(PROJECT_DIR, home=work / "airflow", port=0, settings=settings)
     try:

@@ -21,8 +21,8 @@ from typing import Any
 
 from _common import markdown_table
 from syncswitch_airflow import history
-from syncswitch_airflow.sweep import read_sweep
 from syncswitch_airflow.timing import TimingConfig, completion_key, decide
+from syncswitch_airflow.tools.sweep import read_sweep
 
 REPLAY_JOB = "replay"
 

@@ -16,7 +16,7 @@ from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
-from syncswitch_airflow.embedded import EmbeddedAirflow
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 DAG_ID = "sync_switch"
 
@@ -88,7 +88,7 @@ def state_of(layout: RunLayout) -> dict[str, Any]:
 
 
 def component_pid(airflow: EmbeddedAirflow, name: str) -> int:
-    from syncswitch_airflow.airflow_supervisor import read_status
+    from syncswitch_airflow.tools.airflow_supervisor import read_status
 
     status = read_status(Path(airflow.home))
     assert status is not None and status["components"][name]["running"], status
@@ -97,7 +97,7 @@ def component_pid(airflow: EmbeddedAirflow, name: str) -> int:
 
 def wait_for_restart(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout: float = 60) -> int:
     """Wait until the supervisor has replaced component ``name`` (pid ``old_pid``); the new pid."""
-    from syncswitch_airflow.airflow_supervisor import read_status
+    from syncswitch_airflow.tools.airflow_supervisor import read_status
 
     def replaced() -> bool:
         status = read_status(Path(airflow.home)) or {}

@@ -233,7 +233,7 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     whole session, with this project's dags/ and plugins/ and a private AIRFLOW_HOME; it reaches the
     session's GCS emulator. Stopped at the end, and nothing of it may be left running."""
     from syncswitch import procs
-    from syncswitch_airflow.embedded import EmbeddedAirflow
+    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     # Runs triggered with the DAG's defaults (the Trigger form) go to a throwaway bucket folder, not
     # to <project>/runs: the DAG file reads SYNCSWITCH_BUCKET_DIR when Airflow parses it.

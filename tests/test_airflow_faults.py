@@ -31,7 +31,7 @@ from airflow_runs import (
 )
 from proc_utils import assert_no_processes, wait_for
 from syncswitch import storage
-from syncswitch_airflow.embedded import EmbeddedAirflow
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 

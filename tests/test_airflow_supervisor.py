@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from proc_utils import wait_for
-from syncswitch_airflow.airflow_supervisor import rotate_log
+from syncswitch_airflow.tools.airflow_supervisor import rotate_log
 
 WRITER = """
 import sys, time

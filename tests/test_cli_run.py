@@ -18,7 +18,7 @@ from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, StragglerSpec
 from syncswitch.state import update_state
-from syncswitch_airflow.cli import ProgressPrinter, build_parser, conf_from_args, dag_conf, parse
+from syncswitch_airflow.tools.cli import ProgressPrinter, build_parser, conf_from_args, dag_conf, parse
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 

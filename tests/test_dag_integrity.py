@@ -315,3 +315,24 @@ def test_a_bad_job_file_is_an_import_error_naming_it_and_breaks_no_other_dag(
     assert path.endswith("recurring_jobs.py") and named in message, message
     assert set(bag.dag_ids) == {"job_good"}
     assert bag.dags["job_good"].schedule == datetime.timedelta(hours=6)
+
+
+def test_the_dags_and_the_task_side_never_import_the_local_tools() -> None:
+    """The folder tree's split (syncswitch_airflow/tools: the CLI, the embedded Airflow, sweeps) holds:
+    parsing every DAG file and importing every task-side package loads none of the tools."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys, pathlib\n"
+        "for path in sorted(pathlib.Path(sys.argv[1]).glob('*.py')): runpy.run_path(str(path))\n"
+        "import syncswitch_airflow.operators, syncswitch_airflow.sensors, syncswitch_airflow.hooks\n"
+        "import syncswitch_airflow.triggers.segment, syncswitch_airflow.triggers.straggler\n"
+        "import syncswitch_airflow.triggers.capacity, syncswitch_airflow.backends.gce\n"
+        "print(sorted(m for m in sys.modules if m.startswith('syncswitch_airflow.tools')))\n"
+    )
+    dags = Path(__file__).resolve().parents[1] / "dags"
+    argv = [sys.executable, "-c", code, str(dags)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

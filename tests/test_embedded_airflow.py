@@ -16,8 +16,8 @@ from urllib.parse import quote
 
 import pytest
 from proc_utils import assert_no_processes, wait_for
-from syncswitch_airflow.airflow_api import TriggerRejected
-from syncswitch_airflow.embedded import EmbeddedAirflow
+from syncswitch_airflow.tools.airflow_api import TriggerRejected
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"

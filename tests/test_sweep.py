@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from syncswitch_airflow.sweep import SweepError, read_sweep
+from syncswitch_airflow.tools.sweep import SweepError, read_sweep
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 

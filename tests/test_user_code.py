@@ -383,7 +383,7 @@ def test_a_job_files_usr_dir_is_read_beside_the_file(tmp_path: Path) -> None:
 
 
 def test_the_run_command_takes_usr_dir_and_makes_it_absolute(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    from syncswitch_airflow.cli import parse
+    from syncswitch_airflow.tools.cli import parse
 
     package = write_package(tmp_path, "cli_pkg")
     monkeypatch.chdir(tmp_path)

@@ -3,9 +3,11 @@
     syncswitch train ...   run one segment on a local process cluster (this module; no Airflow needed)
     syncswitch check ...   check a job's model, problem and hparams (user code too) on one batch
     syncswitch registry    the registered models, problems and hparam sets, and where each comes from
-    syncswitch run ...     run a whole sync_switch DAG run on an embedded Airflow (syncswitch_airflow.cli)
-    syncswitch history ... a recurring job's history and timing search state (syncswitch_airflow.history_cli)
-    syncswitch policy ...  the offline timing policy's next decision from a .jsonl history (same module)
+    syncswitch run ...     run a whole sync_switch DAG run on an embedded Airflow
+    syncswitch sweep ...   run a sweep file's configurations and compare them
+    syncswitch history ... a recurring job's history and timing search state
+    syncswitch policy ...  the offline timing policy's next decision from a .jsonl history
+(run, sweep, history and policy come with the Airflow provider: syncswitch_airflow.tools)
 
 `train` prints progress on stderr and, as the last line of stdout, one JSON object with the result.
 """
@@ -241,10 +243,10 @@ def check_main(argv: list[str]) -> int:
 # The pipeline-side commands live with the Airflow code and are imported only when used, so cluster
 # nodes, which run `train` alone, never load Airflow.
 PIPELINE_COMMANDS = {
-    "run": "syncswitch_airflow.cli:main",
-    "sweep": "syncswitch_airflow.sweep:main",
-    "history": "syncswitch_airflow.history_cli:history_main",
-    "policy": "syncswitch_airflow.history_cli:policy_main",
+    "run": "syncswitch_airflow.tools.cli:main",
+    "sweep": "syncswitch_airflow.tools.sweep:main",
+    "history": "syncswitch_airflow.tools.history_cli:history_main",
+    "policy": "syncswitch_airflow.tools.history_cli:policy_main",
 }
 
 

@@ -6,7 +6,7 @@ field accepts on its own and how people set it. Generated from it:
 - the ``sync_switch`` DAG's Params, which render the Trigger form and check REST conf
   (``syncswitch_airflow.dag_params``);
 - the flags of ``syncswitch run``, the original main.py's spellings included
-  (``syncswitch_airflow.cli``);
+  (``syncswitch_airflow.tools.cli``);
 - the per-field checks of ``JobSpec.from_params`` (bounds and accepted values, ``check``).
 
 tests/test_fields.py checks that the three agree for every field.

@@ -2,13 +2,13 @@
 
     airflow = EmbeddedAirflow(project_dir)
     airflow.start()                       # or reuse the one already running in <project>/.airflow
-    run_id = airflow.api.trigger("sync_switch", conf)     # syncswitch_airflow.airflow_api.AirflowApi
+    run_id = airflow.api.trigger("sync_switch", conf)     # syncswitch_airflow.tools.airflow_api.AirflowApi
     airflow.api.wait("sync_switch", run_id)
     airflow.stop()
 
 The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
 ``dags/`` and ``plugins/``, sized for a 2-core machine. Its components (scheduler, dag-processor,
-triggerer, api-server) run under ``syncswitch_airflow.airflow_supervisor``, which restarts any that
+triggerer, api-server) run under ``syncswitch_airflow.tools.airflow_supervisor``, which restarts any that
 dies and says so in ``embedded.log``. Every setting is passed to Airflow as an
 ``AIRFLOW__SECTION__KEY`` variable (``env()``), so ``airflow.cfg`` keeps only Airflow's generated
 secrets. This module talks to Airflow over HTTP and processes only; it never imports Airflow, so the
@@ -36,12 +36,12 @@ from typing import Any
 
 from syncswitch import procs
 
-from syncswitch_airflow.airflow_api import (
+from syncswitch_airflow.tools.airflow_api import (
     AirflowApi,
     AirflowError,
     quote,
 )
-from syncswitch_airflow.airflow_supervisor import read_status
+from syncswitch_airflow.tools.airflow_supervisor import read_status
 
 ADMIN_USER = "admin"
 # A fixed password so the CLI, the tests and the README agree on it. The API listens on 127.0.0.1
@@ -81,7 +81,7 @@ class InstanceRecord:
 
 # The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
 # there); a checkout serves its own dags/ instead.
-PACKAGED_DAGS = Path(__file__).resolve().parent / "dags"
+PACKAGED_DAGS = Path(__file__).resolve().parents[1] / "dags"
 
 
 class EmbeddedAirflow:
@@ -169,7 +169,7 @@ class EmbeddedAirflow:
             # A task whose process died with a killed scheduler is failed (and retried) after this
             # long without a heartbeat, rather than the default 5 minutes.
             "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
-            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "syncswitch_airflow.sqlite_settings.CONNECT_ARGS",
+            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "syncswitch_airflow.tools.sqlite_settings.CONNECT_ARGS",
             # Tasks talk to the api-server; when it restarts (or boots after the scheduler on a busy
             # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
             # ~15 s and failing a healthy run.
@@ -236,7 +236,7 @@ class EmbeddedAirflow:
             # Own session: stop() can wait for (and at worst SIGKILL) the whole process group, and a
             # Ctrl-C in the terminal reaches only the CLI, which then stops Airflow in order.
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "syncswitch_airflow.airflow_supervisor"],
+                [sys.executable, "-m", "syncswitch_airflow.tools.airflow_supervisor"],
                 cwd=self.project_dir,
                 env=self.env(record),
                 stdin=subprocess.DEVNULL,

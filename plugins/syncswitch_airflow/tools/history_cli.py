@@ -179,8 +179,8 @@ def _import(argv: list[str]) -> int:
 def job_file_timing(job: str) -> dict[str, Any]:
     """The timing settings of the job file of ``job`` (``jobs/<job>.yaml``, or in ``[syncswitch] jobs_dir``),
     so that the search state shown is the one the job's runs decide by; {} without a job file."""
-    from syncswitch_airflow.cli import default_project_dir
     from syncswitch_airflow.job_files import JobFileError, jobs_dir, read_job_file
+    from syncswitch_airflow.tools.cli import default_project_dir
 
     folder = jobs_dir(default_project_dir())
     for path in (folder / f"{job}.yaml", folder / f"{job}.yml"):

@@ -1,6 +1,6 @@
 """The embedded Airflow's supervisor: runs its components and restarts any that dies.
 
-    python -m syncswitch_airflow.airflow_supervisor      (started by EmbeddedAirflow, env included)
+    python -m syncswitch_airflow.tools.airflow_supervisor      (started by EmbeddedAirflow, env included)
 
 It replaces ``airflow standalone``, which starts the scheduler, dag-processor, triggerer and
 api-server once and never restarts them: a triggerer killed while a segment task was deferred left the

@@ -1,5 +1,5 @@
 """``syncswitch sweep``: an experiment as a matrix of job configs x repeats, run one after another as
-sync_switch DAG runs on the embedded Airflow, then one comparison report (syncswitch_airflow.compare).
+sync_switch DAG runs on the embedded Airflow, then one comparison report (syncswitch_airflow.tools.compare).
 
     syncswitch sweep experiments/digits-staleness.yaml [--airflow-home DIR] [--out DIR] [--keep-ui]
 
@@ -40,10 +40,10 @@ from syncswitch import storage
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.airflow_api import AirflowError
-from syncswitch_airflow.cli import DAG_ID, dag_conf, default_project_dir
-from syncswitch_airflow.embedded import EmbeddedAirflow
 from syncswitch_airflow.job_files import usr_dir_beside
+from syncswitch_airflow.tools.airflow_api import AirflowError
+from syncswitch_airflow.tools.cli import DAG_ID, dag_conf, default_project_dir
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from syncswitch_airflow.compare import RunRef, build_comparison
+    from syncswitch_airflow.tools.compare import RunRef, build_comparison
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
 """A client of one Airflow's REST API (``/api/v2``), logged in as one user: DAG runs, task instances,
-backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.embedded`` owns the
+backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.tools.embedded`` owns the
 processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``).
 """
 

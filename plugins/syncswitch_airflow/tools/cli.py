@@ -35,8 +35,8 @@ from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.airflow_api import AirflowError, TriggerRejected
-from syncswitch_airflow.embedded import ADMIN_PASSWORD, ADMIN_USER, AirflowGone, EmbeddedAirflow
+from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
+from syncswitch_airflow.tools.embedded import ADMIN_PASSWORD, ADMIN_USER, AirflowGone, EmbeddedAirflow
 
 DAG_ID = "sync_switch"
 PROG = "syncswitch run"
@@ -174,7 +174,7 @@ def default_project_dir() -> Path:
     """The checkout this package is installed from (editable install), else the current folder (an
     installed package: the embedded Airflow then serves the DAG files the package carries, and runs,
     job files and the Airflow home live in this folder)."""
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     return checkout if (checkout / "dags").is_dir() else Path.cwd()
 
 
