@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from syncswitch_airflow.report.page import fmt as report_cell
+
 # A clean stop of `syncswitch run` stops Airflow and tears the cluster down; give it that long.
 STOP_GRACE_SECONDS = 180.0
 
@@ -114,14 +116,9 @@ def tail(path: str, lines: int = 25) -> str:
 
 
 def fmt(value: Any, digits: int = 1) -> str:
-    """A table cell: numbers rounded, missing values as a dash."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
+    """A table cell as the run reports write one (numbers rounded, missing values as a dash), with
+    one decimal by default."""
+    return report_cell(value, digits)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
