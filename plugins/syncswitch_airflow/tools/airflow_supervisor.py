@@ -47,6 +47,7 @@ FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 60.0
 HEALTHY_RUN_SECONDS = 600.0  # a component that ran this long gets its backoff reset
 STOP_GRACE_SECONDS = 30.0
+LEFTOVER_GRACE_SECONDS = 10.0
 LOG_BYTES = 16 * 1024 * 1024
 NICENESS = 10
 _TICK_SECONDS = 1.0
@@ -208,8 +209,34 @@ class Supervisor:
                 log(f"{component.name} did not stop in {STOP_GRACE_SECONDS:.0f} s: SIGKILL")
                 component.process.kill()
                 component.process.wait()
+        self._stop_leftovers()
         self._set_phase("stopped")
         log("stopped")
+
+    def _stop_leftovers(self) -> None:
+        """What no component took with it (a task process or an executor worker left to us, the
+        subreaper, by a component that died or exited first) gets one SIGTERM, then SIGKILL after
+        LEFTOVER_GRACE_SECONDS, so that the instance's process group is gone when we are.
+        Detached training processes run in sessions of their own and are not touched."""
+        me = os.getpid()
+        group = os.getpgid(me)
+
+        def leftovers() -> list[int]:
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap our dead children first
+                    pass
+            return [pid for pid in procs.processes_in_group(group) if pid != me]
+
+        left = leftovers()
+        if not left:
+            return
+        log(f"stopping {len(left)} leftover process(es) of the instance: {left}")
+        for pid in left:
+            procs.signal_pid(pid, signal.SIGTERM)
+        if not procs.wait_until(lambda: not leftovers(), LEFTOVER_GRACE_SECONDS):
+            for pid in leftovers():
+                log(f"pid {pid} did not stop in {LEFTOVER_GRACE_SECONDS:.0f} s: SIGKILL")
+                procs.kill(pid)
 
     # ---- status ------------------------------------------------------------------------------
 
