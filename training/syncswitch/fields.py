@@ -47,7 +47,6 @@ class Field:
     original_flag: str = ""  # the original main.py's spelling, where it had the field
     repeat_flag: str = ""  # a flag given once per item (--host a --host b) instead of one flag with N values
     metavar: str = ""
-    per_segment: bool = False  # an array of one value, or one per segment
 
     @property
     def flag(self) -> str:
@@ -137,7 +136,6 @@ FIELDS: tuple[Field, ...] = (
         items="integer",
         minimum=0,
         original_flag="--ckpt-frequency",
-        per_segment=True,
     ),
     Field(
         "hparams",
@@ -147,7 +145,6 @@ FIELDS: tuple[Field, ...] = (
         "segments or one per segment.",
         items="string",
         original_flag="--hparams",
-        per_segment=True,
     ),
     Field(
         "num_workers",
