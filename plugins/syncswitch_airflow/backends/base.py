@@ -86,10 +86,22 @@ class ClusterCapacity:
         folder: str | os.PathLike[str],
         capacity: int,
         cluster_alive: Callable[[dict[str, Any]], bool] | None = None,
+        setting: str | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.capacity = max(int(capacity), 1)
         self.cluster_alive = cluster_alive
+        self.setting = setting  # the [syncswitch] key the capacity came from, named when all are taken
+
+    @classmethod
+    def from_setting(
+        cls,
+        folder: str | os.PathLike[str],
+        setting: str,
+        cluster_alive: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> ClusterCapacity:
+        """The capacity that ``[syncswitch] <setting>`` sets."""
+        return cls(folder, settings.get_int(setting), cluster_alive, setting)
 
     def acquire(self, run: str, cluster_dir: str) -> bool:
         """Take a free slot for ``run`` (True; also when it holds one already), or False if all are taken."""
@@ -108,13 +120,15 @@ class ClusterCapacity:
             return True
         return False
 
-    def claim(self, run: str, cluster_dir: str, what: str, capacity_setting: str) -> None:
+    def claim(self, run: str, cluster_dir: str, what: str) -> None:
         """``acquire``, or ClusterBusy naming the holders and the setting that sets the capacity."""
         if not self.acquire(run, cluster_dir):
-            env = settings.setting(capacity_setting).env
+            taken = f"all {self.capacity} {what} cluster slot(s) are taken (by {', '.join(self.holders())})"
+            if self.setting is None:
+                raise ClusterBusy(taken)
+            env = settings.setting(self.setting).env
             raise ClusterBusy(
-                f"all {self.capacity} {what} cluster slot(s) are taken (by {', '.join(self.holders())}); "
-                f"[{settings.SECTION}] {capacity_setting} (or ${env}) sets how many run at once"
+                f"{taken}; [{settings.SECTION}] {self.setting} (or ${env}) sets how many run at once"
             )
 
     def release(self, run: str) -> None:

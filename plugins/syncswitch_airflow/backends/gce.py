@@ -61,7 +61,6 @@ from syncswitch.layout import RunLayout
 from syncswitch.requirements import requirements_text
 from syncswitch.spec import JobSpec, SegmentSpec
 
-from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import ClusterCapacity, ClusterError, Handle, SegmentStatus
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
 from syncswitch_airflow.hooks.compute import ComputeHook
@@ -167,7 +166,7 @@ class GceBackend:
         return self._hook
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity(os.path.join(self.work_root, "leases-gce"), settings.get_int(CAPACITY_SETTING))
+        return ClusterCapacity.from_setting(os.path.join(self.work_root, "leases-gce"), CAPACITY_SETTING)
 
     # ---- provisioning ----------------------------------------------------------------------------
 
@@ -177,7 +176,7 @@ class GceBackend:
         run = posixpath.basename(layout.root)
         local_dir = os.path.join(self.work_root, f"gce-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "gce", CAPACITY_SETTING)
+        capacity.claim(run, local_dir, "gce")
         gce = job.gce
         plan = vm_plan(gce, job.job_name, run, job.num_workers, job.num_ps)
         cloud = {

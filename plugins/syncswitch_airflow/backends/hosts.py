@@ -212,9 +212,7 @@ class HostsBackend:
         self.work_root = os.path.abspath(work_root or default_work_root())
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity(
-            os.path.join(self.work_root, "leases-hosts"), settings.get_int(CAPACITY_SETTING)
-        )
+        return ClusterCapacity.from_setting(os.path.join(self.work_root, "leases-hosts"), CAPACITY_SETTING)
 
     # ---- cluster ---------------------------------------------------------------------------------
 
@@ -222,7 +220,7 @@ class HostsBackend:
         run = posixpath.basename(layout.root)
         local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "hosts", CAPACITY_SETTING)
+        capacity.claim(run, local_dir, "hosts")
         try:
             return self.start_cluster(job, job.hosts, layout, local_dir)
         except BaseException:

@@ -32,7 +32,6 @@ from syncswitch.layout import RunLayout
 from syncswitch.procs import mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
-from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
     CLUSTER_ENV,
     SEGMENT_ENV,
@@ -76,8 +75,8 @@ class LocalBackend:
     # ---- cluster ---------------------------------------------------------------------------------
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity(
-            os.path.join(self.work_root, "leases"), settings.get_int(CAPACITY_SETTING), _cluster_alive
+        return ClusterCapacity.from_setting(
+            os.path.join(self.work_root, "leases"), CAPACITY_SETTING, _cluster_alive
         )
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
@@ -86,7 +85,7 @@ class LocalBackend:
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, work_dir, "local", CAPACITY_SETTING)
+        capacity.claim(run, work_dir, "local")
         try:
             return self._provision(job, layout, run, work_dir)
         except BaseException:
