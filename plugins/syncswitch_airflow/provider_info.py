@@ -16,7 +16,6 @@ PACKAGE_NAME = "airflow-provider-syncswitch"  # the distribution (plugins/pyproj
 INTEGRATION = "Sync-Switch"
 OPERATOR_MODULES = ("cluster", "job", "segment", "timing", "finalize")
 TRIGGER_MODULES = ("capacity", "segment", "straggler")
-RUN_LINKS_MODULE = "syncswitch_airflow.links"
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -50,6 +49,6 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": [modules(f"triggers.{name}") for name in TRIGGER_MODULES],
             }
         ],
-        "extra-links": [f"{RUN_LINKS_MODULE}.{type(link).__name__}" for link in RUN_LINKS],
+        "extra-links": [f"{type(link).__module__}.{type(link).__qualname__}" for link in RUN_LINKS],
         "config": provider_config(),
     }
