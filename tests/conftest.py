@@ -231,7 +231,8 @@ params:
 def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
     whole session, with this project's dags/ and plugins/ and a private AIRFLOW_HOME; it reaches the
-    session's GCS emulator. Stopped at the end, and nothing of it may be left running."""
+    session's GCS emulator. Stopped at the end by ``syncswitch run --stop-ui`` (one instance serves
+    that check too: a second one costs a minute or two), and nothing of it may be left running."""
     from syncswitch import procs
     from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -257,11 +258,26 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
             else:
                 os.environ[name] = value
         record = instance.running_instance()
-        instance.stop()
+        stop_with_the_cli(instance.home)
         assert not procs.processes_with_env("AIRFLOW_HOME", str(instance.home)), "Airflow processes left"
         if record is not None:
             assert procs.processes_in_group(record.pid) == [], "the supervisor's process group is left"
         assert not instance.is_running() and not instance.pid_file.exists()
+
+
+def stop_with_the_cli(home: Path) -> None:
+    """Stop a kept UI as a user does, ``syncswitch run --stop-ui``, after the session's runs: every
+    component stops without SIGKILL, the triggerer on one SIGTERM (a second one is its "force exit")."""
+    stop = subprocess.run(
+        [str(Path(sys.executable).parent / "syncswitch"), "run", "--airflow-home", str(home), "--stop-ui"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert stop.returncode == 0 and "embedded Airflow stopped" in stop.stderr, stop.stderr
+    supervisor_log = (home / "embedded.log").read_text()
+    assert "SIGKILL" not in stop.stderr + supervisor_log, supervisor_log
+    assert "second exit signal" not in (home / "logs" / "components" / "triggerer.log").read_text()
 
 
 # ---- dag.test() runs ------------------------------------------------------------------------------

@@ -6,9 +6,13 @@ test (a tmp path, a run id, a port) rather than on a bare program name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -68,3 +72,52 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition", poll: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(poll)
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process was started with (a forked child shows its fork server's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.decode("utf-8", errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _sep, value in pairs}
+
+
+class ProgressStraggler(threading.Thread):
+    """A CPU straggler tied to a run's progress rather than to the clock: it runs the process that
+    ``find_pid`` names at 1/``slowdown`` speed (SIGSTOP/SIGCONT over 0.2 s cycles, as the launcher's
+    injector does) from the moment it appears until ``cleared()`` is true. A clock-timed episode means
+    something else on a machine twice as slow (it can end before the first training step)."""
+
+    CYCLE_SECONDS = 0.2
+
+    def __init__(
+        self, find_pid: Callable[[], int | None], cleared: Callable[[], bool], slowdown: float = 4.0
+    ) -> None:
+        super().__init__(name="progress-straggler", daemon=True)
+        self.find_pid, self.cleared, self.slowdown = find_pid, cleared, slowdown
+        self.slowed: set[int] = set()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        run_for = self.CYCLE_SECONDS / self.slowdown
+        while not self._done.is_set() and not self.cleared():
+            pid = self.find_pid()
+            if pid is None:
+                self._done.wait(0.5)
+                continue
+            self.slowed.add(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                self._done.wait(self.CYCLE_SECONDS - run_for)
+                os.kill(pid, signal.SIGCONT)
+            self._done.wait(run_for)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=10)
+        for pid in self.slowed:  # a SIGSTOPped process must not outlive the test stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
