@@ -150,3 +150,36 @@ def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> N
 def test_a_missing_server_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(forkserver.ForkServerUnavailable, match="did not answer"):
         forkserver.fork_node(str(tmp_path), [], env={}, log=str(tmp_path / "x.log"), name="x")
+
+
+def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
+    server: Path, tmp_path: Path
+) -> None:
+    """A launcher whose segment names user code runs its preflight in a child of the cluster's fork
+    server (TensorFlow imported there already); the outcome comes back, bad input with its field."""
+    from syncswitch.launcher import PreflightError, imports_user_code, warm_preflight
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
+    spec = SegmentSpec(
+        run_id="wp",
+        run_dir=str(tmp_path / "run"),
+        index=0,
+        protocol="bsp",
+        until_step=1,
+        total_steps=1,
+        model="text_embedding",
+        hparam_set="text_embedding",
+        problem="synthetic_text",
+        usr_dir=str(example),
+    )
+    assert imports_user_code(spec)
+    assert not imports_user_code(
+        spec.replace(usr_dir="", model="cnn", hparam_set="cnn_digits", problem="digits")
+    )
+    ref = forkserver.ServerRef(server_dir=str(server))
+    data_dir = warm_preflight(spec, str(tmp_path / "data"), ref, str(tmp_path / "work"))
+    assert isinstance(data_dir, str)
+    with pytest.raises(PreflightError, match="hparams"):
+        warm_preflight(
+            spec.replace(hparams="no_such_knob=1"), str(tmp_path / "data"), ref, str(tmp_path / "work")
+        )

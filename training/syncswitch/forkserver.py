@@ -18,7 +18,8 @@ Protocol: a Unix socket in the abstract namespace (no 108-byte path limit, nothi
 reachable only from this host's network namespace), and with ``--listen`` a TCP socket bound to the
 host's cluster-internal address only. One connection per node, one JSON object per line:
     client -> server  {"argv": [node args], "env": {...}, "log": PATH, "cpu": N or null, "name": "worker-1",
-                       "files": {PATH: TEXT}, "program": "node" | "linkdelay", "token": T}
+                       "files": {PATH: TEXT}, "program": "node" | "linkdelay" | "preflight",
+                       "token": T}
     server -> client  {"pid": 1234}              once the node is forked
     client -> server  {"signal": 19}             any number of times: signal the node (SIGSTOP/CONT/KILL)
     server -> client  {"returncode": 0}          when it exits (Popen's convention: -N = killed by signal N)
@@ -139,8 +140,8 @@ def _die_with_parent(signum: int = signal.SIGKILL) -> None:
 # What a forked child runs: "node" a cluster process (syncswitch.node), "linkdelay" a network
 # straggler (syncswitch.linkdelay). A link delay must restore the link when it ends, so it gets
 # SIGTERM, not SIGKILL, when its lease or the server goes away.
-PROGRAMS = ("node", "linkdelay")
-STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM}
+PROGRAMS = ("node", "linkdelay", "preflight")
+STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight": signal.SIGKILL}
 
 
 # ---- server -------------------------------------------------------------------------------------
@@ -360,6 +361,10 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
             from syncswitch import linkdelay
 
             code = linkdelay.main(request["argv"])
+        elif program == "preflight":
+            from syncswitch import launcher
+
+            code = launcher.preflight_main(request["argv"])
         else:
             from syncswitch import node
 
@@ -542,8 +547,8 @@ def fork_node(
     program: str = "node",
 ) -> ForkedProcess:
     """Ask the server (a folder on this host, or a ServerRef) to fork a child running ``program``
-    (``syncswitch.node`` or ``syncswitch.linkdelay``) with ``argv``, after writing ``files`` on the
-    server's host."""
+    (``syncswitch.node``, ``syncswitch.linkdelay``, or a launcher's preflight) with ``argv``, after
+    writing ``files`` on the server's host."""
     ref = server if isinstance(server, ServerRef) else ServerRef(server_dir=server)
     request = {
         "argv": argv,

@@ -1,6 +1,8 @@
 """Runs one segment on a cluster of processes and supervises it until it ends.
 
-    preflight()      every check that can fail on user input, before any process is spawned
+    preflight()      every check that can fail on user input, before any process is spawned;
+                     warm_preflight() runs it in a child of the cluster's fork server where it would
+                     import user code (and with it TensorFlow) in the launcher
     cluster_nodes()  where each node runs: free 127.0.0.1 ports on this host
     host_nodes()     or (``--cluster FILE``) the hosts of a ``hosts`` cluster, placed by
                      ``hosts.place_nodes``, on ports their fork servers reserve on the hosts'
@@ -30,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from syncswitch import checkpoints, forkserver, storage
+from syncswitch import checkpoints, forkserver, registry, storage
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
@@ -100,6 +102,61 @@ def preflight(spec: SegmentSpec, cache_dir: str) -> str:
         checkpoints.latest(RunLayout(spec.run_dir)), checkpoints.signature(hp, problem)
     )
     return local_data
+
+
+def imports_user_code(spec: SegmentSpec) -> bool:
+    """Whether the preflight imports code beyond the runtime's own (a usr_dir, or an installed
+    package's entry point). That code imports TensorFlow: ~6 s of a 2-core machine, per segment."""
+    builtin = registry.BUILTIN_ENTRIES
+    return bool(spec.usr_dir) or not (
+        spec.model in builtin["model"]
+        and spec.problem in builtin["problem"]
+        and spec.hparam_set in builtin["hparams"]
+    )
+
+
+def warm_preflight(spec: SegmentSpec, cache_dir: str, server: forkserver.ServerRef, work_dir: str) -> str:
+    """The preflight in a child of the cluster's fork server on this host, where TensorFlow is
+    imported already; its outcome comes back through a file. Raises what preflight raises (as a
+    PreflightError with the same message), SegmentFailed if the child died without an answer."""
+    request_dir = os.path.join(work_dir, "preflight")
+    spec_path, result_path = os.path.join(request_dir, "spec.json"), os.path.join(request_dir, "result.json")
+    log_path = os.path.join(request_dir, "preflight.log")
+    storage.delete(result_path)
+    child = forkserver.fork_node(
+        server,
+        [spec_path, cache_dir, result_path],
+        env=dict(os.environ),  # as the local nodes get it: the launcher's whole environment
+        log=log_path,
+        name="preflight",
+        files={spec_path: spec.to_json()},
+        program="preflight",
+    )
+    code = child.wait()
+    outcome = storage.read_json(result_path, default=None)
+    if outcome is None:
+        raise SegmentFailed(f"the preflight exited with {code} without an answer; see {log_path}")
+    if "error" in outcome:
+        raise PreflightError(outcome["error"])
+    return str(outcome["data_dir"])
+
+
+class PreflightError(ValueError):
+    """Bad input found by a preflight in another process: its message names the field."""
+
+
+def preflight_main(argv: list[str]) -> int:
+    """``program: preflight`` of the fork server: ``[spec.json, cache_dir, result.json]``. Writes
+    ``{"data_dir"}``, or ``{"error"}`` for bad input (anything else is a crash, in the log)."""
+    spec_path, cache_dir, result_path = argv
+    spec = SegmentSpec.from_dict(storage.read_json(spec_path))
+    try:
+        data_dir = preflight(spec, cache_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        storage.write_json(result_path, {"error": str(exc)})
+        return 1
+    storage.write_json(result_path, {"data_dir": data_dir})
+    return 0
 
 
 def cluster_nodes(spec: SegmentSpec, forkserver_dir: str) -> list[Node]:
@@ -515,11 +572,23 @@ def run_segment(
     cluster: SegmentCluster | None = None
     private_server: subprocess.Popen | None = None
     try:
-        data_dir = preflight(spec, os.path.join(work_dir, "data"))
-        storage.delete(result_uri)  # a stale result from an earlier attempt must not count
+        cache_dir = os.path.join(work_dir, "data")
         if cluster_file:
+            data_dir = preflight(spec, cache_dir)
+            storage.delete(result_uri)  # a stale result from an earlier attempt must not count
             nodes = host_nodes(spec, ClusterFile.from_dict(storage.read_json(cluster_file)))
+        elif forkserver_dir and imports_user_code(spec):
+            # User code imports TensorFlow: import it where that is done already. (On hosts the
+            # launcher still imports it itself.)
+            server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
+            server = forkserver.ServerRef(server_dir=server_dir)
+            data_dir = warm_preflight(spec, cache_dir, server, work_dir)
+            storage.delete(result_uri)
+            nodes = cluster_nodes(spec, server_dir)
         else:
+            # Before any fork server: a lone segment's bad input fails without importing TensorFlow.
+            data_dir = preflight(spec, cache_dir)
+            storage.delete(result_uri)
             server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
             nodes = cluster_nodes(spec, server_dir)
         cluster = SegmentCluster(
