@@ -85,6 +85,12 @@ def build_train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
     p.add_argument(
+        "--data-cache",
+        metavar="DIR",
+        help="where data from a bucket is staged, reused by the next segments of the same cluster "
+        "(default: in --work-dir)",
+    )
+    p.add_argument(
         "--stall-seconds",
         type=float,
         default=None,
@@ -181,6 +187,7 @@ def train_main(argv: list[str]) -> int:
             args.work_dir,
             forkserver_dir=args.forkserver,
             cluster_file=args.cluster,
+            data_cache=args.data_cache,
             show_progress=not args.quiet,
         )
     except KeyboardInterrupt as exc:

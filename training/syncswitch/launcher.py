@@ -556,6 +556,7 @@ def run_segment(
     *,
     forkserver_dir: str | None = None,
     cluster_file: str | None = None,
+    data_cache: str | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Run one segment to its end and return its SegmentResult (result.json).
@@ -563,6 +564,8 @@ def run_segment(
     Nodes are forked from the fork server in ``forkserver_dir`` (the cluster's, warm since it was
     provisioned); without one, or if it is gone, the launcher starts a private one for this segment.
     With ``cluster_file`` (a ``hosts.ClusterFile``) they are forked on the cluster's hosts instead.
+    Data from a bucket is staged into ``data_cache`` (the cluster's, so the next segments reuse it;
+    default: in the work folder).
     """
     launched_at = time.time()
     own_work_dir = work_dir is None
@@ -572,7 +575,7 @@ def run_segment(
     cluster: SegmentCluster | None = None
     private_server: subprocess.Popen | None = None
     try:
-        cache_dir = os.path.join(work_dir, "data")
+        cache_dir = data_cache or os.path.join(work_dir, "data")
         if cluster_file:
             data_dir = preflight(spec, cache_dir)
             storage.delete(result_uri)  # a stale result from an earlier attempt must not count

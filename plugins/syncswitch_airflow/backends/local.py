@@ -5,11 +5,12 @@ Work folder (``[syncswitch] work_dir`` or ``<tmp>/syncswitch``, then ``<job_name
     cluster.json                  the handle
     forkserver/                   the cluster's fork server (syncswitch.forkserver): TensorFlow imported
                                   once at provisioning, every segment's processes forked from it warm
+    data/                         data staged from a bucket (``--data-cache``), reused by every segment
     segments/seg-<ii>/spec.json   the SegmentSpec given to ``syncswitch train --spec``
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
     segments/seg-<ii>/launcher.log  the launcher's stdout and stderr (all attempts, appended)
     segments/seg-<ii>/exitcode      written by the wrapper (syncswitch.supervise) when the launcher exits
-    segments/seg-<ii>/scratch/      the launcher's --work-dir: node logs, staged data
+    segments/seg-<ii>/scratch/      the launcher's --work-dir: node logs
 
 Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its environment: the fork
 server and launchers are started with it, and forked nodes inherit the server's. Teardown finds the
@@ -173,6 +174,9 @@ class LocalBackend:
             scratch,
             "--forkserver",
             handle["forkserver_dir"],
+            # Staged once per cluster: a switch does not download the run's data again.
+            "--data-cache",
+            os.path.join(handle["work_dir"], "data"),
         ]
         return self.launch_command(handle, spec.index, command)
 
