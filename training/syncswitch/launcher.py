@@ -256,7 +256,8 @@ class SegmentCluster:
                 # Another host: the spec travels with the request, the node stages its own data.
                 work_dir = os.path.join(node.host_work_dir, "segments", f"seg-{self.spec.index:02d}")
                 node_spec = os.path.join(work_dir, "segment.json")
-                argv = ["--spec", node_spec, "--work-dir", work_dir, "--stage-data"]
+                cache = os.path.join(node.host_work_dir, "data")  # the host's, for every segment
+                argv = ["--spec", node_spec, "--work-dir", work_dir, "--stage-data", "--data-cache", cache]
                 files = {node_spec: self.spec.to_json()}
             else:
                 # The launcher's whole environment, as a spawned child would have it, plus the node's own.

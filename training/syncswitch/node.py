@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--stage-data", action="store_true", help="on another host than the launcher: stage the data here"
     )
+    parser.add_argument(
+        "--data-cache", default="", help="with --stage-data: the host's cache, kept across segments"
+    )
     parser.add_argument("--intra-op-threads", type=int, default=1)
     parser.add_argument("--inter-op-threads", type=int, default=2)
     return parser.parse_args(argv)
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = args.data_dir
     if args.stage_data:
         # A BSP worker on a host of its own reads only its shard: it stages no more than that.
-        cache = os.path.join(args.work_dir, "data")
+        cache = args.data_cache or os.path.join(args.work_dir, "data")
         data_dir = problem.prepare_shard(spec.data_dir, cache, task, spec.num_workers)
     from syncswitch.trainer import NodeContext
 

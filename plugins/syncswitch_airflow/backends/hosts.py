@@ -425,6 +425,8 @@ class HostsBackend:
             posixpath.join(seg_dir, "scratch"),
             "--cluster",
             posixpath.join(seg_dir, "cluster.json"),
+            "--data-cache",  # the chief host's, as each node stages into its own host's
+            posixpath.join(chief["work_dir"], "data"),
         ]
         env_flags = [flag for k, v in env.items() for flag in ("--env", f"{k}={v}")]
         with SshSession(chief) as ssh:
