@@ -82,15 +82,25 @@ def test_a_prepared_tfds_folder_in_a_bucket_trains_with_nothing_downloaded(
     summary = check_job(JobSpec.from_params({**job, "data_dir": data_dir}), str(tmp_path / "cache"))
     assert summary["test_metrics"] == ["accuracy"]
 
-    run_dir = f"{gcs_bucket}/runs/tfds"
-    argv = [sys.executable, "-m", "syncswitch.cli", "train", "--protocol=asp", "--workers=2", "--ps=1",
-            f"--usr-dir={code}", "--model=cnn", "--problem=tfds_digits", "--hparam-set=cnn_digits",
-            f"--data-dir={data_dir}", f"--run-dir={run_dir}", "--until-step=150", "--ckpt-frequency=0",
-            "--eval", "--quiet"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    run_dir, cache = f"{gcs_bucket}/runs/tfds", tmp_path / "cluster-data"
+
+    def train(protocol: str, until_step: int) -> dict:
+        argv = [sys.executable, "-m", "syncswitch.cli", "train", f"--protocol={protocol}", "--workers=2",
+                "--ps=1", f"--usr-dir={code}", "--model=cnn", "--problem=tfds_digits",
+                "--hparam-set=cnn_digits", f"--data-dir={data_dir}", f"--run-dir={run_dir}",
+                f"--until-step={until_step}", "--ckpt-frequency=0", f"--data-cache={cache}", "--eval",
+                "--quiet"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    result = train("asp", 150)
     assert result["global_step"] == 150 and result["test_accuracy"] > 0.5
+    # The next segment of the same cluster (its data cache) reads the copy the first one staged.
+    [staged] = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    first_copy = staged.stat().st_ino
+    assert train("bsp", 170)["global_step"] == 170
+    assert [p for p in cache.iterdir()] == [staged] and staged.stat().st_ino == first_copy
 
 
 def test_a_folder_that_is_not_a_prepared_dataset_is_named(tmp_path: Path) -> None:
