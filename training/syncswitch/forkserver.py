@@ -138,7 +138,8 @@ def _die_with_parent(signum: int = signal.SIGKILL) -> None:
 
 
 # What a forked child runs: "node" a cluster process (syncswitch.node), "linkdelay" a network
-# straggler (syncswitch.linkdelay). A link delay must restore the link when it ends, so it gets
+# straggler (syncswitch.linkdelay), "preflight" a launcher's checks of a segment with user code
+# (syncswitch.launcher.warm_preflight). A link delay must restore the link when it ends, so it gets
 # SIGTERM, not SIGKILL, when its lease or the server goes away.
 PROGRAMS = ("node", "linkdelay", "preflight")
 STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight": signal.SIGKILL}
