@@ -162,18 +162,24 @@ def assert_the_new_model_ran_the_downstream_dag(airflow: EmbeddedAirflow, summar
     assert consumer_state() == "success"
 
 
-def local_segment_pid(job_name: str, segment: int, node: str) -> int | None:
-    """The pid of a node (e.g. 'worker-1') of a running segment on this job's local cluster, from the
-    launcher's process table; the cluster's folder is in its fork server's environment."""
-    for entry in os.listdir("/proc"):
-        cluster_dir = environ(int(entry)).get(CLUSTER_ENV, "") if entry.isdigit() else ""
-        if f"/{job_name}-" in cluster_dir:
-            table = Path(cluster_dir, "segments", f"seg-{segment:02d}", "scratch", "nodes.json")
-            try:
-                return int(json.loads(table.read_text())[node]["pid"])
-            except (OSError, ValueError, KeyError):
-                return None
-    return None
+class LocalSegmentNode:
+    """Finds the pid of a node (e.g. 'worker-1') of a running segment on a job's local cluster, from
+    the launcher's process table. The cluster's folder is in its fork server's environment; it is
+    looked up in /proc until found, then kept (the straggler asks five times a second)."""
+
+    def __init__(self, job_name: str, segment: int, node: str) -> None:
+        self.job_name, self.segment, self.node = job_name, segment, node
+        self.cluster_dir = ""
+
+    def __call__(self) -> int | None:
+        if not self.cluster_dir:
+            found = (environ(int(e)).get(CLUSTER_ENV, "") for e in os.listdir("/proc") if e.isdigit())
+            self.cluster_dir = next((d for d in found if f"/{self.job_name}-" in d), "")
+        table = Path(self.cluster_dir, "segments", f"seg-{self.segment:02d}", "scratch", "nodes.json")
+        try:
+            return int(json.loads(table.read_text())[self.node]["pid"]) if self.cluster_dir else None
+        except (OSError, ValueError, KeyError):
+            return None
 
 
 def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
@@ -193,7 +199,7 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     # the 3 clean 5 s windows (+2.5 s lateness, + the sensor's resume) greedy waits for: ~25 s. Here
     # ASP did 1,612 steps in them (63 steps/s) after 273 BSP steps: 7,000 leave room for a machine
     # 3.5x as fast; the rest of the budget then trains as BSP (~48 steps/s here).
-    straggler = ProgressStraggler(lambda: local_segment_pid("greedy-e2e", 0, "worker-1"), switch_decided)
+    straggler = ProgressStraggler(LocalSegmentNode("greedy-e2e", 0, "worker-1"), switch_decided)
     straggler.start()
     try:
         _result, summary = syncswitch_run(
