@@ -32,19 +32,22 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forkserver.ForkedProcess, Path]:
-    """Fork a one-process ASP cluster's parameter server; returns it and its log."""
-    spec = SegmentSpec(
+def one_step_spec(tmp_path: Path, protocol: str, **names: str) -> SegmentSpec:
+    """A one-step segment of a run in ``tmp_path``; ``names``: model, hparam_set, problem (usr_dir)."""
+    return SegmentSpec(
         run_id="fs",
         run_dir=str(tmp_path / "run"),
         index=0,
-        protocol="asp",
+        protocol=protocol,
         until_step=1,
         total_steps=1,
-        model="cnn",
-        hparam_set="cnn_digits",
-        problem="digits",
+        **names,
     )
+
+
+def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forkserver.ForkedProcess, Path]:
+    """Fork a one-process ASP cluster's parameter server; returns it and its log."""
+    spec = one_step_spec(tmp_path, "asp", model="cnn", hparam_set="cnn_digits", problem="digits")
     spec_path = tmp_path / f"{name}.json"
     spec_path.write_text(spec.to_json())
     port = free_ports("127.0.0.1", 1)[0]
@@ -160,13 +163,9 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
     from syncswitch.launcher import PreflightError, imports_user_code, warm_preflight
 
     example = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
-    spec = SegmentSpec(
-        run_id="wp",
-        run_dir=str(tmp_path / "run"),
-        index=0,
-        protocol="bsp",
-        until_step=1,
-        total_steps=1,
+    spec = one_step_spec(
+        tmp_path,
+        "bsp",
         model="text_embedding",
         hparam_set="text_embedding",
         problem="synthetic_text",

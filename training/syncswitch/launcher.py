@@ -579,7 +579,6 @@ def run_segment(
         cache_dir = data_cache or os.path.join(work_dir, "data")
         if cluster_file:
             data_dir = preflight(spec, cache_dir)
-            storage.delete(result_uri)  # a stale result from an earlier attempt must not count
             nodes = host_nodes(spec, ClusterFile.from_dict(storage.read_json(cluster_file)))
         elif forkserver_dir and imports_user_code(spec):
             # User code imports TensorFlow: import it where that is done already. (On hosts the
@@ -587,14 +586,13 @@ def run_segment(
             server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
             server = forkserver.ServerRef(server_dir=server_dir)
             data_dir = warm_preflight(spec, cache_dir, server, work_dir)
-            storage.delete(result_uri)
             nodes = cluster_nodes(spec, server_dir)
         else:
             # Before any fork server: a lone segment's bad input fails without importing TensorFlow.
             data_dir = preflight(spec, cache_dir)
-            storage.delete(result_uri)
             server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
             nodes = cluster_nodes(spec, server_dir)
+        storage.delete(result_uri)  # a stale result from an earlier attempt must not count
         cluster = SegmentCluster(
             spec, work_dir, data_dir, nodes=nodes, launched_at=launched_at, show_progress=show_progress
         )
