@@ -3,10 +3,14 @@
 #   chromium          the Trigger-form test (a real browser on the real Airflow UI)
 #   openssh-server    the multi-host testbed (an sshd per network namespace)
 #   iptables          the testbed's isolation rules
+#   postgresql        the distributed deployment's metadata database (scripts/celery_deployment.py)
+#   redis-server      its Celery broker
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing system packages for the tests: ${missing[*]}" >&2
     # Keep the packages' services (a machine-wide sshd) from starting during the install.

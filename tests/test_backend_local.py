@@ -200,35 +200,6 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
 # ---- cluster capacity ------------------------------------------------------------------------------
 
 
-def test_cluster_capacity_hands_out_slots_once_and_takes_them_back(tmp_path: Path) -> None:
-    from syncswitch_airflow.backends import ClusterCapacity
-
-    capacity = ClusterCapacity(tmp_path / "leases", 2)
-    clusters = {run: tmp_path / run for run in ("a", "b", "c")}
-    for folder in clusters.values():
-        folder.mkdir()
-    assert capacity.acquire("a", str(clusters["a"])) and capacity.acquire("a", str(clusters["a"]))
-    assert capacity.acquire("b", str(clusters["b"]))
-    assert not capacity.acquire("c", str(clusters["c"])) and not capacity.has_free_slot()
-    assert sorted(capacity.holders()) == ["a", "b"]
-    capacity.release("a")
-    assert capacity.has_free_slot() and capacity.acquire("c", str(clusters["c"]))
-    assert sorted(capacity.holders()) == ["b", "c"]
-
-
-def test_a_lease_whose_cluster_is_gone_frees_its_slot_after_a_while(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from syncswitch_airflow.backends import ClusterCapacity
-
-    capacity = ClusterCapacity(tmp_path / "leases", 1)
-    assert capacity.acquire("crashed", str(tmp_path / "never-made"))
-    assert not capacity.acquire("next", str(tmp_path / "next"))  # young: provisioning may be under way
-    monkeypatch.setattr(ClusterCapacity, "STALE_SECONDS", 0.0)
-    assert capacity.acquire("next", str(tmp_path / "next"))
-    assert capacity.holders() == ["next"]
-
-
 def test_provisioning_a_second_local_cluster_waits_for_the_first(tmp_path: Path) -> None:
     from syncswitch.layout import RunLayout
     from syncswitch.spec import JobSpec

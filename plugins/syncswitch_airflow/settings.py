@@ -71,6 +71,12 @@ SETTINGS: tuple[Setting, ...] = (
         "empty: <tmp>/syncswitch",
         example="/var/lib/syncswitch",
     ),
+    Setting(
+        "leases_dir",
+        "Folder of the cluster capacity ledgers, which every Airflow worker must reach: on a distributed "
+        "Airflow (no shared disk) a gs:// folder; empty: <work_dir>/leases",
+        example="gs://my-bucket/syncswitch/_leases",
+    ),
     Setting("local_clusters", "How many local clusters may exist at once", "integer", "1"),
     Setting("hosts_clusters", "How many clusters of hosts may exist at once", "integer", "1"),
     Setting("gce_clusters", "How many Compute Engine clusters may exist at once", "integer", "4"),

@@ -14,6 +14,8 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     report/                             summary.json, index.html, *.png
     cluster/syncswitch-runtime.tar.gz   gce clusters: the runtime the VMs' startup script installs
     cluster/usercode-<digest>.tar.gz    hosts and gce clusters: the job's usr_dir, as every node imports it
+    cluster/secrets/token               hosts and gce clusters: the fork servers' token; made once, private
+    cluster/secrets/ssh_key             gce clusters: the run's SSH key (OpenSSH PEM); both gone at teardown
     export/saved_model/                 the trained model as a TensorFlow SavedModel (``model.export``)
     export/model.keras                  and as a Keras file (custom layers need the user code to load)
 
@@ -117,6 +119,12 @@ class RunLayout:
 
     def cluster_user_code(self, digest: str) -> str:
         return join(self.root, "cluster", f"usercode-{digest}.tar.gz")
+
+    @property
+    def cluster_secrets(self) -> str:
+        """The cluster's secrets: the same for every Airflow worker, readable only by the bucket's
+        readers (``storage.create_private``); never in a log, XCom or state.json."""
+        return join(self.root, "cluster", "secrets")
 
     @property
     def export(self) -> str:

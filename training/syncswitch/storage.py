@@ -247,6 +247,31 @@ def write_bytes(uri: str, data: bytes, *, retry_seconds: float | None = None) ->
         raise
 
 
+def create_private(uri: str, data: bytes) -> bytes:
+    """Create the object with ``data`` unless it exists, atomically (the first writer wins: a
+    generation-0 precondition on GCS, O_EXCL with mode 0600 locally); returns what it holds.
+
+    For a run's cluster secrets (its SSH key, its fork servers' token): every Airflow worker of a
+    deployment gets the same one, and no one but the bucket's readers (locally: the owner) sees it."""
+    if is_remote(uri):
+        from google.api_core.exceptions import PreconditionFailed
+
+        def create() -> None:
+            with contextlib.suppress(PreconditionFailed):
+                _blob(uri).upload_from_string(data, if_generation_match=0, **_NO_RETRY)
+
+        _gcs("create", uri, create)
+        return read_bytes(uri)
+    os.makedirs(os.path.dirname(uri) or ".", exist_ok=True)
+    try:
+        fd = os.open(uri, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_bytes(uri)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return data
+
+
 def write_text(uri: str, text: str) -> None:
     write_bytes(uri, text.encode("utf-8"))
 

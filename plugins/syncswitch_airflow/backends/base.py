@@ -8,16 +8,16 @@ all act on the same cluster.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+from syncswitch import storage
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SegmentSpec
 
@@ -31,6 +31,9 @@ Handle = dict[str, Any]
 # backend finds, and on teardown kills, exactly its own processes.
 CLUSTER_ENV = "SYNCSWITCH_CLUSTER_DIR"
 SEGMENT_ENV = "SYNCSWITCH_SEGMENT_DIR"
+
+# A lease whose run has recorded no cluster this long after taking it is free again.
+PROVISIONING_SECONDS = 1800.0
 
 RUNNING = "running"
 EXITED = "exited"
@@ -48,7 +51,12 @@ class ClusterError(RuntimeError):
 
 
 class ClusterBusy(ClusterError):
-    """Every cluster slot of the backend is taken; provisioning waits (deferred) for one."""
+    """Every cluster slot of the backend is taken, or a host the run needs is held by another
+    cluster; provisioning waits (deferred) until ``has_free_slot(hosts)``."""
+
+    def __init__(self, message: str, hosts: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.hosts = tuple(hosts)
 
 
 @dataclass(frozen=True)
@@ -68,113 +76,150 @@ class SegmentStatus:
         return self.state == RUNNING
 
 
-class ClusterCapacity:
-    """At most ``capacity`` clusters of a backend at once, whoever asks: scheduled runs, UI triggers and
-    a backfill's many active runs alike (a backfill's own max_active_runs is not capped by the DAG's).
+def leases_uri(backend: str) -> str:
+    """The capacity ledger of ``backend``: ``<[syncswitch] leases_dir>/<backend>.json``.
 
-    One lease file per slot in ``folder``; a run holds one from provisioning to teardown. Creating the
-    file exclusively is the lock, so two provisioning tasks never take one slot. A lease whose cluster
-    is gone is free again once it is ``STALE_SECONDS`` old: its folder no longer exists (the holder
-    tore down, or was never provisioned, but died before releasing), or ``cluster_alive(lease)`` says
-    none of it runs (a run abandoned with its Airflow, a machine restarted with the folder kept).
+    On a distributed Airflow (several workers, no shared disk) ``leases_dir`` is a folder in a bucket
+    that every worker reaches, so the whole deployment shares one ledger; by default it is in the
+    worker's own work folder, which is right for a single-machine Airflow."""
+    root = settings.get("leases_dir") or os.path.join(default_work_root(), "leases")
+    return f"{root.rstrip('/')}/{backend}.json"
+
+
+class ClusterCapacity:
+    """At most ``capacity`` clusters of a backend at once, and no host in two of them, whoever asks:
+    scheduled runs, UI triggers, a backfill's many active runs, on any worker of the deployment.
+
+    One JSON ledger (``leases_uri``) holds a lease per run, from provisioning to teardown: the run,
+    the hosts its cluster holds, and where to find out whether that cluster still exists. Each
+    change is one atomic read-modify-write (``storage.update_json``: a file lock on a local ledger, a
+    generation precondition on a bucket's), so two workers provisioning at the same moment never
+    take one slot or one host. A lease whose cluster is gone is dropped once it is ``STALE_SECONDS``
+    old (younger, its provisioning may still be under way): ``cluster_gone(lease)`` says so, by
+    default when its ``cluster_dir`` no longer exists.
     """
 
     STALE_SECONDS = 120.0
 
     def __init__(
         self,
-        folder: str | os.PathLike[str],
+        ledger: str | os.PathLike[str],
         capacity: int,
-        cluster_alive: Callable[[dict[str, Any]], bool] | None = None,
+        cluster_gone: Callable[[dict[str, Any]], bool] | None = None,
         setting: str | None = None,
+        what: str = "",
     ) -> None:
-        self.folder = Path(folder)
+        self.ledger = os.fspath(ledger)
+        self.what = what  # the backend, as messages name it
         self.capacity = max(int(capacity), 1)
-        self.cluster_alive = cluster_alive
+        self.cluster_gone = cluster_gone or _cluster_dir_gone
         self.setting = setting  # the [syncswitch] key the capacity came from, named when all are taken
 
     @classmethod
     def from_setting(
-        cls,
-        folder: str | os.PathLike[str],
-        setting: str,
-        cluster_alive: Callable[[dict[str, Any]], bool] | None = None,
+        cls, backend: str, setting: str, cluster_gone: Callable[[dict[str, Any]], bool] | None = None
     ) -> ClusterCapacity:
-        """The capacity that ``[syncswitch] <setting>`` sets."""
-        return cls(folder, settings.get_int(setting), cluster_alive, setting)
+        """``backend``'s ledger, with the capacity that ``[syncswitch] <setting>`` sets."""
+        return cls(leases_uri(backend), settings.get_int(setting), cluster_gone, setting, backend)
 
-    def acquire(self, run: str, cluster_dir: str) -> bool:
-        """Take a free slot for ``run`` (True; also when it holds one already), or False if all are taken."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if self.held_by(run) is not None:
-            return True
-        for slot in range(self.capacity):
-            path = self.folder / f"slot-{slot}.json"
-            self._drop_if_stale(path)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"run": run, "cluster_dir": cluster_dir, "acquired_at": time.time()}, f)
-            return True
-        return False
+    def acquire(self, run: str, cluster_dir: str = "", hosts: tuple[str, ...] = (), **where: str) -> bool:
+        """Take a slot for ``run`` (True; also when it holds one already), or False if every slot is
+        taken or another run holds one of ``hosts``. ``where``: more of what finds the cluster again
+        (``run_dir``), kept in the lease for ``cluster_gone``."""
+        return self._take(run, {"cluster_dir": cluster_dir, "hosts": list(hosts), **where}) == ""
 
-    def claim(self, run: str, cluster_dir: str, what: str) -> None:
-        """``acquire``, or ClusterBusy naming the holders and the setting that sets the capacity."""
-        if not self.acquire(run, cluster_dir):
-            taken = f"all {self.capacity} {what} cluster slot(s) are taken (by {', '.join(self.holders())})"
-            if self.setting is None:
-                raise ClusterBusy(taken)
+    def claim(self, run: str, cluster_dir: str = "", hosts: tuple[str, ...] = (), **where: str) -> None:
+        """``acquire``, or ClusterBusy naming who holds the slots or the hosts, and the setting."""
+        refused = self._take(run, {"cluster_dir": cluster_dir, "hosts": list(hosts), **where})
+        if not refused:
+            return
+        if self.setting is not None and refused.startswith("all "):
             env = settings.setting(self.setting).env
-            raise ClusterBusy(
-                f"{taken}; [{settings.SECTION}] {self.setting} (or ${env}) sets how many run at once"
+            refused += f"; [{settings.SECTION}] {self.setting} (or ${env}) sets how many run at once"
+        raise ClusterBusy(refused, hosts)
+
+    def _take(self, run: str, lease: dict[str, Any]) -> str:
+        """Take the lease; "" when taken, else why not."""
+        gone = self._gone()
+        refused = ""
+
+        def take(ledger: dict[str, Any]) -> None:
+            nonlocal refused
+            leases = _drop(ledger.setdefault("leases", {}), gone)
+            refused = "" if run in leases else self._refusal(leases, lease["hosts"])
+            if not refused and run not in leases:
+                leases[run] = {
+                    **lease,
+                    "run": run,
+                    "holder": socket.gethostname(),
+                    "acquired_at": time.time(),
+                }
+
+        storage.update_json(self.ledger, take)
+        return refused
+
+    def _refusal(self, leases: dict[str, dict[str, Any]], hosts: list[str]) -> str:
+        shared = {h: r for r, lease in leases.items() for h in lease.get("hosts", []) if h in hosts}
+        if shared:
+            return "host(s) held by another cluster: " + ", ".join(
+                f"{h} (run {r})" for h, r in shared.items()
             )
+        if len(leases) >= self.capacity:
+            what = f"{self.what} " if self.what else ""
+            return f"all {self.capacity} {what}cluster slot(s) are taken (by {', '.join(leases)})"
+        return ""
 
     def release(self, run: str) -> None:
-        path = self.held_by(run)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        if self.held_by(run):
+            storage.update_json(self.ledger, lambda ledger: ledger.setdefault("leases", {}).pop(run, None))
 
-    def held_by(self, run: str) -> Path | None:
-        for path, lease in self._leases():
-            if lease.get("run") == run:
-                return path
-        return None
+    def held_by(self, run: str) -> bool:
+        return run in self._leases()
 
-    def has_free_slot(self) -> bool:
-        for slot in range(self.capacity):
-            path = self.folder / f"slot-{slot}.json"
-            self._drop_if_stale(path)
-            if not path.exists():
-                return True
-        return False
+    def has_free_slot(self, hosts: tuple[str, ...] = ()) -> bool:
+        """Whether ``acquire`` with ``hosts`` would succeed now (frees the leases of gone clusters)."""
+        gone = self._gone()
+        if gone:
+            storage.update_json(self.ledger, lambda ledger: _drop(ledger.setdefault("leases", {}), gone))
+        return not self._refusal(_drop(self._leases(), gone), list(hosts))
 
     def holders(self) -> list[str]:
-        return [lease.get("run", "?") for _path, lease in self._leases()]
+        return sorted(self._leases())
 
-    def _leases(self) -> list[tuple[Path, dict[str, Any]]]:
-        leases = []
-        for path in sorted(self.folder.glob("slot-*.json")):
-            try:
-                leases.append((path, json.loads(path.read_text())))
-            except (OSError, ValueError):
-                continue
-        return leases
+    def _leases(self) -> dict[str, dict[str, Any]]:
+        return dict(storage.read_json(self.ledger, default={}).get("leases", {}))
 
-    def _drop_if_stale(self, path: Path) -> None:
-        try:
-            lease = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        if time.time() - float(lease.get("acquired_at", 0)) <= self.STALE_SECONDS:
-            return  # provisioning may still be under way
-        gone = not os.path.isdir(lease.get("cluster_dir", "")) or (
-            self.cluster_alive is not None and not self.cluster_alive(lease)
-        )
-        if gone:
-            log.warning("%s: the cluster of run %s is gone; slot freed", path.name, lease.get("run"))
-            path.unlink(missing_ok=True)
+    def _gone(self) -> dict[str, float]:
+        """run -> acquired_at of the leases to drop: old enough, and their cluster is gone. Checked
+        outside the ledger's update (it may read other files), dropped inside it only if unchanged."""
+        gone = {}
+        for run, lease in self._leases().items():
+            acquired_at = float(lease.get("acquired_at", 0))
+            if time.time() - acquired_at > self.STALE_SECONDS and self.cluster_gone(lease):
+                log.warning("%s: the cluster of run %s is gone; its slot is freed", self.ledger, run)
+                gone[run] = acquired_at
+        return gone
+
+
+def run_cluster_gone(lease: dict[str, Any]) -> bool:
+    """Whether the cluster of a lease's run is gone, as the run's state.json in the bucket says (any
+    worker reads it): its run has finished (teardown runs before), or it recorded no cluster within
+    ``PROVISIONING_SECONDS`` (its provisioning died; creating VMs can take minutes)."""
+    state = storage.read_json(RunLayout(lease.get("run_dir", "")).state, default=None) or {}
+    if state.get("cluster"):
+        return bool(state.get("timings", {}).get("finished"))
+    return time.time() - float(lease.get("acquired_at", 0)) > PROVISIONING_SECONDS
+
+
+def _drop(leases: dict[str, dict[str, Any]], gone: dict[str, float]) -> dict[str, dict[str, Any]]:
+    for run, acquired_at in gone.items():
+        if float(leases.get(run, {}).get("acquired_at", -1)) == acquired_at:
+            del leases[run]
+    return leases
+
+
+def _cluster_dir_gone(lease: dict[str, Any]) -> bool:
+    return not os.path.isdir(lease.get("cluster_dir", ""))
 
 
 class ClusterBackend(Protocol):

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import posixpath
-import shutil
 import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,11 +55,17 @@ from syncswitch.gce import (
     vm_plan,
 )
 from syncswitch.hosts import HostSpec
-from syncswitch.layout import RunLayout
+from syncswitch.layout import RunLayout, join
 from syncswitch.requirements import requirements_text
 from syncswitch.spec import JobSpec, SegmentSpec
 
-from syncswitch_airflow.backends.base import ClusterCapacity, ClusterError, Handle, SegmentStatus
+from syncswitch_airflow.backends.base import (
+    ClusterCapacity,
+    ClusterError,
+    Handle,
+    SegmentStatus,
+    run_cluster_gone,
+)
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
 from syncswitch_airflow.hooks.compute import ComputeHook
 
@@ -154,9 +158,8 @@ class GceBackend:
     name = "gce"
     status_poll_seconds = 5.0  # each poll is an SSH login and a Compute Engine list
 
-    def __init__(self, work_root: str | None = None, hook: ComputeHook | None = None) -> None:
-        self.hosts = HostsBackend(work_root)
-        self.work_root = self.hosts.work_root
+    def __init__(self, hook: ComputeHook | None = None) -> None:
+        self.hosts = HostsBackend()
         self._hook = hook
 
     @property
@@ -166,7 +169,7 @@ class GceBackend:
         return self._hook
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity.from_setting(os.path.join(self.work_root, "leases-gce"), CAPACITY_SETTING)
+        return ClusterCapacity.from_setting(self.name, CAPACITY_SETTING, run_cluster_gone)
 
     # ---- provisioning ----------------------------------------------------------------------------
 
@@ -174,9 +177,8 @@ class GceBackend:
         if job.gce is None:
             raise ClusterError("cluster_backend gce needs the gce param")
         run = posixpath.basename(layout.root)
-        local_dir = os.path.join(self.work_root, f"gce-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "gce")
+        capacity.claim(run, run_dir=layout.root)
         gce = job.gce
         plan = vm_plan(gce, job.job_name, run, job.num_workers, job.num_ps)
         cloud = {
@@ -186,21 +188,22 @@ class GceBackend:
             "firewall": f"{plan[0].name.removesuffix('-chief')}-train",
             "plan": [_plan_record(vm) for vm in plan],
             "spec": gce.to_params(),
-            "key": os.path.join(local_dir, "id_ed25519"),
+            # The run's own SSH key, in its bucket folder: whichever Airflow worker runs a later task
+            # of the run logs in with it (layout.cluster_secrets).
+            "key": join(layout.cluster_secrets, "ssh_key"),
         }
         try:
-            os.makedirs(local_dir, exist_ok=True)
             public_key = _ensure_key(cloud["key"])
             self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
             self._upload_runtime(layout)
             self._create_vms(layout, cloud, plan, gce, _metadata(gce, layout, public_key))
             hosts = _host_specs(cloud, _active_vms(layout, cloud))
             _wait_for_ssh(hosts)
-            handle = self.hosts.start_cluster(job, hosts, layout, local_dir)
+            handle = self.hosts.start_cluster(job, hosts, layout)
         except BaseException as exc:
             log.warning("run %s: provisioning failed (%s); deleting what was created", run, exc)
             self._delete_all(layout, cloud)
-            shutil.rmtree(local_dir, ignore_errors=True)
+            storage.delete_prefix(layout.cluster_secrets)
             capacity.release(run)
             if isinstance(exc, ClusterError):
                 raise
@@ -425,7 +428,7 @@ class GceBackend:
         left = [i.name for i in self.hook.instances_labelled(cloud["project"], cloud["labels"])]
         if left:
             raise ClusterError(f"run {handle['run']}: VMs still exist after teardown: {left}")
-        shutil.rmtree(handle["work_dir"], ignore_errors=True)
+        storage.delete_prefix(layout.cluster_secrets)
         self.capacity().release(handle["run"])
         log.info(
             "run %s: teardown deleted %d VM(s) and firewall %s",
@@ -433,7 +436,7 @@ class GceBackend:
             len(deleted),
             cloud["firewall"],
         )
-        return {"deleted": deleted, "firewall": cloud["firewall"], "work_dir": handle["work_dir"]}
+        return {"deleted": deleted, "firewall": cloud["firewall"]}
 
     def _delete_all(self, layout: RunLayout, cloud: dict[str, Any]) -> list[str]:
         """Delete, in parallel, every instance the run recorded or labelled; gone counts as deleted."""
@@ -558,18 +561,13 @@ def _describe(vm: VmPlan) -> str:
     return f"{vm.machine_type}{gpu}, {'spot' if vm.spot else 'on-demand'}"
 
 
-def _ensure_key(path: str) -> str:
-    """The run's SSH key (0600, on the Airflow worker only); returns its public half."""
-    if not os.path.exists(path):
-        key = Ed25519PrivateKey.generate()
-        private = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-        )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(private)
-    with open(path, "rb") as f:
-        key = serialization.load_ssh_private_key(f.read(), password=None)
+def _ensure_key(uri: str) -> str:
+    """The run's SSH key, made once (``storage.create_private``: the first worker's wins); returns its
+    public half."""
+    private = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    key = serialization.load_ssh_private_key(storage.create_private(uri, private), password=None)
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     return public.decode() + " syncswitch-run"
 

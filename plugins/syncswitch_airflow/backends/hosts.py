@@ -30,6 +30,7 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -37,7 +38,6 @@ import posixpath
 import re
 import secrets
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -45,9 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import paramiko
-from syncswitch import storage, supervise
+from syncswitch import storage
 from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
-from syncswitch.layout import RunLayout
+from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow import settings
@@ -59,7 +59,7 @@ from syncswitch_airflow.backends.base import (
     ClusterError,
     Handle,
     SegmentStatus,
-    default_work_root,
+    run_cluster_gone,
 )
 
 CAPACITY_SETTING = "hosts_clusters"
@@ -88,14 +88,13 @@ class SshSession:
             self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         else:
             self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
-        if not os.path.isfile(self.host["key"]):
-            raise ClusterError(f"{self.where}: SSH key file {self.host['key']} does not exist")
+        key = self._key()
         try:
             self.client.connect(
                 self.host["address"],
                 port=int(self.host["port"]),
                 username=self.host["user"],
-                key_filename=self.host["key"],
+                **key,
                 look_for_keys=False,
                 allow_agent=False,
                 timeout=self.timeout,
@@ -118,6 +117,20 @@ class SshSession:
             self.client.close()
             raise ClusterError(f"{self.where}: unreachable: {exc.strerror or exc}") from None
         return self
+
+    def _key(self) -> dict[str, Any]:
+        """paramiko's key argument: a key file on this worker, or a key in the bucket (a gce run's own,
+        in its run folder, which every Airflow worker reads)."""
+        key = self.host["key"]
+        if not storage.is_remote(key):
+            if not os.path.isfile(key):
+                raise ClusterError(f"{self.where}: SSH key file {key} does not exist")
+            return {"key_filename": key}
+        try:
+            return {"pkey": load_private_key(storage.read_text(key))}
+        except Exception as exc:  # not found, not a key, the bucket down: named, never its content
+            reason = type(exc).__name__
+            raise ClusterError(f"{self.where}: SSH key {key} cannot be loaded: {reason}") from None
 
     def __exit__(self, *exc: object) -> None:
         self.client.close()
@@ -174,6 +187,22 @@ def host_work_dir(host: HostSpec, job_name: str, run: str) -> str:
     return posixpath.join(host.work_root, folder)
 
 
+def load_private_key(text: str) -> paramiko.PKey:
+    """A private key in OpenSSH or PEM form, of any type paramiko knows."""
+    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+        try:
+            return kind.from_private_key(io.StringIO(text))
+        except paramiko.SSHException:
+            continue
+    raise ValueError("not an unencrypted Ed25519, ECDSA or RSA private key")
+
+
+def cluster_token(layout: RunLayout) -> str:
+    """The cluster's fork-server token: made by the first task that asks, the same for every worker."""
+    uri = join(layout.cluster_secrets, "token")
+    return storage.create_private(uri, secrets.token_hex(32).encode()).decode().strip()
+
+
 def hosts_environment() -> dict[str, str]:
     """What every process on the hosts gets: the forwarded variables, then ``[syncswitch] hosts_env``."""
     env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
@@ -207,50 +236,43 @@ class HostsBackend:
     name = "hosts"
     status_poll_seconds = 3.0  # each status is an SSH login to the chief host
 
-    def __init__(self, work_root: str | None = None) -> None:
-        # A small folder on the Airflow worker: the handle, and what a capacity lease points at.
-        self.work_root = os.path.abspath(work_root or default_work_root())
-
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity.from_setting(os.path.join(self.work_root, "leases-hosts"), CAPACITY_SETTING)
+        return ClusterCapacity.from_setting(self.name, CAPACITY_SETTING, run_cluster_gone)
 
     # ---- cluster ---------------------------------------------------------------------------------
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
+        """Take a capacity slot and the job's hosts in the deployment's ledger (ClusterBusy while
+        another cluster holds one of them), then the cluster. Idempotent for the same run."""
         run = posixpath.basename(layout.root)
-        local_dir = os.path.join(self.work_root, f"hosts-{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, local_dir, "hosts")
+        capacity.claim(run, hosts=tuple(h.address for h in job.hosts), run_dir=layout.root)
         try:
-            return self.start_cluster(job, job.hosts, layout, local_dir)
+            return self.start_cluster(job, job.hosts, layout)
         except BaseException:
             capacity.release(run)
             raise
 
-    def start_cluster(
-        self, job: JobSpec, hosts: tuple[HostSpec, ...], layout: RunLayout, local_dir: str
-    ) -> Handle:
+    def start_cluster(self, job: JobSpec, hosts: tuple[HostSpec, ...], layout: RunLayout) -> Handle:
         """A fork server on every one of ``hosts``; the handle of the cluster they make. On failure
-        nothing is left on the hosts or in ``local_dir``. (The gce backend calls this on its VMs.)"""
+        nothing is left on the hosts. (The gce backend calls this on its VMs.) Nothing of the cluster
+        stays on this Airflow worker: its token is in the run's bucket folder, where any worker that
+        runs a later task of the run finds the same one."""
         run = posixpath.basename(layout.root)
         handle: Handle = {
             "backend": self.name,
             "run": run,
             "run_dir": layout.root,
-            "work_dir": local_dir,
             "hosts": [host_record(h, host_work_dir(h, job.job_name, run)) for h in hosts],
             "chief": chief_host([h.role for h in hosts]),
             "env": hosts_environment(),
             "processes": 1 + job.num_workers + job.num_ps,
         }
-        os.makedirs(local_dir, exist_ok=True)
         try:
-            self._start_servers(handle, self._token(local_dir))
+            self._start_servers(handle, cluster_token(layout))
         except BaseException:
             self._teardown_hosts(handle)
-            shutil.rmtree(local_dir, ignore_errors=True)
             raise
-        supervise.write_json(os.path.join(local_dir, "cluster.json"), handle)
         log.info(
             "run %s: provisioned hosts cluster: %s",
             run,
@@ -267,16 +289,6 @@ class HostsBackend:
             raise ClusterError("; ".join(failures))
         for host, address in zip(handle["hosts"], results, strict=True):
             host["forkserver"] = address
-
-    def _token(self, local_dir: str) -> str:
-        """The cluster's fork-server token, kept (0600) so that provisioning again reuses it."""
-        path = os.path.join(local_dir, "token")
-        if not os.path.exists(path):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip()
 
     def _start_host(self, handle: Handle, host: dict[str, Any], token: str) -> str:
         """Start the host's fork server unless it runs already; returns its TCP address."""
@@ -341,7 +353,7 @@ class HostsBackend:
         leftovers = {name: r["leftovers"] for name, r in results.items() if r.get("leftovers")}
         if leftovers:
             raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {leftovers}")
-        shutil.rmtree(handle["work_dir"], ignore_errors=True)
+        storage.delete_prefix(RunLayout(handle["run_dir"]).cluster_secrets)
         self.capacity().release(handle.get("run", ""))
         stopped = sum(len(r.get("stopped", [])) for r in results.values())
         unreachable = {name: r["unreachable"] for name, r in results.items() if "unreachable" in r}
@@ -401,11 +413,7 @@ class HostsBackend:
         # A host lost and brought back since provisioning (a retry after a host failure) gets its
         # fork server again, on a new port; a host still lost fails the launch, named.
         handle = {**handle, "hosts": [dict(h) for h in handle["hosts"]]}
-        with SshSession(chief) as ssh:
-            token = ssh.check(
-                f"cat {shlex.quote(posixpath.join(chief['work_dir'], 'token'))}", "reading the token"
-            )
-        self._start_servers(handle, token.strip())
+        self._start_servers(handle, cluster_token(RunLayout(handle["run_dir"])))
         cluster = ClusterFile(
             hosts=tuple(
                 ClusterHost(h["name"], h["address"], h["role"], h["forkserver"], h["work_dir"])

@@ -33,6 +33,7 @@ from syncswitch.layout import RunLayout
 from syncswitch.procs import mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
     CLUSTER_ENV,
     SEGMENT_ENV,
@@ -76,8 +77,13 @@ class LocalBackend:
     # ---- cluster ---------------------------------------------------------------------------------
 
     def capacity(self) -> ClusterCapacity:
-        return ClusterCapacity.from_setting(
-            os.path.join(self.work_root, "leases"), CAPACITY_SETTING, _cluster_alive
+        # Local clusters live on this machine: their ledger does too, in this worker's work folder.
+        return ClusterCapacity(
+            os.path.join(self.work_root, "leases", f"{self.name}.json"),
+            settings.get_int(CAPACITY_SETTING),
+            _cluster_gone,
+            CAPACITY_SETTING,
+            self.name,
         )
 
     def provision(self, job: JobSpec, layout: RunLayout) -> Handle:
@@ -86,7 +92,7 @@ class LocalBackend:
         run = posixpath.basename(layout.root)
         work_dir = os.path.join(self.work_root, f"{job.job_name}-{run}")
         capacity = self.capacity()
-        capacity.claim(run, work_dir, "local")
+        capacity.claim(run, work_dir)
         try:
             return self._provision(job, layout, run, work_dir)
         except BaseException:
@@ -224,15 +230,37 @@ class LocalBackend:
         return outcome["stopped"]
 
 
-def _cluster_alive(lease: dict[str, Any]) -> bool:
+# Executors whose tasks all run on the scheduler's machine: the only ones a local cluster works under.
+SINGLE_MACHINE_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
+
+
+def deployment_refusal(executors: str) -> str:
+    """Why a local cluster cannot work under ``[core] executor`` = ``executors`` ("" if it can).
+
+    A local cluster lives on the Airflow worker that provisioned it (its processes, its fork server,
+    its folder), and a later task of the run that lands on another worker could not reach it. So a
+    deployment whose executors run tasks on other machines (Celery, Kubernetes, Edge ...) refuses
+    the local backend when it validates, before anything is provisioned."""
+    names = [part.strip().rsplit(".", 1)[-1] for part in executors.split(",") if part.strip()]
+    distributed = [name for name in names if name not in SINGLE_MACHINE_EXECUTORS]
+    if not distributed:
+        return ""
+    return (
+        f"cluster_backend: 'local' runs the cluster on the Airflow worker that provisions it, but this "
+        f"Airflow runs tasks on other machines too ([core] executor: {', '.join(distributed)}); "
+        "use 'hosts' or 'gce'"
+    )
+
+
+def _cluster_gone(lease: dict[str, Any]) -> bool:
     """A local cluster lives while its fork server or any process of it does, or while its folder was
     written to lately: a live run's cluster has no process only between segments and retries."""
     cluster_dir = lease.get("cluster_dir", "")
     if forkserver.status(os.path.join(cluster_dir, "forkserver")) != forkserver.ABSENT:
-        return True
+        return False
     if processes_with_env(CLUSTER_ENV, cluster_dir):
-        return True
-    return time.time() - _last_write(cluster_dir) < IDLE_CLUSTER_GONE_S
+        return False
+    return time.time() - _last_write(cluster_dir) >= IDLE_CLUSTER_GONE_S
 
 
 def _last_write(folder: str) -> float:

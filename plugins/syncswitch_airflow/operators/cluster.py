@@ -29,7 +29,8 @@ class ProvisionClusterOperator(BaseOperator):
             handle = backend.provision(job, layout)
         except ClusterBusy as busy:
             self.log.info("run %s: %s; waiting for a free slot", context["run_id"], busy)
-            self.defer(trigger=ClusterCapacityTrigger(backend.name), method_name="execute")
+            trigger = ClusterCapacityTrigger(backend.name, hosts=list(busy.hosts))
+            self.defer(trigger=trigger, method_name="execute")
         except ClusterError as err:
             raise AirflowException(f"cannot provision the {backend.name} cluster: {err}") from None
         try:
@@ -38,14 +39,15 @@ class ProvisionClusterOperator(BaseOperator):
             # A cluster whose handle is nowhere could never be torn down: release it now.
             backend.teardown(handle)
             raise
+        where = handle.get("work_dir") or ", ".join(h["name"] for h in handle.get("hosts", []))
         self.log.info(
             "run %s: %s cluster ready (%s); handle in %s",
             context["run_id"],
             backend.name,
-            handle.get("work_dir", handle),
+            where,
             layout.state,
         )
-        return {"backend": backend.name, "work_dir": handle.get("work_dir"), "state": layout.state}
+        return {"backend": backend.name, "where": where, "state": layout.state}
 
 
 class TeardownClusterOperator(BaseOperator):

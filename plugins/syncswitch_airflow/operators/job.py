@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from syncswitch import checkpoints, usercode
 from syncswitch import plan as plans
@@ -44,6 +45,12 @@ class ValidateJobOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
+        if job.cluster_backend == "local":
+            from syncswitch_airflow.backends.local import deployment_refusal
+
+            refusal = deployment_refusal(conf.get("core", "executor", fallback=""))
+            if refusal:
+                raise AirflowFailException(f"invalid job params: {refusal}")
         from syncswitch.check import needs_check
 
         if needs_check(job):

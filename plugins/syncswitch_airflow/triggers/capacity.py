@@ -24,32 +24,46 @@ class CapacityStatus(StrEnum):
 
 
 class ClusterCapacityTrigger(BaseTrigger):
-    """Fires ``{"status": "free"}`` once backend ``backend`` has a free cluster slot."""
+    """Fires ``{"status": "free"}`` once backend ``backend`` has a free cluster slot, and none of
+    ``hosts`` is held by another cluster."""
 
-    def __init__(self, backend: str, poll_seconds: float = 5.0, log_seconds: float = 60.0) -> None:
+    def __init__(
+        self,
+        backend: str,
+        hosts: list[str] | None = None,
+        poll_seconds: float = 5.0,
+        log_seconds: float = 60.0,
+    ) -> None:
         super().__init__()
         self.backend = backend
+        self.hosts = list(hosts or [])
         self.poll_seconds = poll_seconds
         self.log_seconds = log_seconds
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
-            {"backend": self.backend, "poll_seconds": self.poll_seconds, "log_seconds": self.log_seconds},
+            {
+                "backend": self.backend,
+                "hosts": self.hosts,
+                "poll_seconds": self.poll_seconds,
+                "log_seconds": self.log_seconds,
+            },
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         capacity = get_backend(self.backend).capacity()
         started, next_log = time.monotonic(), 0.0
-        while not await asyncio.to_thread(capacity.has_free_slot):
+        while not await asyncio.to_thread(capacity.has_free_slot, tuple(self.hosts)):
             if time.monotonic() >= next_log:
                 next_log = time.monotonic() + self.log_seconds
                 holders = await asyncio.to_thread(capacity.holders)
                 self.log.info(
-                    "waiting %.0f s for one of %d %s cluster slot(s), held by %s",
+                    "waiting %.0f s for one of %d %s cluster slot(s)%s, held by %s",
                     time.monotonic() - started,
                     capacity.capacity,
                     self.backend,
+                    f" and hosts {', '.join(self.hosts)}" if self.hosts else "",
                     ", ".join(holders),
                 )
             await asyncio.sleep(self.poll_seconds)
