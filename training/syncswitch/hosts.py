@@ -43,7 +43,9 @@ class HostSpec:
     the host ("" = the same path as on the Airflow worker, as in this project's image)."""
 
     address: str
-    key: str  # path of the SSH private key on the Airflow worker (the key itself never travels)
+    # The SSH private key: a path on every Airflow worker, or a gs:// object that every worker reads
+    # (on a distributed Airflow, where workers share no disk). It never goes to the hosts.
+    key: str
     user: str = "root"
     port: int = 22
     role: str = "any"
@@ -111,8 +113,10 @@ class HostSpec:
             raise SpecError(FIELD, f"{where}: role {self.role!r} is not one of: {', '.join(ROLES)}")
         for name in ("key", "work_root") + (("python",) if self.python else ()):
             value = getattr(self, name)
-            if not value.startswith("/") or any(c in value for c in "\n\0'\"$`\\ "):
-                raise SpecError(FIELD, f"{where}: {name} must be an absolute path without quotes or spaces")
+            in_bucket = name == "key" and value.startswith("gs://")
+            if not (value.startswith("/") or in_bucket) or any(c in value for c in "\n\0'\"$`\\ "):
+                what = "an absolute path or (key) a gs:// object" if name == "key" else "an absolute path"
+                raise SpecError(FIELD, f"{where}: {name} must be {what}, without quotes or spaces")
 
     def to_text(self) -> str:
         defaults = HostSpec("", "")

@@ -4,13 +4,19 @@ A cluster is the job's ``hosts`` (``syncswitch.hosts.HostSpec``: address, SSH us
 role). The bucket (``gs://``) is the only thing the hosts share. On each host, in
 ``<work_root>/<job>-<run>@<host>/``::
 
-    token                         the cluster's fork-server token (0600; never in a log, XCom or state)
+    token                         the cluster's fork-server token (0600; never in a log, XCom or state;
+                                  its source is the run's bucket folder: RunLayout.cluster_secrets)
     forkserver/                   the host's fork server, listening on the host's address only
     segments/seg-<ii>/            on the chief host: spec.json, cluster.json, process.json,
                                   launcher.log, exitcode (``syncswitch.supervise``); on the others:
                                   the nodes' logs and staged data
 
-**provision** logs into every host (in parallel), writes the token and starts the host's fork server
+Nothing of a cluster stays on the Airflow worker that provisioned it, so any worker of a distributed
+Airflow can run the run's next task: the handle is in state.json, the token in the run's bucket
+folder, the capacity lease (with the hosts it holds) in the deployment's ledger (``leases_dir``).
+
+**provision** takes the lease (no host is in two clusters), logs into every host (in parallel),
+writes the token and starts the host's fork server
 (TensorFlow imported once per host), and waits until each listens. An unreachable host or a failed
 login fails provisioning, naming the host and the reason. **launch_segment** starts ``syncswitch
 train --cluster`` on the chief host, detached under ``syncswitch.supervise`` (an Airflow worker
@@ -26,6 +32,7 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
                       reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
                       SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
     hosts_clusters    how many hosts clusters may exist at once (default 1)
+    leases_dir        where the capacity ledger is: a gs:// folder on a distributed Airflow
 """
 
 from __future__ import annotations

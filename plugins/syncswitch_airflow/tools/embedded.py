@@ -183,6 +183,8 @@ class EmbeddedAirflow:
             **self._project_settings(),
             **self.settings_overrides,
         }
+        if not settings["DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite"):
+            del settings["DATABASE__SQL_ALCHEMY_CONNECT_ARGS"]  # SQLite's (a deployment on Postgres)
         env = dict(os.environ)
         # A caller's own Airflow settings must not leak into the embedded instance.
         for key in [k for k in env if k.startswith("AIRFLOW__") or k in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")]:

@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""A distributed Airflow on this machine, for real: PostgreSQL, Redis, the CeleryExecutor, and Celery
+workers on separate testbed hosts that share no disk.
+
+    python3 scripts/celery_deployment.py [--name dist] [--workers 2] [--hosts 3]
+        starts it all, prints where everything is, and tears it all down on Ctrl-C or SIGTERM
+    python3 scripts/celery_deployment.py down [--name dist]
+        removes what a killed one left (its processes, its testbed, its folder)
+
+What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.yaml):
+
+- PostgreSQL (Debian's package) as the metadata database and Celery's result backend, and Redis
+  (Debian's) as the Celery broker, both with passwords, on the testbed's gateway;
+- the scheduler, dag-processor, triggerer and api-server on this machine, supervised as the embedded
+  Airflow's are (``syncswitch_airflow.tools.airflow_supervisor``), with the CeleryExecutor;
+- N Celery workers, each on its own testbed host: its own network namespace (address), UTS namespace
+  (host name) and mount namespace, where a private tmpfs covers ``/tmp`` and the deployment's folder.
+  A worker's AIRFLOW_HOME, task logs and cluster work folder live on that tmpfs: no other worker and
+  not the scheduler can see them, and it sees none of theirs. Worker ``i`` serves Airflow's
+  ``default`` queue and a queue of its own, ``w<i>`` (a cluster policy can pin tasks to a worker);
+- the GCS emulator on the gateway: the bucket, the one storage every component shares;
+- M more testbed hosts for training clusters (the ``hosts`` backend), reached over SSH.
+
+Every component shares one Fernet key and one JWT secret, as a real deployment's must. The task
+instances' host names are the workers' addresses (``[core] hostname_callable``), so the api-server
+reaches each worker's log server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "plugins"), str(PROJECT_DIR / "training")]
+
+import testbed as tb  # noqa: E402 - scripts/ on the path above
+from gcs_emulator import GcsEmulator, free_port  # noqa: E402
+from syncswitch import procs  # noqa: E402
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow  # noqa: E402
+
+DB_USER = "airflow"
+DB_NAME = "airflow"
+WORKER_CONCURRENCY = 4
+WORKER_READY_S = 180.0
+SERVICE_READY_S = 30.0
+STOP_GRACE_S = 30.0
+PRIVATE_HOME = "/tmp/airflow"  # a worker's AIRFLOW_HOME, on its private tmpfs
+PRIVATE_WORK = "/tmp/syncswitch"  # its [syncswitch] work_dir, likewise
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} celery deployment: {message}", flush=True)
+
+
+def _postgres_bin(program: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{program}"))
+    if not found:
+        raise RuntimeError("PostgreSQL is not installed (Debian: apt-get install postgresql)")
+    return found[-1]
+
+
+def missing_prerequisites() -> str | None:
+    """Why this machine cannot run the deployment, or None."""
+    if not glob.glob("/usr/lib/postgresql/*/bin/postgres"):
+        return "PostgreSQL is not installed (apt-get install postgresql)"
+    if shutil.which("redis-server") is None:
+        return "Redis is not installed (apt-get install redis-server)"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is missing"
+    try:
+        import airflow.providers.celery  # noqa: F401
+    except ImportError:
+        return "apache-airflow-providers-celery is not installed (uv sync installs the deploy group)"
+    return tb.ensure_prerequisites()
+
+
+class Service:
+    """A process the deployment started, with its log file."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.name, self.process, self.log_path = name, process, log_path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_S) -> None:
+        """``sig`` to its process group, SIGKILL after ``grace``; waits until the group is gone."""
+        pgid = self.process.pid
+        if self.alive():
+            procs.signal_group(pgid, sig)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name} still running {grace:.0f} s after signal {sig}: SIGKILL")
+        procs.signal_group(pgid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        procs.wait_until(lambda: not procs.processes_in_group(pgid), 10.0)
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Service:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: stop() reaches its children too
+        )
+    return Service(name, process, log_path)
+
+
+def _wait_for(what: str, ready: Any, service: Service, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if not service.alive():
+            raise RuntimeError(f"{what} exited with {service.process.returncode}:\n{service.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready within {timeout:.0f} s:\n{service.log_tail()}")
+        time.sleep(0.5)
+
+
+class CeleryDeployment:
+    """The deployment as one object: ``up()``, its parts, its faults, ``down()``; see the module doc.
+
+    ``bed``: a testbed with at least ``workers`` hosts; the first ``workers`` run the Celery workers.
+    ``storage``: the GCS emulator every component uses (on the testbed's gateway).
+    ``settings``: more ``SECTION__KEY`` settings for every Airflow component.
+    ``local_settings``: the scheduler side's ``airflow_local_settings.py`` (cluster policies, such as
+    one that routes tasks to the workers' queues).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        bed: tb.Testbed,
+        storage: GcsEmulator,
+        workers: int = 2,
+        settings: dict[str, str] | None = None,
+        local_settings: str = "",
+    ) -> None:
+        if len(bed.hosts) < workers:
+            raise ValueError(f"testbed {bed.name} has {len(bed.hosts)} host(s), the workers need {workers}")
+        self.root = Path(root).resolve()
+        self.bed, self.storage = bed, storage
+        self.worker_hosts = bed.hosts[:workers]
+        self.gateway = bed.gateway
+        self.pg_port, self.redis_port, self.api_port = (free_port() for _ in range(3))
+        self.password = secrets.token_hex(16)
+        self.fernet_key = _fernet_key()
+        self.extra_settings = dict(settings or {})
+        self.local_settings = local_settings
+        self.postgres: Service | None = None
+        self.redis: Service | None = None
+        self.workers: dict[int, Service] = {}
+        self.airflow = EmbeddedAirflow(
+            PROJECT_DIR, home=self.root / "scheduler", port=self.api_port, settings=self.airflow_settings()
+        )
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    @property
+    def database_url(self) -> str:
+        return f"postgresql+psycopg2://{DB_USER}:{self.password}@{self.gateway}:{self.pg_port}/{DB_NAME}"
+
+    def airflow_settings(self) -> dict[str, str]:
+        """What every Airflow component of the deployment shares (``AIRFLOW__<key>``)."""
+        return {
+            "CORE__EXECUTOR": "CeleryExecutor",
+            "DATABASE__SQL_ALCHEMY_CONN": self.database_url,
+            "CELERY__BROKER_URL": f"redis://:{self.password}@{self.gateway}:{self.redis_port}/0",
+            "CELERY__RESULT_BACKEND": f"db+postgresql://{DB_USER}:{self.password}@{self.gateway}:"
+            f"{self.pg_port}/{DB_NAME}",
+            "CELERY__WORKER_CONCURRENCY": str(WORKER_CONCURRENCY),
+            # A connection written by the UI is read by the tasks: one key for every component.
+            "CORE__FERNET_KEY": self.fernet_key,
+            # Workers reach the api-server at the gateway; it listens on every address of this machine.
+            "API__HOST": "0.0.0.0",
+            "CORE__EXECUTION_API_SERVER_URL": f"http://{self.gateway}:{self.api_port}/execution/",
+            # A task instance's host is its worker's address: the api-server fetches its log from there.
+            "CORE__HOSTNAME_CALLABLE": "airflow.utils.net.get_host_ip_address",
+            **self.extra_settings,
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def up(self) -> None:
+        """Everything, in order; on a failure everything started so far is stopped again."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.local_settings:
+            config = self.airflow.home / "config"
+            config.mkdir(parents=True, exist_ok=True)
+            (config / "airflow_local_settings.py").write_text(self.local_settings)
+        try:
+            self._start_postgres()
+            self._start_redis()
+            log(f"starting Airflow (CeleryExecutor) on http://{self.gateway}:{self.api_port}")
+            self.airflow.start()
+            for index in range(len(self.worker_hosts)):
+                self.start_worker(index)
+        except BaseException:
+            self.down()
+            raise
+        log(
+            f"up: api-server http://{self.gateway}:{self.api_port}, workers "
+            + ", ".join(f"{h.name} ({h.address}, queue w{i})" for i, h in enumerate(self.worker_hosts))
+        )
+
+    def down(self) -> None:
+        """Stop the workers, Airflow, Redis and PostgreSQL; fail if any process of them is left."""
+        for index in list(self.workers):
+            self.stop_worker(index)
+        if self.airflow.home.is_dir():
+            self.airflow.stop()
+        for service in (self.redis, self.postgres):
+            if service is not None:
+                service.stop(signal.SIGINT if service is self.postgres else signal.SIGTERM)
+        self.redis = self.postgres = None
+        shutil.rmtree(self._pg_dir, ignore_errors=True)
+        left = procs.processes_with_env("SYNCSWITCH_DEPLOYMENT", str(self.root))
+        if left:
+            raise RuntimeError(f"processes of the deployment in {self.root} survived: {left}")
+        log("down")
+
+    def __enter__(self) -> CeleryDeployment:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # ---- PostgreSQL ------------------------------------------------------------------------------
+
+    @property
+    def _pg_dir(self) -> Path:
+        # Outside the deployment's folder: the postgres user must reach it, and pytest's are 0700.
+        return Path("/var/tmp") / f"syncswitch-pg-{self.root.name}-{self.pg_port}"
+
+    def _start_postgres(self) -> None:
+        data = self._pg_dir
+        if not (data / "PG_VERSION").exists():
+            shutil.rmtree(data, ignore_errors=True)
+            data.mkdir(parents=True, mode=0o700)
+            (data.parent / f"{data.name}.pw").write_text(self.password)
+            shutil.chown(data, "postgres", "postgres")
+            shutil.chown(data.parent / f"{data.name}.pw", "postgres", "postgres")
+            _as_postgres(
+                _postgres_bin("initdb"),
+                "-D",
+                str(data / "db"),
+                "-U",
+                DB_USER,
+                "--auth=scram-sha-256",
+                f"--pwfile={data.parent / f'{data.name}.pw'}",
+            )
+            (data.parent / f"{data.name}.pw").unlink()
+            with open(data / "db" / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {self.bed.subnet} scram-sha-256\n")
+            (data / "PG_VERSION").write_text("initialised\n")
+        self._run_postgres()
+        import psycopg2
+
+        with contextlib.closing(
+            psycopg2.connect(
+                host=self.gateway, port=self.pg_port, user=DB_USER, password=self.password, dbname="postgres"
+            )
+        ) as conn:
+            conn.autocommit = True
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,))
+                if cursor.fetchone() is None:
+                    cursor.execute(f"CREATE DATABASE {DB_NAME}")
+        log(f"PostgreSQL on {self.gateway}:{self.pg_port}")
+
+    def _run_postgres(self) -> None:
+        data = self._pg_dir / "db"
+        self.postgres = _spawn(
+            "postgres",
+            [
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                _postgres_bin("postgres"),
+                *("-D", str(data), "-p", str(self.pg_port), "-k", str(data)),
+                *("-c", f"listen_addresses={self.gateway}", "-c", "max_connections=200"),
+            ],
+            self.root / "logs" / "postgres.log",
+            env={**os.environ, "SYNCSWITCH_DEPLOYMENT": str(self.root)},
+        )
+        _wait_for("PostgreSQL", lambda: _accepts(self.gateway, self.pg_port), self.postgres, SERVICE_READY_S)
+
+    def restart_postgres(self, down_seconds: float = 0.0) -> None:
+        """Stop PostgreSQL (fast shutdown: open sessions are cut), wait, start it again."""
+        assert self.postgres is not None
+        log("restarting PostgreSQL")
+        self.postgres.stop(signal.SIGINT)
+        time.sleep(down_seconds)
+        self._run_postgres()
+
+    # ---- Redis -----------------------------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        folder = self.root / "redis"
+        folder.mkdir(parents=True, exist_ok=True)
+        config = folder / "redis.conf"
+        # The password in a 0600 file, not on a command line that `ps` shows.
+        config.write_text(
+            f"port {self.redis_port}\nbind {self.gateway}\nrequirepass {self.password}\n"
+            f'dir {folder}\nsave ""\nappendonly no\n'
+        )
+        config.chmod(0o600)
+        self.redis = _spawn(
+            "redis",
+            ["redis-server", str(config)],
+            self.root / "logs" / "redis.log",
+            env={**os.environ, "SYNCSWITCH_DEPLOYMENT": str(self.root)},
+        )
+        _wait_for("Redis", lambda: _accepts(self.gateway, self.redis_port), self.redis, SERVICE_READY_S)
+        log(f"Redis on {self.gateway}:{self.redis_port}")
+
+    # ---- Celery workers --------------------------------------------------------------------------
+
+    def worker_env(self, index: int) -> dict[str, str]:
+        """The scheduler's environment, with the worker's own home, temp and work folders."""
+        env = {k: v for k, v in self.airflow.env().items() if not k.startswith("SYNCSWITCH_WORK")}
+        env.update(
+            AIRFLOW_HOME=PRIVATE_HOME,
+            AIRFLOW__LOGGING__BASE_LOG_FOLDER=f"{PRIVATE_HOME}/logs",
+            AIRFLOW__SYNCSWITCH__WORK_DIR=PRIVATE_WORK,
+            TMPDIR="/tmp",
+            SYNCSWITCH_DEPLOYMENT=str(self.root),
+        )
+        return env
+
+    def start_worker(self, index: int) -> Service:
+        """Worker ``index`` on its testbed host, in namespaces of its own; returns when Celery is ready."""
+        host = self.worker_hosts[index]
+        hidden = [self.root] if not str(self.root).startswith("/tmp/") else []
+        setup = [
+            f"hostname {shlex.quote(host.name)}",
+            # Its own /tmp (and the deployment's folder hidden): nothing of the scheduler's or of
+            # another worker's is visible, and nothing it writes there is visible to them.
+            "mount -t tmpfs -o mode=1777 syncswitch-private /tmp",
+            *(f"mount -t tmpfs syncswitch-hidden {shlex.quote(str(path))}" for path in hidden),
+            # Its name resolves to its own address (hostname_callable reports that address).
+            f"printf '127.0.0.1 localhost\\n{host.address} {host.name}\\n' > /tmp/hosts",
+            "mount --bind /tmp/hosts /etc/hosts",
+            f"mkdir -p {PRIVATE_HOME} {PRIVATE_WORK}",
+            f"cd {PRIVATE_HOME}",
+            "exec "
+            + shlex.join(
+                [
+                    str(Path(sys.executable).parent / "airflow"),
+                    *("celery", "worker", "--queues", f"w{index},default"),
+                    *("--celery-hostname", f"w{index}@{host.name}"),
+                    *("--concurrency", str(WORKER_CONCURRENCY), "--without-gossip", "--without-mingle"),
+                ]
+            ),
+        ]
+        argv = [
+            *("ip", "netns", "exec", host.name),
+            *("unshare", "--uts", "--mount", "--propagation", "private", "--"),
+            *("/bin/sh", "-c", "set -e; " + "; ".join(setup)),
+        ]
+        service = _spawn(
+            f"worker {index}", argv, self.root / "logs" / f"worker-{index}.log", self.worker_env(index)
+        )
+        self.workers[index] = service
+        _wait_for(
+            f"Celery worker {index} on {host.name}",
+            lambda: " ready." in service.log_tail(200),
+            service,
+            WORKER_READY_S,
+        )
+        log(f"Celery worker {index} ready on {host.name} ({host.address}), queue w{index}")
+        return service
+
+    def stop_worker(self, index: int) -> None:
+        service = self.workers.pop(index, None)
+        if service is not None:
+            service.stop(signal.SIGTERM)
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL worker ``index`` and every process of it: a machine lost, mid-task."""
+        service = self.workers.pop(index)
+        log(f"killing Celery worker {index} ({self.worker_hosts[index].name})")
+        service.stop(signal.SIGKILL, grace=0.0)
+
+    def worker_file(self, index: int, path: str) -> Path:
+        """``path`` as worker ``index`` sees it (its private tmpfs, through /proc/<pid>/root)."""
+        return Path(f"/proc/{self.workers[index].process.pid}/root") / path.lstrip("/")
+
+
+def _fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+def _as_postgres(*argv: str) -> None:
+    result = subprocess.run(["runuser", "-u", "postgres", "--", *argv], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed: {result.stderr or result.stdout}")
+
+
+def _accepts(address: str, port: int) -> bool:
+    import socket
+
+    with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1.0):
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def deployment(name: str, workers: int, hosts: int, root: Path) -> Iterator[CeleryDeployment]:
+    """The CLI's deployment: its own testbed and GCS emulator too."""
+    bed = tb.Testbed(name, workers + hosts)
+    bed.up()
+    try:
+        (root / "gcs").mkdir(parents=True, exist_ok=True)
+        gcs = GcsEmulator(root / "gcs", free_port(), host=bed.gateway)
+        gcs.start()
+        os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+        try:
+            with CeleryDeployment(root, bed, gcs, workers) as running:
+                yield running
+        finally:
+            gcs.stop()
+    finally:
+        bed.down()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", nargs="?", choices=("up", "down"), default="up")
+    parser.add_argument("--name", default="dist", help="testbed name (1-8 of [a-z0-9])")
+    parser.add_argument("--workers", type=int, default=2, help="Celery workers, one per testbed host")
+    parser.add_argument("--hosts", type=int, default=3, help="more testbed hosts, for training clusters")
+    args = parser.parse_args(argv)
+    root = Path("/tmp") / f"syncswitch-celery-{args.name}"
+    if args.command == "down":
+        for pid in procs.processes_with_env("SYNCSWITCH_DEPLOYMENT", str(root)):
+            procs.kill(pid)
+        tb.Testbed.remove_leftovers(args.name)
+        for pg in glob.glob(f"/var/tmp/syncswitch-pg-{root.name}-*"):
+            shutil.rmtree(pg, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        log(f"removed what deployment {args.name} left")
+        return 0
+    reason = missing_prerequisites()
+    if reason:
+        print(f"cannot run the deployment here: {reason}", file=sys.stderr)
+        return 2
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    with deployment(args.name, args.workers, args.hosts, root) as running:
+        training = [h for h in running.bed.hosts if h not in running.worker_hosts]
+        log(
+            f"UI http://{running.gateway}:{running.api_port} (admin / syncswitch); "
+            f"GCS emulator {running.storage.url}"
+        )
+        log("training hosts: " + ", ".join(f"{h.name} {h.address} (key {h.key_path})" for h in training))
+        log("Ctrl-C or SIGTERM tears it all down")
+        try:
+            while not stop["now"]:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
