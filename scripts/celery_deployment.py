@@ -55,6 +55,7 @@ DB_USER = "airflow"
 DB_NAME = "airflow"
 WORKER_CONCURRENCY = 4
 WORKER_READY_S = 180.0
+AIRFLOW_BOOT_S = 900.0
 SERVICE_READY_S = 30.0
 STOP_GRACE_S = 30.0
 PRIVATE_HOME = "/tmp/airflow"  # a worker's AIRFLOW_HOME, on its private tmpfs
@@ -90,17 +91,21 @@ def missing_prerequisites() -> str | None:
 class Service:
     """A process the deployment started, with its log file."""
 
-    def __init__(self, name: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.name, self.process, self.log_path = name, process, log_path
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log_path: Path, log_offset: int) -> None:
+        self.name, self.process, self.log_path, self.log_offset = name, process, log_path, log_offset
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` of what this process wrote (the file may hold an earlier one's)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_S) -> None:
         """``sig`` to its process group, SIGKILL after ``grace``; waits until the group is gone."""
@@ -110,7 +115,8 @@ class Service:
             try:
                 self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                log(f"{self.name} still running {grace:.0f} s after signal {sig}: SIGKILL")
+                if sig != signal.SIGKILL:
+                    log(f"{self.name} still running {grace:.0f} s after signal {sig}: SIGKILL")
         procs.signal_group(pgid, signal.SIGKILL)
         self.process.wait(timeout=10)
         procs.wait_until(lambda: not procs.processes_in_group(pgid), 10.0)
@@ -119,6 +125,7 @@ class Service:
 def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Service:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
+        offset = out.tell()
         process = subprocess.Popen(
             argv,
             env=env,
@@ -127,7 +134,7 @@ def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | Non
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: stop() reaches its children too
         )
-    return Service(name, process, log_path)
+    return Service(name, process, log_path, offset)
 
 
 def _wait_for(what: str, ready: Any, service: Service, timeout: float) -> None:
@@ -163,7 +170,7 @@ class CeleryDeployment:
             raise ValueError(f"testbed {bed.name} has {len(bed.hosts)} host(s), the workers need {workers}")
         self.root = Path(root).resolve()
         self.bed, self.storage = bed, storage
-        self.worker_hosts = bed.hosts[:workers]
+        self.worker_hosts = list(bed.hosts[:workers])
         self.gateway = bed.gateway
         self.pg_port, self.redis_port, self.api_port = (free_port() for _ in range(3))
         self.password = secrets.token_hex(16)
@@ -189,7 +196,7 @@ class CeleryDeployment:
             "CORE__EXECUTOR": "CeleryExecutor",
             "DATABASE__SQL_ALCHEMY_CONN": self.database_url,
             "CELERY__BROKER_URL": f"redis://:{self.password}@{self.gateway}:{self.redis_port}/0",
-            "CELERY__RESULT_BACKEND": f"db+postgresql://{DB_USER}:{self.password}@{self.gateway}:"
+            "CELERY__RESULT_BACKEND": f"db+postgresql+psycopg2://{DB_USER}:{self.password}@{self.gateway}:"
             f"{self.pg_port}/{DB_NAME}",
             "CELERY__WORKER_CONCURRENCY": str(WORKER_CONCURRENCY),
             # A connection written by the UI is read by the tasks: one key for every component.
@@ -215,7 +222,7 @@ class CeleryDeployment:
             self._start_postgres()
             self._start_redis()
             log(f"starting Airflow (CeleryExecutor) on http://{self.gateway}:{self.api_port}")
-            self.airflow.start()
+            self.airflow.start(timeout=AIRFLOW_BOOT_S)
             for index in range(len(self.worker_hosts)):
                 self.start_worker(index)
         except BaseException:
@@ -353,8 +360,11 @@ class CeleryDeployment:
         )
         return env
 
-    def start_worker(self, index: int) -> Service:
-        """Worker ``index`` on its testbed host, in namespaces of its own; returns when Celery is ready."""
+    def start_worker(self, index: int, host: tb.TestHost | None = None) -> Service:
+        """Worker ``index`` (queue ``w<index>``) on its testbed host, or on ``host`` (a replacement
+        machine), in namespaces of its own, with an empty disk; returns when Celery is ready."""
+        if host is not None:
+            self.worker_hosts[index] = host
         host = self.worker_hosts[index]
         hidden = [self.root] if not str(self.root).startswith("/tmp/") else []
         setup = [
@@ -400,12 +410,20 @@ class CeleryDeployment:
         service = self.workers.pop(index, None)
         if service is not None:
             service.stop(signal.SIGTERM)
+            self._kill_left_on(self.worker_hosts[index])
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL worker ``index`` and every process of it: a machine lost, mid-task."""
         service = self.workers.pop(index)
         log(f"killing Celery worker {index} ({self.worker_hosts[index].name})")
         service.stop(signal.SIGKILL, grace=0.0)
+        self._kill_left_on(self.worker_hosts[index])
+
+    def _kill_left_on(self, host: tb.TestHost) -> None:
+        """Every process of the deployment still on ``host`` (a task process in a session of its own)."""
+        for pid in self.bed.processes(host):
+            if procs.has_env(pid, "SYNCSWITCH_DEPLOYMENT", str(self.root)):
+                procs.kill(pid)
 
     def worker_file(self, index: int, path: str) -> Path:
         """``path`` as worker ``index`` sees it (its private tmpfs, through /proc/<pid>/root)."""

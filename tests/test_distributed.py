@@ -10,23 +10,33 @@ task that needed something an earlier task left on its worker's disk would fail 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import testbed as tb
+from airflow_runs import DuringRun, checkpoint_step, component_pid, segment_starts, wait_for_restart
 from celery_deployment import CeleryDeployment, missing_prerequisites
 from conftest import GcsEmulator, new_bucket, storage_on_gateway
+from fake_compute import FakeComputeEngine
 from syncswitch import storage
+from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.local import deployment_refusal
+from syncswitch_airflow.tools.airflow_api import AirflowUnavailable
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster, pytest.mark.airflow]
 
 _RUN_ID = os.getpid() % 10000
 TRAINING_ROLES = ("chief", "worker", "ps")
+PROJECT = "dist-project"
+ZONES = "us-central1-a us-central1-b"
 
 # The scheduler side's cluster policy: each task to worker 0 or 1, alternating along the run, so that
 # every task runs on another worker than the one before it (segment i on worker i % 2).
@@ -57,7 +67,8 @@ def bed() -> Iterator[tb.Testbed]:
     reason = missing_prerequisites()
     if reason:
         pytest.skip(reason)
-    testbed = tb.Testbed(f"sdi{_RUN_ID}", 2 + len(TRAINING_ROLES))
+    # Two Celery workers, the training hosts, and a spare machine for a replacement worker.
+    testbed = tb.Testbed(f"sdi{_RUN_ID}", 2 + len(TRAINING_ROLES) + 1)
     testbed.up()
     try:
         yield testbed
@@ -66,8 +77,24 @@ def bed() -> Iterator[tb.Testbed]:
 
 
 @pytest.fixture(scope="module")
-def gcs(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
-    with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("dist-gcs")) as server:
+def fake(bed: tb.Testbed) -> Iterator[FakeComputeEngine]:
+    """The fake Compute Engine API (no emulator exists), on the gateway where the workers reach it;
+    its VMs become hosts of this testbed."""
+    with FakeComputeEngine(bed, PROJECT, host=bed.gateway) as api:
+        yield api
+    # The VMs' boot disks are this machine's filesystem: remove what they kept, as deleting them would.
+    for folder in Path(DEFAULT_WORK_ROOT).glob("distgce-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gcs(
+    bed: tb.Testbed, fake: FakeComputeEngine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GcsEmulator]:
+    """The bucket, and an anonymous Google connection for every component (Compute Engine calls)."""
+    connection = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
+    env = {"AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
+    with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("dist-gcs"), env) as server:
         yield server
 
 
@@ -78,16 +105,27 @@ def bucket(gcs: GcsEmulator) -> str:
 
 @pytest.fixture(scope="module")
 def deployment(
-    bed: tb.Testbed, gcs: GcsEmulator, bucket: str, tmp_path_factory: pytest.TempPathFactory
+    bed: tb.Testbed,
+    gcs: GcsEmulator,
+    fake: FakeComputeEngine,
+    bucket: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[CeleryDeployment]:
     own = {
+        "SYNCSWITCH__GCE_API_ENDPOINT": fake.endpoint,
         "SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases",
         "SYNCSWITCH__SSH_KNOWN_HOSTS": bed.known_hosts_path,
+        # A task whose worker was lost is failed (and retried) this long after its last heartbeat.
+        "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "45",
     }
     with CeleryDeployment(
         tmp_path_factory.mktemp("celery"), bed, gcs, workers=2, settings=own, local_settings=QUEUE_POLICY
     ) as running:
         yield running
+
+
+def training_testbed_hosts(bed: tb.Testbed) -> list[tb.TestHost]:
+    return bed.hosts[2 : 2 + len(TRAINING_ROLES)]
 
 
 def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
@@ -97,7 +135,7 @@ def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
         storage.write_bytes(key, Path(bed.key_path).read_bytes())
     return [
         f"address={h.address},key={key},role={role},name={h.name}"
-        for h, role in zip(bed.hosts[2:], TRAINING_ROLES, strict=True)
+        for h, role in zip(training_testbed_hosts(bed), TRAINING_ROLES, strict=True)
     ]
 
 
@@ -130,7 +168,7 @@ def test_101_with_an_online_switch_runs_with_every_task_on_another_worker_than_t
         "bucket_dir": f"{bucket}/runs",
         "switch_order": "101",
         # BSP runs long enough at a quarter speed for greedy to see the straggler (two 5 s windows).
-        "train_steps": [1500, 200, 100],
+        "train_steps": [1000, 200, 100],
         "ckpt_frequency": [100, 100, 50],
         "num_workers": 2,
         "num_ps": 1,
@@ -150,7 +188,7 @@ def test_101_with_an_online_switch_runs_with_every_task_on_another_worker_than_t
     plan = [(e["protocol"], e["origin"]) for e in run_state["plan"]]
     assert plan == [("bsp", "plan"), ("asp", "online"), ("asp", "plan"), ("bsp", "plan")], plan
     assert run_state["decisions"][0]["workers"] == [1]
-    assert run_state["segments"]["3"]["end_step"] == 1800
+    assert run_state["segments"]["3"]["end_step"] == 1300
 
     # Every task that ran did so on the worker the policy pinned it to (by address), and both ran some.
     addresses = [h.address for h in deployment.worker_hosts]
@@ -159,18 +197,138 @@ def test_101_with_an_online_switch_runs_with_every_task_on_another_worker_than_t
         assert hostname == addresses[expected_worker(task)], (task, hostname, addresses)
     assert {ran["provision_cluster"], ran["teardown_cluster"]} == set(addresses)
 
-    # Nothing of the cluster is left: no process on the training hosts, no lease, no secret.
-    for host in bed.hosts[2:]:
-        assert not [p for p in bed.processes(host) if "syncswitch" in _cmdline(p)], host.name
+    assert_cluster_gone(bed, bucket, layout)
+
+
+def assert_cluster_gone(bed: tb.Testbed, bucket: str, layout: RunLayout) -> None:
+    """No process of the cluster on the training hosts (their sshd aside), no lease, no secret."""
+    for host in training_testbed_hosts(bed):
+        left = {pid: _cmdline(pid) for pid in bed.processes(host)}
+        assert not {p: c for p, c in left.items() if c and not c.startswith(("sshd", "/usr/sbin/sshd"))}
     assert storage.read_json(f"{bucket}/_leases/hosts.json", default={}).get("leases") == {}
     assert not storage.list_files(layout.cluster_secrets)
 
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+def test_a_lost_worker_a_killed_scheduler_and_a_restarted_postgres_lose_no_training(
+    deployment: CeleryDeployment, bed: tb.Testbed, bucket: str
+) -> None:
+    """ "101" while the deployment loses parts of itself:
+
+    1. the worker running segment 0's task is lost while the task waits deferred (the segment trains on
+       the hosts): the segment goes on untouched, and the worker comes back as a new machine (empty
+       disk) that runs the run's later tasks;
+    2. the other worker is lost while it launches segment 1 (the task runs): Airflow fails that try
+       once its heartbeat is missed, and the retry runs on a replacement worker on another machine,
+       which finds the segment running (or launches it) and follows it;
+    3. PostgreSQL is restarted while that happens;
+    4. the scheduler is killed while segment 2 trains (its supervisor starts it again).
+    The run succeeds, each segment is started once (no training lost or repeated), and the cluster
+    is gone at the end."""
+    conf = {
+        "job_name": "faults",
+        "cluster_backend": "hosts",
+        "hosts": training_hosts(bed, bucket),
+        "bucket_dir": f"{bucket}/runs",
+        "switch_order": "101",
+        "train_steps": [1000, 1000, 300],
+        "ckpt_frequency": [100, 250, 50],
+        "num_workers": 2,
+        "num_ps": 1,
+        "stall_seconds": 300,
+    }
+    api = deployment.airflow.api
+    run_id = api.trigger("sync_switch", conf)
+    layout = RunLayout.for_run(f"{bucket}/runs", "faults", run_id)
+    spare = bed.hosts[2 + len(TRAINING_ROLES)]
+
+    def task_state(task_id: str) -> str | None:
+        try:
+            return api.task_states("sync_switch", run_id).get(task_id)
+        except (OSError, AirflowUnavailable):  # while PostgreSQL restarts
+            return None
+
+    def faults(run: DuringRun) -> None:
+        run.wait(
+            lambda: task_state("segment_0.bsp") == "deferred" and checkpoint_step(layout) >= 100,
+            "segment 0 deferred, past its first checkpoint",
+        )
+        deployment.kill_worker(0)
+        restarted = threading.Thread(target=deployment.start_worker, args=(0,))
+        restarted.start()
+        run.wait(lambda: task_state("segment_1.asp") == "running", "segment 1's task running")
+        deployment.kill_worker(1)
+        deployment.restart_postgres(down_seconds=5.0)
+        deployment.start_worker(1, host=spare)
+        restarted.join()
+        run.wait(lambda: task_state("segment_2.bsp") == "deferred", "segment 2 deferred")
+        scheduler = component_pid(deployment.airflow, "scheduler")
+        os.kill(scheduler, signal.SIGKILL)
+        wait_for_restart(deployment.airflow, "scheduler", scheduler)
+
+    during = DuringRun(faults).start()
+    try:
+        state = api.wait("sync_switch", run_id, timeout=1500)
+    finally:
+        during.stop()
+    tis = task_instances(deployment, run_id)
+    assert state == "success", {t: (ti["state"], ti["try_number"]) for t, ti in tis.items()}
+    run_state = read_state(layout)
+    assert [(e["protocol"], e["origin"]) for e in run_state["plan"]] == [
+        ("bsp", "plan"),
+        ("asp", "plan"),
+        ("bsp", "plan"),
+    ]
+    assert [run_state["segments"][str(i)]["end_step"] for i in range(3)] == [1000, 2000, 2300]
+    assert segment_starts(layout) == {0: 1, 1: 1, 2: 1}, "a segment was started twice"
+    assert tis["segment_1.asp"]["try_number"] == 2 and tis["segment_1.asp"]["hostname"] == spare.address
+    assert tis["segment_2.bsp"]["hostname"] == deployment.worker_hosts[0].address
+    assert_cluster_gone(bed, bucket, layout)
+
+
+def test_101_on_compute_engine_vms_with_every_task_on_another_worker_than_the_one_before(
+    deployment: CeleryDeployment, fake: FakeComputeEngine, bucket: str
+) -> None:
+    """The gce backend (its fake API): the run's VMs, firewall rule and SSH key are made by one worker
+    and used, then deleted, by others: the key is in the run's bucket folder, never on a worker."""
+    conf = {
+        "job_name": "distgce",
+        "cluster_backend": "gce",
+        "bucket_dir": f"{bucket}/runs",
+        "num_workers": 2,
+        "num_ps": 1,
+        # The VMs share this machine's filesystem and users: the runtime is this interpreter's.
+        "gce": {
+            "project": PROJECT,
+            "zones": ZONES,
+            "gpus": "k80",
+            "python": sys.executable,
+            "ssh_user": "root",
+        },
+        "switch_order": "101",
+        "train_steps": [100, 200, 50],
+        "ckpt_frequency": [50, 100, 50],
+    }
+    api = deployment.airflow.api
+    run_id = api.trigger("sync_switch", conf)
+    state = api.wait("sync_switch", run_id, timeout=1200)
+    tis = task_instances(deployment, run_id)
+    assert state == "success", {t: ti["state"] for t, ti in tis.items()}
+    layout = RunLayout.for_run(f"{bucket}/runs", "distgce", run_id)
+    run_state = read_state(layout)
+    assert [run_state["segments"][str(i)]["end_step"] for i in range(3)] == [100, 300, 350]
+    assert tis["provision_cluster"]["hostname"] != tis["teardown_cluster"]["hostname"]
+    assert tis["segment_0.bsp"]["hostname"] != tis["segment_1.asp"]["hostname"]
+    assert fake.instances() == {} and fake.firewalls() == {}
+    assert storage.read_json(f"{bucket}/_leases/gce.json", default={}).get("leases") == {}
+    assert not storage.list_files(layout.cluster_secrets)
+    assert run_state["cost"]["total"] > 0  # the ledger of VMs that other workers created
 
 
 def test_the_deployment_shares_one_fernet_key(deployment: CeleryDeployment) -> None:

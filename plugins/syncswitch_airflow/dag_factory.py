@@ -59,7 +59,10 @@ def build_sync_switch_dag(
         max_active_runs=max_active_runs,
         params=params,
         tags=sorted({"syncswitch", *(tags or [])}),
-        default_args={"owner": "syncswitch"},
+        # Every task is idempotent, and on a distributed Airflow a lost worker fails whatever it ran
+        # (a watcher, a skipped branch, the report): one retry, on any worker. Bad params and bad user
+        # code fail at once (AirflowFailException), without a retry.
+        default_args={"owner": "syncswitch", "retries": 1, "retry_delay": datetime.timedelta(seconds=10)},
     ) as dag:
         validate = ValidateJobOperator(task_id="validate")
         timing = TimingPolicyOperator(task_id="timing_policy")

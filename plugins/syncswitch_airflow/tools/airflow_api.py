@@ -24,6 +24,10 @@ class AirflowError(RuntimeError):
     """Airflow could not start, answer or stop as expected."""
 
 
+class AirflowUnavailable(AirflowError):
+    """The api-server answered 5xx: it is up but cannot serve now (its database restarts)."""
+
+
 class TriggerRejected(AirflowError):
     """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
 
@@ -183,7 +187,8 @@ class AirflowApi:
             try:
                 state = self.run_state(dag_id, run_id)
                 tasks = self.task_states(dag_id, run_id)
-            except OSError as exc:  # connection refused or reset: the api-server is restarting
+            # Refused or reset: the api-server restarts; a 5xx: its database restarts (or fails over).
+            except (OSError, AirflowUnavailable) as exc:
                 now = time.monotonic()
                 if unanswered_since is None:
                     unanswered_since = now
@@ -206,6 +211,8 @@ class AirflowApi:
 
     def get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
         status, body = self.request("GET", path, auth=auth)
+        if status >= 500:
+            raise AirflowUnavailable(f"GET {path} answered {status}: {_error_text(body)}")
         if status != 200:
             raise AirflowError(f"GET {path} answered {status}: {_error_text(body)}")
         return body

@@ -1,0 +1,279 @@
+"""The pipeline on the Celery deployment against the embedded default, and concurrent runs (issue 19).
+
+    sudo .venv/bin/python bench/bench_distributed.py          # ~25 minutes on 2 cores
+
+Side by side in one run, on one testbed and one GCS emulator:
+
+1. the same job ("101" on the ``hosts`` backend, three training hosts) on the embedded Airflow
+   (SQLite, LocalExecutor) and on the Celery deployment (scripts/celery_deployment.py: PostgreSQL,
+   Redis, two Celery workers on their own hosts): the DAG run's fixed overhead (trigger to first step,
+   last step to run end), its switch gaps, and the Airflow processes' CPU while the first segment
+   trains (PostgreSQL and Redis counted on the Celery side);
+2. on the Celery deployment, four runs triggered at once with room for two clusters
+   (``hosts_clusters=2``) on two sets of training hosts (runs 1 and 3 name set A, 2 and 4 set B): each
+   run's wait for its cluster, and a check, from the ledger's point of view, that no host was in two
+   clusters at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import BenchError, fmt, log, machine_line, markdown_table
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(PROJECT_DIR / "scripts")]
+ROLES = ("chief", "worker", "ps")
+WORKER_HOSTS = 2
+
+
+def conf(bucket: str, job: str, hosts: list[str], first_steps: int) -> dict[str, Any]:
+    return {
+        "job_name": job,
+        "cluster_backend": "hosts",
+        "hosts": hosts,
+        "bucket_dir": f"{bucket}/runs",
+        "switch_order": "101",
+        "train_steps": [first_steps, 200, 200],
+        "ckpt_frequency": [500, 100, 100],
+        "num_workers": 2,
+        "num_ps": 1,
+        "max_online_switches": 0,
+    }
+
+
+def host_params(bed: Any, hosts: list[Any], key: str) -> list[str]:
+    return [
+        f"address={h.address},key={key},role={r},name={h.name}" for h, r in zip(hosts, ROLES, strict=True)
+    ]
+
+
+def cpu_of(pids: list[int], seconds: float) -> float:
+    from syncswitch import procs
+
+    before = {pid: procs.cpu_seconds(pid) or 0.0 for pid in pids}
+    start = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - start
+    return sum(((procs.cpu_seconds(pid) or before[pid]) - before[pid]) for pid in pids) / elapsed
+
+
+def airflow_pids(airflow: Any, extra_marker: str | None) -> list[int]:
+    """The Airflow instance's processes (their marker), and the deployment's (PostgreSQL, Redis,
+    Celery workers) where ``extra_marker`` names it."""
+    from syncswitch import procs
+    from syncswitch_airflow.tools.embedded import INSTANCE_ENV, instance_marker
+
+    pids = {
+        p.pid for p in procs.processes_with_env(INSTANCE_ENV, instance_marker(airflow.running_instance()))
+    }
+    if extra_marker:
+        pids |= {p.pid for p in procs.processes_with_env("SYNCSWITCH_DEPLOYMENT", extra_marker)}
+    return sorted(pids)
+
+
+def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, marker: str | None) -> dict:
+    from syncswitch.layout import RunLayout
+    from syncswitch_airflow.report import load_run, summarize
+
+    api = airflow.api
+    triggered = time.time()
+    run_id = api.trigger("sync_switch", job_conf)
+    layout = RunLayout.for_run(job_conf["bucket_dir"], job_conf["job_name"], run_id)
+    wait_for_step(layout, 200)
+    log(f"{name}: sampling Airflow's CPU for {sample_s:.0f} s while BSP trains")
+    cpu = cpu_of(airflow_pids(airflow, marker), sample_s)
+    state = api.wait("sync_switch", run_id, timeout=3600)
+    if state != "success":
+        raise BenchError(f"{name}: the run ended {state}")
+    run = api.get_json(f"/api/v2/dags/sync_switch/dagRuns/{run_id}")
+    ended = datetime.datetime.fromisoformat(run["end_date"]).timestamp()
+    summary = summarize(load_run(layout.root))
+    segments = summary["segments"]
+    first_step = min(s["first_step_at"] for s in segments if s.get("first_step_at"))
+    last_step = max(s["ended_at"] for s in segments if s.get("ended_at"))
+    gaps = [g["seconds"] for g in summary["switch_gaps_seconds"] if g.get("seconds") is not None]
+    return {
+        "to_first_step": first_step - triggered,
+        "after_last_step": ended - last_step,
+        "gaps": gaps,
+        "cpu": cpu,
+    }
+
+
+def wait_for_step(layout: Any, step: float, timeout: float = 900) -> None:
+    from syncswitch.events import read_events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = read_events(layout.segment_metrics(0, "bsp"), event="step")
+        if steps and steps[-1]["global_step"] >= step:
+            return
+        time.sleep(0.5)
+    raise BenchError(f"the first segment did not reach step {step} in {timeout:.0f} s")
+
+
+def concurrent_runs(deployment: Any, bucket: str, sets: list[list[str]], steps: int) -> list[dict[str, Any]]:
+    """Four runs at once, alternating two host sets; each run's wait for its cluster, and its
+    cluster's lifetime (provision end to teardown end) for the overlap check."""
+    api = deployment.airflow.api
+    runs = []
+    for i in range(4):
+        job_conf = conf(bucket, f"conc{i}", sets[i % 2], steps)
+        job_conf["train_steps"] = [steps, 100, 100]
+        runs.append((i, sets[i % 2], api.trigger("sync_switch", job_conf)))
+    rows = []
+    for i, hosts, run_id in runs:
+        state = api.wait("sync_switch", run_id, timeout=3600)
+        tis = {
+            ti["task_id"]: ti
+            for ti in api.get_json(f"/api/v2/dags/sync_switch/dagRuns/{run_id}/taskInstances")[
+                "task_instances"
+            ]
+        }
+        provision, teardown = tis["provision_cluster"], tis["teardown_cluster"]
+        start = datetime.datetime.fromisoformat(provision["start_date"]).timestamp()
+        held_from = datetime.datetime.fromisoformat(provision["end_date"]).timestamp()
+        held_to = datetime.datetime.fromisoformat(teardown["end_date"]).timestamp()
+        rows.append(
+            {
+                "run": i,
+                "hosts": "A" if i % 2 == 0 else "B",
+                "state": state,
+                "queued": held_from - start,
+                "held": (held_from, held_to),
+                "addresses": {h.split(",")[0] for h in hosts},
+            }
+        )
+    return rows
+
+
+def overlaps(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Pairs of runs whose clusters shared a host while both were held."""
+    found = []
+    for a in rows:
+        for b in rows:
+            shared = a["run"] < b["run"] and a["addresses"] & b["addresses"]
+            if shared and a["held"][0] < b["held"][1] and b["held"][0] < a["held"][1]:
+                found.append((a["run"], b["run"]))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    import testbed as tb
+    from celery_deployment import CeleryDeployment, missing_prerequisites
+    from gcs_emulator import GcsEmulator, free_port
+    from syncswitch import storage
+    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--first-segment-steps", type=int, default=3000)
+    p.add_argument("--sample-seconds", type=float, default=30.0)
+    p.add_argument("--concurrent-steps", type=int, default=300)
+    args = p.parse_args(argv)
+    reason = missing_prerequisites()
+    if reason:
+        print(f"bench_distributed: {reason}", file=sys.stderr)
+        return 2
+    machine = machine_line()
+    work = Path(tempfile.mkdtemp(prefix="bench-distributed-"))
+    bed = tb.Testbed(f"bdi{os.getpid() % 10000}", WORKER_HOSTS + 2 * len(ROLES))
+    bed.up()
+    gcs = GcsEmulator(work / "gcs", free_port(), host=bed.gateway)
+    (work / "gcs").mkdir()
+    gcs.start()
+    os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+    os.environ["SYNCSWITCH_SSH_KNOWN_HOSTS"] = bed.known_hosts_path
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        bucket = "gs://bench-distributed"
+        storage.gcs_client().create_bucket(bucket.removeprefix("gs://"))
+        key = f"{bucket}/keys/hosts"
+        storage.write_bytes(key, Path(bed.key_path).read_bytes())
+        set_a = host_params(bed, bed.hosts[WORKER_HOSTS : WORKER_HOSTS + 3], key)
+        set_b = host_params(bed, bed.hosts[WORKER_HOSTS + 3 :], key)
+        shared = {"SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases", "SYNCSWITCH__HOSTS_CLUSTERS": "2"}
+
+        embedded = EmbeddedAirflow(PROJECT_DIR, home=work / "embedded", port=0, settings=shared)
+        log("embedded Airflow: starting")
+        embedded.start()
+        try:
+            results["embedded (SQLite, LocalExecutor)"] = one_job(
+                "embedded",
+                embedded,
+                conf(bucket, "embedded", set_a, args.first_segment_steps),
+                args.sample_seconds,
+                None,
+            )
+        finally:
+            embedded.stop()
+
+        log("Celery deployment: starting")
+        with CeleryDeployment(work / "celery", bed, gcs, WORKER_HOSTS, settings=shared) as deployment:
+            results["Celery (PostgreSQL, Redis, 2 workers)"] = one_job(
+                "celery",
+                deployment.airflow,
+                conf(bucket, "celery", set_a, args.first_segment_steps),
+                args.sample_seconds,
+                str(deployment.root),
+            )
+            log("Celery deployment: four runs at once, room for two clusters")
+            concurrent = concurrent_runs(deployment, bucket, [set_a, set_b], args.concurrent_steps)
+    except BenchError as exc:
+        print(f"bench_distributed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        gcs.stop()
+        bed.down()
+
+    print("# bench_distributed: the embedded Airflow against the Celery deployment, hosts backend, '101'")
+    print(f"machine: {machine}")
+    print()
+    headers = [
+        "Airflow",
+        "trigger to first step (s)",
+        "last step to run end (s)",
+        "switch gaps (s)",
+        "Airflow CPU while BSP trains (cores)",
+    ]
+    rows = [
+        [
+            name,
+            fmt(r["to_first_step"], 1),
+            fmt(r["after_last_step"], 1),
+            " ".join(fmt(g, 1) for g in r["gaps"]),
+            fmt(r["cpu"], 3),
+        ]
+        for name, r in results.items()
+    ]
+    print(markdown_table(headers, rows))
+    print()
+    overhead = {name: r["to_first_step"] + r["after_last_step"] for name, r in results.items()}
+    mean_gap = {name: sum(r["gaps"]) / max(len(r["gaps"]), 1) for name, r in results.items()}
+    (base, celery) = results
+    print(
+        f"Celery / embedded: fixed overhead x{fmt(overhead[celery] / overhead[base], 2)}, "
+        f"mean switch gap x{fmt(mean_gap[celery] / mean_gap[base], 2)}"
+    )
+    print()
+    print(
+        markdown_table(
+            ["run", "host set", "state", "waited for its cluster (s)"],
+            [[str(r["run"]), r["hosts"], r["state"], fmt(r["queued"], 1)] for r in concurrent],
+        )
+    )
+    shared_hosts = overlaps(concurrent)
+    print()
+    print("no host in two clusters at once" if not shared_hosts else f"HOSTS SHARED by runs {shared_hosts}")
+    return 0 if not shared_hosts and all(r["state"] == "success" for r in concurrent) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
