@@ -1,6 +1,6 @@
 """The pipeline on the Celery deployment against the embedded default, and concurrent runs (issue 19).
 
-    sudo .venv/bin/python bench/bench_distributed.py          # ~25 minutes on 2 cores
+    sudo .venv/bin/python bench/bench_distributed.py          # ~20 minutes on 2 cores
 
 Side by side in one run, on one testbed and one GCS emulator:
 
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--first-segment-steps", type=int, default=3000)
-    p.add_argument("--sample-seconds", type=float, default=30.0)
-    p.add_argument("--concurrent-steps", type=int, default=300)
+    p.add_argument("--first-segment-steps", type=int, default=2000)
+    p.add_argument("--sample-seconds", type=float, default=20.0)
+    p.add_argument("--concurrent-steps", type=int, default=200)
     args = p.parse_args(argv)
     reason = missing_prerequisites()
     if reason:

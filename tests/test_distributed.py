@@ -116,7 +116,8 @@ def deployment(
         "SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases",
         "SYNCSWITCH__SSH_KNOWN_HOSTS": bed.known_hosts_path,
         # A task whose worker was lost is failed (and retried) this long after its last heartbeat.
-        "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "45",
+        "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+        "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
     }
     with CeleryDeployment(
         tmp_path_factory.mktemp("celery"), bed, gcs, workers=2, settings=own, local_settings=QUEUE_POLICY
@@ -154,52 +155,6 @@ def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines(
     assert "KubernetesExecutor" in deployment_refusal("LocalExecutor,KubernetesExecutor")
 
 
-def test_101_with_an_online_switch_runs_with_every_task_on_another_worker_than_the_one_before(
-    deployment: CeleryDeployment, bed: tb.Testbed, bucket: str
-) -> None:
-    """ "101" on the hosts backend with greedy and a persistent straggler (worker 1 at a quarter speed):
-    BSP is stopped for ASP online, then the plan goes on. Each task runs on the worker the policy
-    says, whose disk no other task sees: the cluster's token, the capacity lease and the run's state
-    are all in the bucket."""
-    conf = {
-        "job_name": "dist",
-        "cluster_backend": "hosts",
-        "hosts": training_hosts(bed, bucket),
-        "bucket_dir": f"{bucket}/runs",
-        "switch_order": "101",
-        # BSP runs long enough at a quarter speed for greedy to see the straggler (two 5 s windows).
-        "train_steps": [1000, 200, 100],
-        "ckpt_frequency": [100, 100, 50],
-        "num_workers": 2,
-        "num_ps": 1,
-        "online_policy": "greedy",
-        "max_online_switches": 1,
-        "stragglers": ["worker=1,start=0,duration=3600,slowdown=4"],
-        "stall_seconds": 180,
-    }
-    api = deployment.airflow.api
-    run_id = api.trigger("sync_switch", conf)
-    state = api.wait("sync_switch", run_id, timeout=1500)
-    tis = task_instances(deployment, run_id)
-    assert state == "success", {t: ti["state"] for t, ti in tis.items()}
-
-    layout = RunLayout.for_run(f"{bucket}/runs", "dist", run_id)
-    run_state = read_state(layout)
-    plan = [(e["protocol"], e["origin"]) for e in run_state["plan"]]
-    assert plan == [("bsp", "plan"), ("asp", "online"), ("asp", "plan"), ("bsp", "plan")], plan
-    assert run_state["decisions"][0]["workers"] == [1]
-    assert run_state["segments"]["3"]["end_step"] == 1300
-
-    # Every task that ran did so on the worker the policy pinned it to (by address), and both ran some.
-    addresses = [h.address for h in deployment.worker_hosts]
-    ran = {task: ti["hostname"] for task, ti in tis.items() if ti["state"] == "success" and ti["hostname"]}
-    for task, hostname in ran.items():
-        assert hostname == addresses[expected_worker(task)], (task, hostname, addresses)
-    assert {ran["provision_cluster"], ran["teardown_cluster"]} == set(addresses)
-
-    assert_cluster_gone(bed, bucket, layout)
-
-
 def assert_cluster_gone(bed: tb.Testbed, bucket: str, layout: RunLayout) -> None:
     """No process of the cluster on the training hosts (their sshd aside), no lease, no secret."""
     for host in training_testbed_hosts(bed):
@@ -216,37 +171,48 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_a_lost_worker_a_killed_scheduler_and_a_restarted_postgres_lose_no_training(
+def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_worker_scheduler_and_db(
     deployment: CeleryDeployment, bed: tb.Testbed, bucket: str
 ) -> None:
-    """ "101" while the deployment loses parts of itself:
+    """ "101" on the hosts backend with greedy and a persistent straggler (worker 1 at a quarter speed):
+    BSP is stopped for ASP online, then the plan goes on. Each task runs on the worker the policy
+    pins it to, whose disk no other task sees: the cluster's token, its SSH key (a bucket object),
+    the capacity lease and the run's state are all in the bucket. Meanwhile the deployment loses
+    parts of itself:
 
-    1. the worker running segment 0's task is lost while the task waits deferred (the segment trains on
-       the hosts): the segment goes on untouched, and the worker comes back as a new machine (empty
-       disk) that runs the run's later tasks;
-    2. the other worker is lost while it launches segment 1 (the task runs): Airflow fails that try
-       once its heartbeat is missed, and the retry runs on a replacement worker on another machine,
-       which finds the segment running (or launches it) and follows it;
+    1. worker 0 is lost while segment 0's task waits deferred (the segment trains on the hosts): the
+       segment goes on untouched; the worker comes back as a new machine, with an empty disk;
+    2. worker 1 is lost while it launches the online ASP segment (the task runs): Airflow fails that
+       try once its heartbeat is missed, and the retry runs on a replacement worker on another
+       machine, which finds the segment running (or launches it) and follows it;
     3. PostgreSQL is restarted while that happens;
     4. the scheduler is killed while segment 2 trains (its supervisor starts it again).
-    The run succeeds, each segment is started once (no training lost or repeated), and the cluster
-    is gone at the end."""
+    The run succeeds, each segment is started once (no training lost or repeated), and nothing of
+    the cluster is left."""
     conf = {
-        "job_name": "faults",
+        "job_name": "dist",
         "cluster_backend": "hosts",
         "hosts": training_hosts(bed, bucket),
         "bucket_dir": f"{bucket}/runs",
         "switch_order": "101",
-        "train_steps": [1000, 1000, 300],
-        "ckpt_frequency": [100, 250, 50],
+        # BSP runs long enough at a quarter speed for greedy to see the straggler (two 5 s windows).
+        "train_steps": [1000, 200, 60],
+        "ckpt_frequency": [100, 100, 30],
         "num_workers": 2,
         "num_ps": 1,
+        "online_policy": "greedy",
+        "max_online_switches": 1,
+        "stragglers": ["worker=1,start=0,duration=3600,slowdown=4"],
         "stall_seconds": 300,
     }
     api = deployment.airflow.api
     run_id = api.trigger("sync_switch", conf)
-    layout = RunLayout.for_run(f"{bucket}/runs", "faults", run_id)
+    layout = RunLayout.for_run(f"{bucket}/runs", "dist", run_id)
     spare = bed.hosts[2 + len(TRAINING_ROLES)]
+    addresses = {
+        0: {deployment.worker_hosts[0].address},
+        1: {deployment.worker_hosts[1].address, spare.address},
+    }
 
     def task_state(task_id: str) -> str | None:
         try:
@@ -262,33 +228,38 @@ def test_a_lost_worker_a_killed_scheduler_and_a_restarted_postgres_lose_no_train
         deployment.kill_worker(0)
         restarted = threading.Thread(target=deployment.start_worker, args=(0,))
         restarted.start()
-        run.wait(lambda: task_state("segment_1.asp") == "running", "segment 1's task running")
+        run.wait(lambda: task_state("segment_1.asp") == "running", "the online segment's task running")
         deployment.kill_worker(1)
         deployment.restart_postgres(down_seconds=5.0)
         deployment.start_worker(1, host=spare)
         restarted.join()
-        run.wait(lambda: task_state("segment_2.bsp") == "deferred", "segment 2 deferred")
+        run.wait(lambda: task_state("segment_2.asp") == "deferred", "segment 2 deferred")
         scheduler = component_pid(deployment.airflow, "scheduler")
         os.kill(scheduler, signal.SIGKILL)
         wait_for_restart(deployment.airflow, "scheduler", scheduler)
 
     during = DuringRun(faults).start()
     try:
-        state = api.wait("sync_switch", run_id, timeout=1500)
+        state = api.wait("sync_switch", run_id, timeout=1800)
     finally:
         during.stop()
     tis = task_instances(deployment, run_id)
     assert state == "success", {t: (ti["state"], ti["try_number"]) for t, ti in tis.items()}
+
     run_state = read_state(layout)
-    assert [(e["protocol"], e["origin"]) for e in run_state["plan"]] == [
-        ("bsp", "plan"),
-        ("asp", "plan"),
-        ("bsp", "plan"),
-    ]
-    assert [run_state["segments"][str(i)]["end_step"] for i in range(3)] == [1000, 2000, 2300]
-    assert segment_starts(layout) == {0: 1, 1: 1, 2: 1}, "a segment was started twice"
-    assert tis["segment_1.asp"]["try_number"] == 2 and tis["segment_1.asp"]["hostname"] == spare.address
-    assert tis["segment_2.bsp"]["hostname"] == deployment.worker_hosts[0].address
+    plan = [(e["protocol"], e["origin"]) for e in run_state["plan"]]
+    assert plan == [("bsp", "plan"), ("asp", "online"), ("asp", "plan"), ("bsp", "plan")], plan
+    assert run_state["decisions"][0]["workers"] == [1]
+    assert run_state["segments"]["3"]["end_step"] == 1260
+    assert segment_starts(layout) == {0: 1, 1: 1, 2: 1, 3: 1}, "a segment was started twice"
+
+    # Every task ran on the worker the policy pinned it to (by address), and both ran some; the lost
+    # launch was retried on the replacement machine.
+    ran = {task: ti["hostname"] for task, ti in tis.items() if ti["state"] == "success" and ti["hostname"]}
+    for task, hostname in ran.items():
+        assert hostname in addresses[expected_worker(task)], (task, hostname, addresses)
+    assert ran["provision_cluster"] != ran["teardown_cluster"]
+    assert tis["segment_1.asp"]["try_number"] == 2 and ran["segment_1.asp"] == spare.address
     assert_cluster_gone(bed, bucket, layout)
 
 
