@@ -73,8 +73,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "leases_dir",
-        "Folder of the cluster capacity ledgers, which every Airflow worker must reach: on a distributed "
-        "Airflow (no shared disk) a gs:// folder; empty: <work_dir>/leases",
+        "Folder of the hosts and gce capacity ledgers, which every Airflow worker must reach: on a "
+        "distributed Airflow (no shared disk) a gs:// folder; empty: <work_dir>/leases",
         example="gs://my-bucket/syncswitch/_leases",
     ),
     Setting("local_clusters", "How many local clusters may exist at once", "integer", "1"),
