@@ -175,3 +175,16 @@ def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def wait_for_bsp_step(layout: Any, step: float, timeout: float = 600) -> None:
+    """Until the run's first (BSP) segment has reported ``step``; BenchError after ``timeout`` s."""
+    from syncswitch.events import read_events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = read_events(layout.segment_metrics(0, "bsp"), event="step")
+        if steps and steps[-1]["global_step"] >= step:
+            return
+        time.sleep(0.5)
+    raise BenchError(f"the BSP segment did not reach step {step} in {timeout:.0f} s")

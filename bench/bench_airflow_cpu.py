@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BenchError, fmt, log, machine_line, markdown_table
+from _common import BenchError, fmt, log, machine_line, markdown_table, wait_for_bsp_step
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 GOAL_CORES = 0.05
@@ -87,18 +87,6 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
         name = component_of(pid, roots)
         used[name] = used.get(name, 0.0) + (cpu - before.get(pid, 0.0)) / elapsed
     return used
-
-
-def wait_for_bsp_step(layout: Any, step: float, timeout: float = 600) -> None:
-    from syncswitch.events import read_events
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        steps = read_events(layout.segment_metrics(0, "bsp"), event="step")
-        if steps and steps[-1]["global_step"] >= step:
-            return
-        time.sleep(0.5)
-    raise BenchError(f"the BSP segment did not reach step {step} in {timeout:.0f} s")
 
 
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:

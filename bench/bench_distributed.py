@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BenchError, fmt, log, machine_line, markdown_table
+from _common import BenchError, fmt, log, machine_line, markdown_table, wait_for_bsp_step
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(PROJECT_DIR / "scripts")]
@@ -86,7 +86,7 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
     triggered = time.time()
     run_id = api.trigger("sync_switch", job_conf)
     layout = RunLayout.for_run(job_conf["bucket_dir"], job_conf["job_name"], run_id)
-    wait_for_step(layout, 200)
+    wait_for_bsp_step(layout, 200, timeout=900)
     log(f"{name}: sampling Airflow's CPU for {sample_s:.0f} s while BSP trains")
     cpu = cpu_of(airflow_pids(airflow, marker), sample_s)
     state = api.wait("sync_switch", run_id, timeout=3600)
@@ -105,18 +105,6 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
         "gaps": gaps,
         "cpu": cpu,
     }
-
-
-def wait_for_step(layout: Any, step: float, timeout: float = 900) -> None:
-    from syncswitch.events import read_events
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        steps = read_events(layout.segment_metrics(0, "bsp"), event="step")
-        if steps and steps[-1]["global_step"] >= step:
-            return
-        time.sleep(0.5)
-    raise BenchError(f"the first segment did not reach step {step} in {timeout:.0f} s")
 
 
 def concurrent_runs(deployment: Any, bucket: str, sets: list[list[str]], steps: int) -> list[dict[str, Any]]:
