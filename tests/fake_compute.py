@@ -243,7 +243,7 @@ class FakeComputeEngine:
         host: str = "127.0.0.1",
     ) -> None:
         self.bed = bed
-        self.host = host  # where it listens: a testbed's gateway for Airflow workers on testbed hosts
+        self.listen_address = host  # a testbed's gateway for Airflow workers on testbed hosts
         self.project = project
         self.ssh_user_map = ssh_user_map
         self.pending_operations = pending_operations
@@ -281,9 +281,9 @@ class FakeComputeEngine:
     # ----- life cycle
 
     def start(self) -> str:
-        """Serve on ``host`` at a free port; the endpoint (``http://HOST:PORT``) for client_options."""
+        """Serve on ``listen_address`` at a free port; returns the endpoint for client_options."""
         if self._server is None:
-            self._server = ThreadingHTTPServer((self.host, 0), _Handler)
+            self._server = ThreadingHTTPServer((self.listen_address, 0), _Handler)
             self._server.daemon_threads = True
             self._server.fake = self  # type: ignore[attr-defined]
             self._thread = threading.Thread(
@@ -305,7 +305,7 @@ class FakeComputeEngine:
     def endpoint(self) -> str:
         if self._server is None:
             raise RuntimeError("the fake Compute Engine is not started")
-        return f"http://{self.host}:{self._server.server_address[1]}"
+        return f"http://{self.listen_address}:{self._server.server_address[1]}"
 
     def __enter__(self) -> FakeComputeEngine:
         self.start()
