@@ -22,11 +22,29 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
 
 import pytest  # noqa: E402
+import testbed as tb  # noqa: E402
 from gcs_emulator import GcsEmulator, free_port  # noqa: E402
 from proc_utils import assert_no_processes, find_processes  # noqa: E402
 from syncswitch import storage  # noqa: E402
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def running_testbed(
+    name: str, hosts: int, prerequisites: Callable[[], str | None] = tb.ensure_prerequisites
+) -> Iterator[tb.Testbed]:
+    """A testbed of ``hosts`` hosts, up for the block and down after it; the test (or the module,
+    from a module fixture) is skipped with the reason where ``prerequisites`` says it cannot run."""
+    reason = prerequisites()
+    if reason:
+        pytest.skip(reason)
+    testbed = tb.Testbed(name, hosts)
+    testbed.up()
+    try:
+        yield testbed
+    finally:
+        testbed.down()
 
 
 @contextlib.contextmanager

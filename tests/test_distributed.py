@@ -22,7 +22,7 @@ import pytest
 import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, component_pid, segment_starts, wait_for_restart
 from celery_deployment import CeleryDeployment, missing_prerequisites
-from conftest import GcsEmulator, new_bucket, storage_on_gateway
+from conftest import GcsEmulator, new_bucket, running_testbed, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from syncswitch import storage
 from syncswitch.hosts import DEFAULT_WORK_ROOT
@@ -64,16 +64,9 @@ def expected_worker(task_id: str) -> int:
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[tb.Testbed]:
-    reason = missing_prerequisites()
-    if reason:
-        pytest.skip(reason)
     # Two Celery workers, the training hosts, and a spare machine for a replacement worker.
-    testbed = tb.Testbed(f"sdi{_RUN_ID}", 2 + len(TRAINING_ROLES) + 1)
-    testbed.up()
-    try:
+    with running_testbed(f"sdi{_RUN_ID}", 2 + len(TRAINING_ROLES) + 1, missing_prerequisites) as testbed:
         yield testbed
-    finally:
-        testbed.down()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import httplib2
 import paramiko
 import pytest
 import testbed as tb
+from conftest import running_testbed
 from fake_compute import PREEMPTED, STOCKOUT_CODE, FakeComputeEngine
 from google.api_core import exceptions
 from google.api_core.client_options import ClientOptions
@@ -38,15 +39,8 @@ OTHER_ZONE = "europe-west4-b"
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[tb.Testbed]:
-    reason = tb.ensure_prerequisites()
-    if reason:
-        pytest.skip(reason)
-    testbed = tb.Testbed(f"sfc{_RUN_ID}", 0)  # no hosts until instances are inserted
-    testbed.up()
-    try:
+    with running_testbed(f"sfc{_RUN_ID}", 0) as testbed:  # no hosts until instances are inserted
         yield testbed
-    finally:
-        testbed.down()
     assert not _host_namespaces(testbed)
 
 

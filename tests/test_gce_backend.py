@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
-from conftest import new_bucket, storage_on_gateway
+from conftest import new_bucket, running_testbed, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from google.cloud import compute_v1
 from proc_utils import wait_for
@@ -44,15 +44,8 @@ _RUN_ID = os.getpid() % 10000
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[tb.Testbed]:
-    reason = tb.ensure_prerequisites()
-    if reason:
-        pytest.skip(reason)
-    testbed = tb.Testbed(f"sgc{_RUN_ID}", 0)  # hosts come and go with the fake's instances
-    testbed.up()
-    try:
+    with running_testbed(f"sgc{_RUN_ID}", 0) as testbed:  # hosts come and go with the fake's instances
         yield testbed
-    finally:
-        testbed.down()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 import syncswitch
 import testbed as tb
 from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
-from conftest import GcsEmulator, new_bucket, storage_on_gateway
+from conftest import GcsEmulator, new_bucket, running_testbed, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
@@ -44,15 +44,8 @@ ROLES = ("chief", "worker", "worker", "worker", "ps")
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[tb.Testbed]:
-    reason = tb.ensure_prerequisites()
-    if reason:
-        pytest.skip(reason)
-    testbed = tb.Testbed(f"shb{_RUN_ID}", len(ROLES))
-    testbed.up()
-    try:
+    with running_testbed(f"shb{_RUN_ID}", len(ROLES)) as testbed:
         yield testbed
-    finally:
-        testbed.down()
 
 
 @pytest.fixture(scope="module")
