@@ -268,3 +268,16 @@ def test_state_updates_ride_out_an_outage(gcs_server, gcs_bucket: str) -> None:
     update_state(layout, lambda s: s["segments"].update({"0": {"end_step": 10}}))
     restarted.join()
     assert read_state(layout) == {"segments": {"0": {"end_step": 10}}}
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_create_private_keeps_the_first_writers_secret(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("gcs_bucket")
+    uri = f"{root}/run/cluster/secrets/token"
+    assert storage.create_private(uri, b"first") == b"first"
+    assert storage.create_private(uri, b"second") == b"first"
+    assert storage.read_bytes(uri) == b"first"
+    if where == "local":
+        assert os.stat(uri).st_mode & 0o777 == 0o600

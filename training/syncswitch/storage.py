@@ -256,6 +256,9 @@ def create_private(uri: str, data: bytes) -> bytes:
     if is_remote(uri):
         from google.api_core.exceptions import PreconditionFailed
 
+        with contextlib.suppress(_not_found_error()):
+            return read_bytes(uri)  # made already: every call after the first (each segment launch)
+
         def create() -> None:
             with contextlib.suppress(PreconditionFailed):
                 _blob(uri).upload_from_string(data, if_generation_match=0, **_NO_RETRY)
