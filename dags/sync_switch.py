@@ -19,5 +19,8 @@ dag = build_sync_switch_dag(
     build_params(default_bucket_dir(PROJECT_DIR)),
     doc_md=__doc__,
     tags=["training"],
-    max_active_runs=1,  # one cluster at a time: a run uses every core of a small machine
+    # Runs triggered together (users, a sweep) all start; each waits for a cluster at provision_cluster,
+    # deferred, holding no worker slot: the backends' capacity ([syncswitch] local_clusters,
+    # hosts_clusters, gce_clusters; one local cluster by default) bounds how many train at once.
+    max_active_runs=16,
 )
