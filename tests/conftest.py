@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +46,18 @@ def running_testbed(
         yield testbed
     finally:
         testbed.down()
+
+
+def ssh_connection(bed: tb.Testbed, host: tb.TestHost, host_key: str | None = None) -> str:
+    """An Airflow SSH connection (as its AIRFLOW_CONN_ variable) to ``host``: the testbed's private key
+    inline (no file on the worker), the host's key pinned (the testbed's known_hosts line)."""
+    pinned = next(
+        line.split(" ", 1)[1].strip()
+        for line in Path(bed.known_hosts_path).read_text().splitlines()
+        if line.startswith(f"{host.address} ")
+    )
+    extra = {"private_key": Path(bed.key_path).read_text(), "host_key": host_key or pinned}
+    return json.dumps({"conn_type": "ssh", "host": host.address, "login": "root", "extra": extra})
 
 
 @contextlib.contextmanager
@@ -147,6 +160,12 @@ params:
 """
 
 
+# The Google connection of the tests' Airflow instances: anonymous, as the GCS emulator wants.
+ANONYMOUS_GOOGLE_CONNECTION = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
+BUCKET_CONN_ID = "syncswitch_bucket"
+BUCKET_CONN_ENV = f"AIRFLOW_CONN_{BUCKET_CONN_ID.upper()}"
+
+
 @pytest.fixture(scope="session")
 def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
@@ -164,10 +183,18 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     shutil.copy(PROJECT_DIR / "jobs" / "digits-nightly.yaml", jobs)
     (jobs / "backfill-search.yaml").write_text(BACKFILL_JOB.format(bucket=bucket))
     saved = {name: os.environ.get(name) for name in ("SYNCSWITCH_BUCKET_DIR", "SYNCSWITCH_JOBS_DIR")}
+    saved[BUCKET_CONN_ENV] = os.environ.get(BUCKET_CONN_ENV)
     os.environ["SYNCSWITCH_BUCKET_DIR"] = str(bucket)
     os.environ["SYNCSWITCH_JOBS_DIR"] = str(jobs)
+    # Every bucket call of the tasks and triggers through a named connection (the provider's GCS
+    # hook), as on a deployment that keeps its key in one: a named connection must exist, so a task
+    # that did not read it would fail.
+    os.environ[BUCKET_CONN_ENV] = ANONYMOUS_GOOGLE_CONNECTION
+    settings = {"SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID}
     # Any free port: 8080 is left to a demo or another test session on the same machine.
-    instance = EmbeddedAirflow(PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0)
+    instance = EmbeddedAirflow(
+        PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0, settings=settings
+    )
     try:
         instance.start(wait_for_dags=("sync_switch",), timeout=600)
         yield instance

@@ -22,7 +22,16 @@ import pytest
 import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, component_pid, segment_starts, wait_for_restart
 from celery_deployment import CeleryDeployment, missing_prerequisites
-from conftest import GcsEmulator, new_bucket, running_testbed, storage_on_gateway
+from conftest import (
+    ANONYMOUS_GOOGLE_CONNECTION,
+    BUCKET_CONN_ENV,
+    BUCKET_CONN_ID,
+    GcsEmulator,
+    new_bucket,
+    running_testbed,
+    ssh_connection,
+    storage_on_gateway,
+)
 from fake_compute import FakeComputeEngine
 from syncswitch import storage
 from syncswitch.hosts import DEFAULT_WORK_ROOT
@@ -84,9 +93,14 @@ def fake(bed: tb.Testbed) -> Iterator[FakeComputeEngine]:
 def gcs(
     bed: tb.Testbed, fake: FakeComputeEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GcsEmulator]:
-    """The bucket, and an anonymous Google connection for every component (Compute Engine calls)."""
-    connection = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
-    env = {"AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
+    """The bucket, and an anonymous Google connection for every component, named by
+    ``[syncswitch] gcp_conn_id``: the Compute Engine calls and every bucket call of the tasks and
+    triggers go through it (a named connection must exist, so one that did not would fail)."""
+    env = {
+        BUCKET_CONN_ENV: ANONYMOUS_GOOGLE_CONNECTION,
+        # The first training host by an SSH connection (key inline, host key pinned) on every component.
+        "AIRFLOW_CONN_TRAINING_HOST_0": ssh_connection(bed, training_testbed_hosts(bed)[0]),
+    }
     with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("dist-gcs"), env) as server:
         yield server
 
@@ -107,6 +121,7 @@ def deployment(
     own = {
         "SYNCSWITCH__GCE_API_ENDPOINT": fake.endpoint,
         "SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases",
+        "SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID,
         "SYNCSWITCH__SSH_KNOWN_HOSTS": bed.known_hosts_path,
         # A task whose worker was lost is failed (and retried) this long after its last heartbeat.
         "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
@@ -123,13 +138,15 @@ def training_testbed_hosts(bed: tb.Testbed) -> list[tb.TestHost]:
 
 
 def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
-    """The training hosts, their SSH key a bucket object: no worker has it on its disk."""
+    """The training hosts, so that no worker has their SSH key on its disk: the first named by an
+    Airflow SSH connection (``training_host_0``), the others with their key a bucket object."""
     key = f"{bucket}/keys/training_hosts"
     if not storage.exists(key):
         storage.write_bytes(key, Path(bed.key_path).read_bytes())
+    first, *others = zip(training_testbed_hosts(bed), TRAINING_ROLES, strict=True)
     return [
-        f"address={h.address},key={key},role={role},name={h.name}"
-        for h, role in zip(training_testbed_hosts(bed), TRAINING_ROLES, strict=True)
+        f"conn=training_host_0,role={first[1]},name={first[0].name}",
+        *(f"address={h.address},key={key},role={role},name={h.name}" for h, role in others),
     ]
 
 
@@ -169,8 +186,9 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
 ) -> None:
     """ "101" on the hosts backend with greedy and a persistent straggler (worker 1 at a quarter speed):
     BSP is stopped for ASP online, then the plan goes on. Each task runs on the worker the policy
-    pins it to, whose disk no other task sees: the cluster's token, its SSH key (a bucket object),
-    the capacity lease and the run's state are all in the bucket. Meanwhile the deployment loses
+    pins it to, whose disk no other task sees: the SSH keys are in an Airflow connection and a bucket
+    object, the cluster's token, the capacity lease and the run's state in the bucket (reached through
+    the ``gcp_conn_id`` connection). Meanwhile the deployment loses
     parts of itself:
 
     1. worker 0 is lost while segment 0's task waits deferred (the segment trains on the hosts): the

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
-from conftest import new_bucket, running_testbed, storage_on_gateway
+from conftest import ANONYMOUS_GOOGLE_CONNECTION, new_bucket, running_testbed, storage_on_gateway
 from fake_compute import FakeComputeEngine
 from google.cloud import compute_v1
 from proc_utils import wait_for
@@ -51,11 +51,10 @@ def bed() -> Iterator[tb.Testbed]:
 @pytest.fixture(scope="module")
 def fake(bed: tb.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeComputeEngine]:
     """The fake API, the storage on the testbed's gateway, and an anonymous Google connection."""
-    connection = '{"conn_type": "google_cloud_platform", "extra": {"is_anonymous": true}}'
     with FakeComputeEngine(bed, PROJECT) as api:
         # The endpoint as Airflow's config section (AIRFLOW__SYNCSWITCH__GCE_API_ENDPOINT).
         endpoint = settings.setting("gce_api_endpoint").airflow_env
-        env = {endpoint: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": connection}
+        env = {endpoint: api.endpoint, "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": ANONYMOUS_GOOGLE_CONNECTION}
         with storage_on_gateway(bed.gateway, tmp_path_factory.mktemp("gce-gcs"), env):
             yield api
     # The testbed's hosts share this machine's filesystem: what a VM kept on its boot disk (deleted

@@ -24,7 +24,7 @@ import pytest
 import syncswitch
 import testbed as tb
 from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
-from conftest import GcsEmulator, new_bucket, running_testbed, storage_on_gateway
+from conftest import GcsEmulator, new_bucket, running_testbed, ssh_connection, storage_on_gateway
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
@@ -121,7 +121,10 @@ HOSTS = {"cluster_backend": "hosts", "bucket_dir": "gs://b/runs"}
         ({"hosts": ["address=10.0.0.2,key=/k"]}, "hosts", "only for cluster_backend 'hosts'"),
         ({**HOSTS}, "hosts", "needs at least one host"),
         ({**HOSTS, "bucket_dir": "runs", "hosts": ["address=10.0.0.2,key=/k"]}, "bucket_dir", "gs://"),
-        ({**HOSTS, "hosts": ["address=10.0.0.2"]}, "hosts", "needs 'key'"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2"]}, "hosts", "needs 'key', or 'conn'"),
+        ({**HOSTS, "hosts": ["role=chief"]}, "hosts", "needs 'address', or 'conn'"),
+        ({**HOSTS, "hosts": ["conn=my ssh"]}, "hosts", "is not a connection id"),
+        ({**HOSTS, "hosts": ["conn=my_ssh,key=/k"]}, "hosts", "key or conn"),
         ({**HOSTS, "hosts": ["address=10.0.0.2 ;rm,key=/k"]}, "hosts", "not an IP address or host name"),
         ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,role=boss"]}, "hosts", "any, chief, worker, ps"),
         ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,port=0"]}, "hosts", "1..65535"),
@@ -178,6 +181,48 @@ def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_ho
         backend.provision(job(bed, bucket, hosts=[unpinned, good[1]], num_workers=1), layout)
 
     # Failed provisioning left nothing behind and gave its cluster slot back.
+    assert_hosts_clean(bed)
+    assert backend.capacity().holders() == []
+
+
+def test_hosts_named_by_ssh_connections_log_in_with_the_connections_key_and_host_key(
+    bed: tb.Testbed, bucket: str, work_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``conn=<ssh_conn_id>``: the SSH provider's hook gives the address, user, key and host-key policy;
+    the handle (in state.json) names the connection, never the key. A connection that is missing, or
+    whose pinned host key is another machine's, fails provisioning naming the host and connection."""
+    backend = HostsBackend()
+    layout = RunLayout.for_run(bucket, "hosts", "ssh-connections")
+    for i, host in enumerate(bed.hosts[:2]):
+        monkeypatch.setenv(f"AIRFLOW_CONN_TESTBED_{i}", ssh_connection(bed, host))
+    hosts = ["conn=testbed_0,role=chief,name=by-conn-0", "conn=testbed_1,role=ps,name=by-conn-1"]
+
+    with pytest.raises(ClusterError, match=r"host 1: SSH connection 'absent'.*isn't defined"):
+        backend.provision(job(bed, bucket, hosts=[hosts[0], "conn=absent"], num_workers=1), layout)
+    other_host_key = ssh_connection(bed, bed.hosts[2])
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_IMPOSTOR", other_host_key.replace(bed.hosts[2].address, bed.hosts[1].address)
+    )
+    with pytest.raises(ClusterError, match=r"host by-conn-1 .*connection impostor"):
+        backend.provision(
+            job(bed, bucket, hosts=[hosts[0], "conn=impostor,name=by-conn-1"], num_workers=1), layout
+        )
+    assert_hosts_clean(bed)
+
+    handle = backend.provision(job(bed, bucket, hosts=hosts, num_workers=1), layout)
+    try:
+        records = {h["name"]: h for h in handle["hosts"]}
+        assert {n: (h["address"], h["user"], h["port"], h["conn"], h["key"]) for n, h in records.items()} == {
+            "by-conn-0": (bed.hosts[0].address, "root", 22, "testbed_0", ""),
+            "by-conn-1": (bed.hosts[1].address, "root", 22, "testbed_1", ""),
+        }
+        assert all(h["forkserver"] for h in handle["hosts"])  # logged in, fork servers up
+        assert "PRIVATE KEY" not in json.dumps(handle)
+        # The ledger holds the connections' addresses: no other cluster may take these hosts.
+        lease = storage.read_json(backend.capacity().ledger)["leases"]["ssh-connections"]
+        assert lease["hosts"] == [bed.hosts[0].address, bed.hosts[1].address]
+    finally:
+        backend.teardown(handle)
     assert_hosts_clean(bed)
     assert backend.capacity().holders() == []
 

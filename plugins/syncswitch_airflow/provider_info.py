@@ -42,7 +42,12 @@ def get_provider_info() -> dict[str, Any]:
             }
         ],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": [modules("sensors.straggler")]}],
-        "hooks": [{"integration-name": INTEGRATION, "python-modules": [modules("hooks.compute")]}],
+        "hooks": [
+            {
+                "integration-name": INTEGRATION,
+                "python-modules": [modules(f"hooks.{name}") for name in ("bucket", "compute", "ssh")],
+            }
+        ],
         "triggers": [
             {
                 "integration-name": INTEGRATION,

@@ -77,6 +77,14 @@ SETTINGS: tuple[Setting, ...] = (
         "distributed Airflow (no shared disk) a gs:// folder; empty: <work_dir>/leases",
         example="gs://my-bucket/syncswitch/_leases",
     ),
+    Setting(
+        "gcp_conn_id",
+        "Airflow connection of the Airflow side's Google calls: the run bucket (state, reports, "
+        "history, ledgers) and Compute Engine. Where the default id names no connection, the "
+        "worker's default credentials; training nodes always use their own",
+        default="google_cloud_default",
+        example="my_gcp_connection",
+    ),
     Setting("local_clusters", "How many local clusters may exist at once", "integer", "1"),
     Setting("hosts_clusters", "How many clusters of hosts may exist at once", "integer", "1"),
     Setting("gce_clusters", "How many Compute Engine clusters may exist at once", "integer", "4"),

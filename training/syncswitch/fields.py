@@ -228,11 +228,13 @@ FIELDS: tuple[Field, ...] = (
         "array",
         "Hosts",
         "cluster_backend hosts: one item per host, address=10.0.0.2,key=/path/to/ssh-key "
-        "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1]. The key is a path on "
-        "the Airflow worker; its contents never leave it. Needs a gs:// bucket_dir.",
+        "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1], or conn=<ssh_conn_id> "
+        "(an Airflow SSH connection: key, host-key policy, and address/user/port unless given). The key "
+        "is a path on the Airflow worker or a gs:// object; its contents never leave the Airflow side. "
+        "Needs a gs:// bucket_dir.",
         items="string",
         repeat_flag="--host",
-        metavar="address=10.0.0.2,key=/path/to/key[,role=worker]",
+        metavar="address=10.0.0.2,key=/path/to/key[,role=worker] | conn=ssh_conn_id[,role=worker]",
     ),
     Field(
         "gce",

@@ -13,8 +13,10 @@ Placement (``place_nodes``) by the hosts' optional ``role`` (chief, worker, ps; 
     BSP worker i    (i >= 1) where ASP worker i runs
     parameter server j   the j-th ps host, round robin (ps hosts: role ps, else any, else every host)
 
-Nothing here holds a secret: a host names its SSH key by path, and the cluster's fork-server token
-lives in a file on each host (``token_file``), never in a spec, log, XCom or state.json.
+Nothing here holds a secret: a host names its SSH key by path (or a ``gs://`` object), or names an
+Airflow SSH connection (``conn``: address, user, port, key and host-key policy, read on the Airflow
+side), and the cluster's fork-server token lives in a file on each host (``token_file``), never in a
+spec, log, XCom or state.json.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9-]{1,63})*$"
 )
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
+_CONN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class HostSpec:
     python: str = ""
     work_root: str = DEFAULT_WORK_ROOT
     name: str = ""  # shown in logs and messages; default: the address
+    # An Airflow SSH connection (ssh_conn_id): the key and host-key policy, and the address, user and
+    # port where this spec names none. Read by the Airflow side at each login, never stored here.
+    conn: str = ""
 
     @property
     def label(self) -> str:
@@ -59,7 +65,8 @@ class HostSpec:
 
     @classmethod
     def parse(cls, item: Any, position: int) -> HostSpec:
-        """``address=10.0.0.2,key=/k,role=worker`` or the same keys as a dict; SpecError names the field."""
+        """``address=10.0.0.2,key=/k,role=worker`` (or ``conn=my_ssh,role=worker``) or the same keys as a
+        dict; SpecError names the field."""
         where = f"host {position}"
         if isinstance(item, dict):
             pairs = {str(k): v for k, v in item.items()}
@@ -80,38 +87,51 @@ class HostSpec:
             raise SpecError(
                 FIELD, f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(sorted(known))}"
             )
-        for required in ("address", "key"):
+        conn = str(pairs.get("conn") or "")
+        for required in ("address", "key") if not conn else ():
             if not pairs.get(required):
                 raise SpecError(
-                    FIELD, f"{where}: needs {required!r} (accepted keys: {', '.join(sorted(known))})"
+                    FIELD,
+                    f"{where}: needs {required!r}, or 'conn' (an SSH connection id) "
+                    f"(accepted keys: {', '.join(sorted(known))})",
                 )
+        # With a connection, what the spec leaves out comes from it (empty user, port 0 until then).
         try:
-            port = int(pairs.get("port", 22))
+            port = int(pairs.get("port") or (0 if conn else 22))
         except (TypeError, ValueError):
             raise SpecError(FIELD, f"{where}: port must be an integer, got {pairs.get('port')!r}") from None
         host = cls(
-            address=str(pairs["address"]),
-            key=str(pairs["key"]),
-            user=str(pairs.get("user") or "root"),
+            address=str(pairs.get("address") or ""),
+            key=str(pairs.get("key") or ""),
+            user=str(pairs.get("user") or ("" if conn else "root")),
             port=port,
             role=str(pairs.get("role") or "any"),
             python=str(pairs.get("python") or ""),
             work_root=str(pairs.get("work_root") or DEFAULT_WORK_ROOT),
             name=str(pairs.get("name") or ""),
+            conn=conn,
         )
         host.validate(where)
         return host
 
     def validate(self, where: str) -> None:
-        if not _is_address(self.address):
+        if self.conn and not _CONN_ID_RE.match(self.conn):
+            raise SpecError(
+                FIELD, f"{where}: conn {self.conn!r} is not a connection id (letters, digits, _.-)"
+            )
+        if self.conn and self.key:
+            raise SpecError(FIELD, f"{where}: give key or conn (whose connection holds the key), not both")
+        from_conn = bool(self.conn)  # what is empty here comes from the connection
+        if (self.address or not from_conn) and not _is_address(self.address):
             raise SpecError(FIELD, f"{where}: address {self.address!r} is not an IP address or host name")
-        if not 1 <= self.port <= 65535:
+        if (self.port or not from_conn) and not 1 <= self.port <= 65535:
             raise SpecError(FIELD, f"{where}: port must be in 1..65535, got {self.port}")
-        if not _USER_RE.match(self.user):
+        if (self.user or not from_conn) and not _USER_RE.match(self.user):
             raise SpecError(FIELD, f"{where}: user {self.user!r} is not a valid user name")
         if self.role not in ROLES:
             raise SpecError(FIELD, f"{where}: role {self.role!r} is not one of: {', '.join(ROLES)}")
-        for name in ("key", "work_root") + (("python",) if self.python else ()):
+        checked = ("work_root",) + (("python",) if self.python else ()) + (("key",) if self.key else ())
+        for name in checked:
             value = getattr(self, name)
             in_bucket = name == "key" and value.startswith("gs://")
             if not (value.startswith("/") or in_bucket) or any(c in value for c in "\n\0'\"$`\\ "):
@@ -119,12 +139,16 @@ class HostSpec:
                 raise SpecError(FIELD, f"{where}: {name} must be {what}, without quotes or spaces")
 
     def to_text(self) -> str:
+        """The ``key=value,...`` form: address and key always (unless a connection gives them), the
+        rest where not the default; what is left to the connection (empty, port 0) stays out."""
         defaults = HostSpec("", "")
-        return ",".join(
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if f.name in ("address", "key") or getattr(self, f.name) != getattr(defaults, f.name)
-        )
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            required = f.name in ("address", "key") and not self.conn
+            if required or (value not in ("", 0) and value != getattr(defaults, f.name)):
+                parts.append(f"{f.name}={value}")
+        return ",".join(parts)
 
 
 def _is_address(text: str) -> bool:
@@ -153,11 +177,10 @@ def parse_hosts(value: Any) -> tuple[HostSpec, ...]:
     hosts = tuple(HostSpec.parse(item, i) for i, item in enumerate(value))
     seen: dict[tuple[str, int], int] = {}
     for i, host in enumerate(hosts):
-        if (host.address, host.port) in seen:
-            raise SpecError(
-                FIELD, f"host {i}: {host.address}:{host.port} is also host {seen[host.address, host.port]}"
-            )
-        seen[host.address, host.port] = i
+        where = (host.address or f"conn={host.conn}", host.port)
+        if where in seen:
+            raise SpecError(FIELD, f"host {i}: {where[0]}:{where[1]} is also host {seen[where]}")
+        seen[where] = i
     return hosts
 
 

@@ -22,6 +22,7 @@ is complete only once its manifest, uploaded last, exists, so an outage never le
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import functools
 import json
@@ -44,6 +45,14 @@ _MAX_BACKOFF_SECONDS = 15.0
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Where gs:// calls get their client within a block of client_from(): the Airflow side builds it from
+# an Airflow connection; training nodes never set it and use the plain client. A context variable,
+# not a module variable: a block ends cleanly (in-process dag.test() runs one task after another),
+# and a thread pool that must use it copies the context per call (see carry_context).
+_client_source: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
+    "syncswitch_gcs_client_source", default=None
+)
 
 
 class BucketUnavailable(RuntimeError):
@@ -75,8 +84,40 @@ def _client(emulator_host: str | None, project: str | None):  # noqa: ANN202 - g
 
 
 def gcs_client():  # noqa: ANN201 - google type
-    """A google-cloud-storage client; anonymous against an emulator (``STORAGE_EMULATOR_HOST``)."""
+    """The google-cloud-storage client of this context: the one of the enclosing :func:`client_from`
+    block, else :func:`default_client`."""
+    source = _client_source.get()
+    return source() if source is not None else default_client()
+
+
+def default_client():  # noqa: ANN201 - google type
+    """The client of the default credentials (anonymous against an emulator, ``STORAGE_EMULATOR_HOST``)."""
     return _client(os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("GOOGLE_CLOUD_PROJECT"))
+
+
+@contextlib.contextmanager
+def client_from(make_client: Callable[[], Any]) -> Iterator[None]:
+    """Within the block, every ``gs://`` call uses the client ``make_client()`` returns, made once, on
+    the first call that needs it (a block that touches no bucket builds none)."""
+    made: list[Any] = []
+
+    def client() -> Any:
+        if not made:
+            made.append(make_client())
+        return made[0]
+
+    token = _client_source.set(client)
+    try:
+        yield
+    finally:
+        _client_source.reset(token)
+
+
+def carry_context(call: Callable[..., T]) -> Callable[..., T]:
+    """``call``, to run once in a copy of the caller's context (its storage client among it): for a
+    thread pool, one per submitted call, ``pool.submit(carry_context(f), x)``. A pool's threads start
+    with an empty context otherwise, and one copy cannot be entered by two threads at once."""
+    return functools.partial(contextvars.copy_context().run, call)
 
 
 def _blob(uri: str):  # noqa: ANN202

@@ -243,7 +243,9 @@ class GceBackend:
             log.info("run %s: VM %s running (%s, %s)", layout.root, vm.name, vm.zone, _describe(vm))
 
         with ThreadPoolExecutor(max_workers=min(len(plan), 16)) as pool:
-            failures = [f.exception() for f in [pool.submit(create, vm) for vm in plan]]
+            failures = [
+                f.exception() for f in [pool.submit(storage.carry_context(create), vm) for vm in plan]
+            ]
         errors = [str(e) for e in failures if e is not None]
         if errors:
             raise ClusterError("; ".join(errors))
@@ -455,7 +457,9 @@ class GceBackend:
             return name
 
         with ThreadPoolExecutor(max_workers=max(min(len(targets), 16), 1)) as pool:
-            deleted = list(pool.map(delete, sorted(targets)))
+            deleted = [
+                f.result() for f in [pool.submit(storage.carry_context(delete), t) for t in sorted(targets)]
+            ]
         self.hook.delete_firewall_if_exists(cloud["firewall"], project)
         return deleted
 

@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 import paramiko
 from syncswitch import storage
+from syncswitch.errors import SpecError
 from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SegmentSpec
@@ -68,6 +69,7 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
+from syncswitch_airflow.hooks.ssh import connected_client, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
 FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
@@ -89,6 +91,9 @@ class SshSession:
         self.client = paramiko.SSHClient()
 
     def __enter__(self) -> SshSession:
+        if self.host.get("conn"):
+            self._connect_with_connection()
+            return self
         known_hosts = settings.get("ssh_known_hosts")
         if known_hosts:
             self.client.load_host_keys(known_hosts)
@@ -124,6 +129,20 @@ class SshSession:
             self.client.close()
             raise ClusterError(f"{self.where}: unreachable: {exc.strerror or exc}") from None
         return self
+
+    def _connect_with_connection(self) -> None:
+        """Log in as the host's Airflow SSH connection says (its key and host-key policy)."""
+        conn = f"connection {self.host['conn']}"
+        try:
+            self.client = connected_client(self.host, self.timeout)
+        except paramiko.AuthenticationException as exc:
+            raise ClusterError(f"{self.where}: SSH login failed ({conn}): {exc}") from None
+        except paramiko.BadHostKeyException as exc:
+            raise ClusterError(f"{self.where}: host key refused ({conn}): {exc}") from None
+        except (paramiko.SSHException, OSError) as exc:
+            raise ClusterError(f"{self.where}: SSH failed ({conn}): {exc}") from None
+        except Exception as exc:  # the connection is gone or malformed: its reason, never a secret
+            raise ClusterError(f"{self.where}: SSH {conn}: {exc}") from None
 
     def _key(self) -> dict[str, Any]:
         """paramiko's key argument: a key file on this worker, or a key in the bucket (a gce run's own,
@@ -173,13 +192,15 @@ class SshSession:
 
 
 def host_record(host: HostSpec, work_dir: str) -> dict[str, Any]:
-    """A host as the handle carries it (no secret: the key is a path on the Airflow worker)."""
+    """A host as the handle carries it (no secret: the key is a path or a bucket object, or the name
+    of the Airflow connection that holds it)."""
     return {
         "name": host.label,
         "address": host.address,
         "port": host.port,
         "user": host.user,
         "key": host.key,
+        "conn": host.conn,
         "role": host.role,
         "python": host.python or sys.executable,
         "work_dir": work_dir,
@@ -229,8 +250,9 @@ def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T])
         except ClusterError as exc:
             return exc
 
+    # Each thread with the caller's storage client (an Airflow task's: the bucket connection's).
     with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
-        return list(pool.map(guarded, hosts))
+        return [f.result() for f in [pool.submit(storage.carry_context(guarded), h) for h in hosts]]
 
 
 def _python(host: dict[str, Any], module: str, *args: str) -> str:
@@ -252,10 +274,14 @@ class HostsBackend:
         """Take a capacity slot and the job's hosts in the deployment's ledger (ClusterBusy while
         another cluster holds one of them), then the cluster. Idempotent for the same run."""
         run = posixpath.basename(layout.root)
+        try:  # what the hosts' SSH connections give (validate checked them; they may have changed)
+            hosts = resolve_hosts(job.hosts)
+        except SpecError as exc:
+            raise ClusterError(str(exc)) from None
         capacity = self.capacity()
-        capacity.claim(run, hosts=tuple(h.address for h in job.hosts), run_dir=layout.root)
+        capacity.claim(run, hosts=tuple(h.address for h in hosts), run_dir=layout.root)
         try:
-            return self.start_cluster(job, job.hosts, layout)
+            return self.start_cluster(job, hosts, layout)
         except BaseException:
             capacity.release(run)
             raise

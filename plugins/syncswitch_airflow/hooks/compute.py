@@ -7,8 +7,8 @@ safe from several threads (the provider's share one discovery connection: see ``
 
 ``api_endpoint`` (or ``[syncswitch] gce_api_endpoint``) points every client at another endpoint: a
 Private Service Connect endpoint in production, the fake Compute Engine API in the tests
-(tests/fake_compute.py). Credentials come from the Airflow connection as usual (the tests use an
-anonymous one).
+(tests/fake_compute.py). Credentials come from the Airflow connection ``[syncswitch] gcp_conn_id``, the
+bucket's too (hooks/bucket.py); the tests use an anonymous one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from google.cloud import compute_v1
 from googleapiclient.discovery import build
 
 from syncswitch_airflow import settings
+from syncswitch_airflow.hooks.bucket import default_conn_id
 
 ENDPOINT_SETTING = "gce_api_endpoint"
 PREEMPTED = "compute.instances.preempted"
@@ -34,6 +35,7 @@ class ComputeHook(ComputeEngineHook):
     """ComputeEngineHook with an optional endpoint, label listing, firewalls and preemption notices."""
 
     def __init__(self, *, api_endpoint: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("gcp_conn_id", default_conn_id())
         super().__init__(**kwargs)
         self.api_endpoint = (api_endpoint or settings.get(ENDPOINT_SETTING) or "").rstrip("/")
 

@@ -9,6 +9,7 @@ from airflow.sdk.exceptions import AirflowException
 from syncswitch.state import read_state, record_cluster
 
 from syncswitch_airflow.backends import ClusterBusy, ClusterError, get_backend
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.operators.common import job_from_params, run_key, run_layout
 from syncswitch_airflow.triggers.capacity import ClusterCapacityTrigger
 
@@ -19,6 +20,7 @@ class ProvisionClusterOperator(BaseOperator):
 
     ui_color = "#fff4e0"
 
+    @with_bucket_credentials
     def execute(self, context: Context, event: dict[str, Any] | None = None) -> dict[str, Any]:
         """Provision; while every cluster slot is taken, wait deferred for one and try again.
         Returns what was provisioned (backend and work folder), for the task's XCom tab."""
@@ -59,6 +61,7 @@ class TeardownClusterOperator(BaseOperator):
 
     ui_color = "#fff4e0"
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         run_id = context["run_id"]
         job = job_from_params(context)

@@ -19,6 +19,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
 
 from syncswitch_airflow import history
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_key, run_layout
 
 FAILED_STATES = ("failed", "upstream_failed")
@@ -33,6 +34,7 @@ class FinalizeRunOperator(BaseOperator):
         super().__init__(**kwargs)
         self.timing_task_id = timing_task_id
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
         run_id = run_key(context)

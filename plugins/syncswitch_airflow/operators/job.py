@@ -15,12 +15,14 @@ from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from syncswitch import checkpoints, usercode
 from syncswitch import plan as plans
+from syncswitch.errors import SpecError
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import create_run, record_final
 
 from syncswitch_airflow.assets import emit_run_outputs
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import (
     RUN_KEY_XCOM,
@@ -43,6 +45,7 @@ class ValidateJobOperator(BaseOperator):
 
     ui_color = "#e8f4fd"
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
         if job.cluster_backend == "local":
@@ -51,6 +54,13 @@ class ValidateJobOperator(BaseOperator):
             refusal = deployment_refusal(conf.get("core", "executor", fallback=""))
             if refusal:
                 raise AirflowFailException(f"invalid job params: {refusal}")
+        if job.cluster_backend == "hosts":
+            from syncswitch_airflow.hooks.ssh import resolve_hosts
+
+            try:  # the hosts named by an SSH connection: it exists and gives an address
+                resolve_hosts(job.hosts)
+            except SpecError as err:
+                raise AirflowFailException(f"invalid job params: {err}") from None
         from syncswitch.check import needs_check
 
         if needs_check(job):
@@ -123,6 +133,7 @@ class PlanRunOperator(BaseOperator):
         super().__init__(**kwargs)
         self.timing = timing
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> str:
         job = job_from_params(context)
         if job.timing_policy != "fixed":
@@ -171,6 +182,7 @@ class RunFolderOperator(BaseOperator):
 class EvaluateRunOperator(RunFolderOperator):
     """Test accuracy of the run's final checkpoint, checked against the exact workload."""
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         state = require_state(self.run_dir)
         job = JobSpec.from_params(state["job"])
@@ -252,6 +264,7 @@ class ReportRunOperator(RunFolderOperator):
     The report, and the model where the run exported one, become the job's asset events (assets.py)
     for the aliases among the task's outlets."""
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         from syncswitch_airflow.report import build_report, format_summary_lines
 

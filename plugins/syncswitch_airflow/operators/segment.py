@@ -30,6 +30,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import State, straggler_reference_time
 
 from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import require_state
 from syncswitch_airflow.triggers.segment import SegmentTrigger, is_finished, read_result, record_result
@@ -67,6 +68,7 @@ class SegmentOperator(BaseOperator):
     def layout(self) -> RunLayout:
         return RunLayout(self.run_dir)
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         state = require_state(self.run_dir)
         entry = plans.entry(state["plan"], self.slot)
@@ -130,6 +132,7 @@ class SegmentOperator(BaseOperator):
             record.get("log"),
         )
 
+    @with_bucket_credentials
     def execute_complete(self, context: Context, event: Any) -> dict[str, Any]:
         """Only under ``dag.test()``: the trigger already recorded the result, or the failure (its
         reason and the launcher's log tail are in this task's log above)."""

@@ -19,6 +19,7 @@ from syncswitch import usercode
 from syncswitch.spec import JobSpec
 
 from syncswitch_airflow import history, timing
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_key
 
 
@@ -36,6 +37,7 @@ class TimingPolicyOperator(BaseOperator):
 
     ui_color = "#e8f4fd"
 
+    @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
         run_id = run_key(context)

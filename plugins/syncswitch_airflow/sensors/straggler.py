@@ -28,6 +28,7 @@ from syncswitch.state import State, read_state, record_decision
 from syncswitch.state import apply_switch as switch_plan
 
 from syncswitch_airflow.detector import DetectorConfig, Verdict
+from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.policies import Decision, PolicyContext, get_policy, measured_switch_gap
 from syncswitch_airflow.triggers.straggler import StragglerTrigger, WatchStatus
@@ -76,6 +77,7 @@ class StragglerSensor(BaseSensorOperator):
 
     # ---- execute -------------------------------------------------------------------------------
 
+    @with_bucket_credentials
     def execute(self, context: Any) -> dict[str, Any]:
         layout, slot = RunLayout(self.run_dir), int(self.slot)
         state = read_state(layout) or {}
@@ -160,6 +162,7 @@ class StragglerSensor(BaseSensorOperator):
 
     # ---- execute_complete ----------------------------------------------------------------------
 
+    @with_bucket_credentials
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         layout, slot = RunLayout(self.run_dir), int(self.slot)
         state = read_state(layout) or {}

@@ -15,6 +15,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from syncswitch_airflow.backends import get_backend
+from syncswitch_airflow.hooks.bucket import BucketHook
 
 
 class CapacityStatus(StrEnum):
@@ -35,6 +36,7 @@ class ClusterCapacityTrigger(BaseTrigger):
         log_seconds: float = 60.0,
     ) -> None:
         super().__init__()
+        self.bucket = BucketHook()
         self.backend = backend
         self.hosts = list(hosts or [])
         self.poll_seconds = poll_seconds
@@ -54,10 +56,10 @@ class ClusterCapacityTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         capacity = get_backend(self.backend).capacity()
         started, next_log = time.monotonic(), 0.0
-        while not await asyncio.to_thread(capacity.has_free_slot, tuple(self.hosts)):
+        while not await self.bucket.in_thread(capacity.has_free_slot, tuple(self.hosts)):
             if time.monotonic() >= next_log:
                 next_log = time.monotonic() + self.log_seconds
-                holders = await asyncio.to_thread(capacity.holders)
+                holders = await self.bucket.in_thread(capacity.holders)
                 self.log.info(
                     "waiting %.0f s for one of %d %s cluster slot(s)%s, held by %s",
                     time.monotonic() - started,

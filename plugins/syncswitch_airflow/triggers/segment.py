@@ -10,10 +10,10 @@ segment task itself (``end_from_trigger``):
               that a retry starts cleanly from the latest checkpoint), then TaskFailedEvent (Airflow
               turns it into up_for_retry while retries are left)
 
-Storage and ``/proc`` reads run in a thread (``asyncio.to_thread``) so the triggerer's event loop is
-never blocked. Progress goes to the task log every ``log_seconds``. A segment whose step stops moving
-is failed by the rule of ``syncswitch.stall`` (the launcher applies it first; the trigger only when the
-launcher itself hangs).
+Storage and ``/proc`` reads run in a thread, with the bucket connection's credentials
+(``BucketHook.in_thread``), so the triggerer's event loop is never blocked. Progress goes to the task
+log every ``log_seconds``. A segment whose step stops moving is failed by the rule of
+``syncswitch.stall`` (the launcher applies it first; the trigger only when the launcher itself hangs).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from syncswitch.state import record_segment
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
+from syncswitch_airflow.hooks.bucket import BucketHook
 
 # How long a launcher may stay unknown to the backend before the segment counts as lost: a wiped
 # work folder (local; the launch record is written right after the process starts), or a chief host
@@ -107,6 +108,7 @@ class SegmentTrigger(BaseTrigger):
         log_seconds: float = 30.0,
     ) -> None:
         super().__init__()
+        self.bucket = BucketHook()
         self.run_dir = run_dir
         self.index = index
         self.protocol = protocol
@@ -157,7 +159,7 @@ class SegmentTrigger(BaseTrigger):
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + status_every
-                status = await asyncio.to_thread(backend.segment_status, self.handle, self.index)
+                status = await self.bucket.in_thread(backend.segment_status, self.handle, self.index)
                 unknown_since = (unknown_since or now) if status.state == UNKNOWN else None
                 lost = status.state == EXITED or (
                     unknown_since is not None and now - unknown_since > _UNKNOWN_GRACE_S
@@ -185,14 +187,14 @@ class SegmentTrigger(BaseTrigger):
         """``read(*args)`` in a thread; None while the bucket stays unreachable past its retry limit
         (the launcher, which needs the bucket too, decides whether the segment survives that)."""
         try:
-            return await asyncio.to_thread(read, *args)
+            return await self.bucket.in_thread(read, *args)
         except storage.BucketUnavailable as exc:
             self.log.warning("%s: %s; still watching", self.label, exc)
             return None
 
     async def _succeeded(self, result: dict[str, Any]) -> TriggerEvent:
         try:
-            summary = await asyncio.to_thread(record_result, self.run_dir, self.index, result, self.log)
+            summary = await self.bucket.in_thread(record_result, self.run_dir, self.index, result, self.log)
         except Exception as exc:  # noqa: BLE001 - the task must end either way, with the reason logged
             self.log.error("%s: cannot record its result: %s", self.label, exc)
             return TaskFailedEvent()
@@ -207,11 +209,11 @@ class SegmentTrigger(BaseTrigger):
         return await self._failed(backend, f"the launcher {how} before writing result.json")
 
     async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
-        log_tail = await asyncio.to_thread(backend.segment_log_tail, self.handle, self.index)
+        log_tail = await self.bucket.in_thread(backend.segment_log_tail, self.handle, self.index)
         self.log.error("%s failed: %s\nlauncher log tail:\n%s", self.label, reason, log_tail)
         # Leave nothing running, so that a retry starts cleanly from the latest checkpoint.
         try:
-            await asyncio.to_thread(backend.stop_segment, self.handle, self.index)
+            await self.bucket.in_thread(backend.stop_segment, self.handle, self.index)
         except Exception as exc:  # noqa: BLE001 - teardown_cluster kills whatever is left
             self.log.error("%s: stopping its processes failed: %s", self.label, exc)
         return TaskFailedEvent()

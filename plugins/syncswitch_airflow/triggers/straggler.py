@@ -20,7 +20,7 @@ or hands a verdict back to the sensor, whose policy decides on the worker:
 The watcher has no timeouts of its own: it lives exactly as long as the segment task it watches
 (asked through the task SDK's execution API every ``task_check_seconds``). A segment task that waits
 for a retry (``up_for_retry``) is still alive: its retry relaunches the segment. Storage reads block,
-so they run in a thread (``asyncio.to_thread``).
+so they run in a thread, with the bucket connection's credentials (``BucketHook.in_thread``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
 
 from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdict
+from syncswitch_airflow.hooks.bucket import BucketHook
 
 END_CHECK_SECONDS = 0.5
 # Task states after which a segment task will not run again in this DAG run (no retry pending).
@@ -87,6 +88,7 @@ class StragglerTrigger(BaseTrigger):
         straggling_workers: list[int] | None = None,
     ) -> None:
         super().__init__()
+        self.bucket = BucketHook()
         self.run_dir = run_dir
         self.index = int(index)
         self.protocol = protocol
@@ -136,8 +138,8 @@ class StragglerTrigger(BaseTrigger):
         next_task_check = time.monotonic()
         while True:
             try:
-                ended = await asyncio.to_thread(storage.exists, result_uri)
-                records = await asyncio.to_thread(tail.read_new, "worker_step")
+                ended = await self.bucket.in_thread(storage.exists, result_uri)
+                records = await self.bucket.in_thread(tail.read_new, "worker_step")
             except storage.BucketUnavailable as exc:
                 self.log.warning("segment %d (%s): %s; still watching", self.index, self.protocol, exc)
                 continue
@@ -189,7 +191,7 @@ class StragglerTrigger(BaseTrigger):
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(END_CHECK_SECONDS, left))
             with contextlib.suppress(storage.BucketUnavailable):
-                if await asyncio.to_thread(storage.exists, result_uri):
+                if await self.bucket.in_thread(storage.exists, result_uri):
                     return
 
     def _judge(
