@@ -21,9 +21,9 @@ What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.ya
 - the GCS emulator on the gateway: the bucket, the one storage every component shares;
 - M more testbed hosts for training clusters (the ``hosts`` backend), reached over SSH.
 
-Every component shares one Fernet key and one JWT secret, as a real deployment's must. The task
-instances' host names are the workers' addresses (``[core] hostname_callable``), so the api-server
-reaches each worker's log server.
+Every component shares one Fernet key, one JWT secret and one API secret key, as a real deployment's
+must. The task instances' host names are the workers' addresses (``[core] hostname_callable``), so
+the api-server reaches each worker's log server, which accepts its token.
 """
 
 from __future__ import annotations

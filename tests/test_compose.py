@@ -147,8 +147,15 @@ def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> No
             and "@redis:6379/" in env["AIRFLOW__CELERY__BROKER_URL"]
         ), name
         assert env["AIRFLOW__SYNCSWITCH__LEASES_DIR"].startswith("gs://"), name  # shared by every worker
-        # One Fernet key and one JWT secret for all: a connection saved by the UI is read by a task.
-        secrets.add((env["AIRFLOW__CORE__FERNET_KEY"], env["AIRFLOW__API_AUTH__JWT_SECRET"]))
+        # One Fernet key, one JWT secret and one API secret key for all: a connection saved by the UI
+        # is read by a task, and the api-server may fetch a task's log from the worker that ran it.
+        secrets.add(
+            (
+                env["AIRFLOW__CORE__FERNET_KEY"],
+                env["AIRFLOW__API_AUTH__JWT_SECRET"],
+                env["AIRFLOW__API__SECRET_KEY"],
+            )
+        )
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://"), name
         assert "@postgres:5432/" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
         assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "false", name

@@ -179,7 +179,11 @@ class EmbeddedAirflow:
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
             # Every component signs and checks task and API tokens with the same key; Airflow's own
             # generated one is short enough to log an InsecureKeyLengthWarning on every request.
-            "API_AUTH__JWT_SECRET": self._jwt_secret(),
+            "API_AUTH__JWT_SECRET": self._secret("jwt_secret"),
+            # The api-server fetches a task's log from the worker's log server with a token signed
+            # with this key: each component generating its own (Airflow's default) refuses every
+            # fetch from another machine (a Celery worker) with 403.
+            "API__SECRET_KEY": self._secret("api_secret_key"),
             **self._project_settings(),
             **self.settings_overrides,
         }
@@ -250,8 +254,9 @@ class EmbeddedAirflow:
         self.pid_file.write_text(json.dumps(dataclasses.asdict(self._record)) + "\n")
         self.started_here = True
 
-    def _jwt_secret(self) -> str:
-        path = self.home / "jwt_secret"
+    def _secret(self, name: str) -> str:
+        """A random secret of this instance, made once and kept (0600) in its home."""
+        path = self.home / name
         if not path.exists():
             path.write_text(secrets.token_urlsafe(64))
             path.chmod(0o600)
