@@ -199,6 +199,8 @@ class CeleryDeployment:
             "CELERY__RESULT_BACKEND": f"db+postgresql+psycopg2://{DB_USER}:{self.password}@{self.gateway}:"
             f"{self.pg_port}/{DB_NAME}",
             "CELERY__WORKER_CONCURRENCY": str(WORKER_CONCURRENCY),
+            # Every task process starts with Airflow's DAG parsing and our operators imported.
+            "CELERY__CELERY_CONFIG_OPTIONS": "syncswitch_airflow.celery_config.CELERY_CONFIG",
             # A connection written by the UI is read by the tasks: one key for every component.
             "CORE__FERNET_KEY": self.fernet_key,
             # Workers reach the api-server at the gateway; it listens on every address of this machine.

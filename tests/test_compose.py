@@ -147,6 +147,8 @@ def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> No
             and "@redis:6379/" in env["AIRFLOW__CELERY__BROKER_URL"]
         ), name
         assert env["AIRFLOW__SYNCSWITCH__LEASES_DIR"].startswith("gs://"), name  # shared by every worker
+        warm = "syncswitch_airflow.celery_config.CELERY_CONFIG"  # tasks start with Airflow's parsing imported
+        assert env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"] == warm, name
         # One Fernet key, one JWT secret and one API secret key for all: a connection saved by the UI
         # is read by a task, and the api-server may fetch a task's log from the worker that ran it.
         secrets.add(
