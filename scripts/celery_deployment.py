@@ -225,8 +225,11 @@ class CeleryDeployment:
             self._start_redis()
             log(f"starting Airflow (CeleryExecutor) on http://{self.gateway}:{self.api_port}")
             self.airflow.start(timeout=AIRFLOW_BOOT_S)
-            for index in range(len(self.worker_hosts)):
-                self.start_worker(index)
+            # Spawned together, then waited for: each imports Airflow and the provider before its
+            # pool forks (syncswitch_airflow.celery_config), one core each.
+            spawned = [self._spawn_worker(index) for index in range(len(self.worker_hosts))]
+            for index, service in enumerate(spawned):
+                self._wait_until_ready(index, service)
         except BaseException:
             self.down()
             raise
@@ -365,6 +368,9 @@ class CeleryDeployment:
     def start_worker(self, index: int, host: tb.TestHost | None = None) -> Service:
         """Worker ``index`` (queue ``w<index>``) on its testbed host, or on ``host`` (a replacement
         machine), in namespaces of its own, with an empty disk; returns when Celery is ready."""
+        return self._wait_until_ready(index, self._spawn_worker(index, host))
+
+    def _spawn_worker(self, index: int, host: tb.TestHost | None = None) -> Service:
         if host is not None:
             self.worker_hosts[index] = host
         host = self.worker_hosts[index]
@@ -399,6 +405,10 @@ class CeleryDeployment:
             f"worker {index}", argv, self.root / "logs" / f"worker-{index}.log", self.worker_env(index)
         )
         self.workers[index] = service
+        return service
+
+    def _wait_until_ready(self, index: int, service: Service) -> Service:
+        host = self.worker_hosts[index]
         _wait_for(
             f"Celery worker {index} on {host.name}",
             lambda: " ready." in service.log_tail(200),
