@@ -1,12 +1,12 @@
 """Celery workers that start every task warm: Airflow's Celery configuration plus ``imports``.
 
 A Celery worker runs each task in a process forked from its pool, and the pool is forked from the
-worker's main process. Under the LocalExecutor that chain starts at the scheduler, which has loaded
-Airflow's plugins (the plugins folder: this provider's modules, and through them the Google
-provider's Compute Engine client) and DAG parsing long before: a task starts in under a second. The
-Celery worker's main process has loaded neither, so every task process did it afresh: 17-35 s per
-task on the test machine's 2 busy cores, between the task log's "Pre Execute" and "DAG bundles
-loaded" lines, most of the Celery deployment's overhead per run.
+worker's main process. Under the LocalExecutor that chain starts at the scheduler, which has imported
+Airflow's DAG parsing and the DAG's modules long before: a task starts in under a second. The Celery
+worker's main process has imported neither, so every task process did it afresh (with the plugins
+folder's loose modules, which ``plugins/.airflowignore`` now skips, and without compiled bytecode):
+9-19 s per task on the test machine, between the task log's "Pre Execute" and "DAG bundles loaded"
+lines, most of the Celery deployment's overhead per run.
 
 Celery imports the modules of its ``imports`` setting in the main process before it forks the pool,
 so every task process inherits them. Use it with::
@@ -28,7 +28,6 @@ WARM_IMPORTS = (
     "airflow.dag_processing.bundles.manager",
     "airflow.dag_processing.dagbag",
     "syncswitch_airflow.dag_factory",
-    "syncswitch_airflow.celery_warmup",  # Airflow's plugins and listeners, loaded
 )
 
 CELERY_CONFIG = {**DEFAULT_CELERY_CONFIG, "imports": WARM_IMPORTS}
