@@ -54,8 +54,14 @@ def test_threads_carry_the_client_only_where_asked(connection: str) -> None:
 
     with BucketHook().credentials(), ThreadPoolExecutor(2) as pool:
         pool.submit(storage.carry_context(project), "carried").result()
+        [done] = storage.submit_each(pool, project, ["each"])
+        done.result()
         pool.submit(project, "bare").result()
-    assert seen == {"carried": "from-the-conn", "bare": storage.default_client().project}
+    assert seen == {
+        "carried": "from-the-conn",
+        "each": "from-the-conn",
+        "bare": storage.default_client().project,
+    }
 
 
 def test_a_triggers_blocking_calls_run_in_a_thread_with_the_client(connection: str) -> None:

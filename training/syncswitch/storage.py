@@ -32,7 +32,8 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 GS_PREFIX = "gs://"
@@ -118,6 +119,11 @@ def carry_context(call: Callable[..., T]) -> Callable[..., T]:
     thread pool, one per submitted call, ``pool.submit(carry_context(f), x)``. A pool's threads start
     with an empty context otherwise, and one copy cannot be entered by two threads at once."""
     return functools.partial(contextvars.copy_context().run, call)
+
+
+def submit_each(pool: Executor, call: Callable[[Any], T], items: Iterable[Any]) -> list[Future[T]]:
+    """``pool.submit(call, item)`` for each item, each in its own copy of the caller's context."""
+    return [pool.submit(carry_context(call), item) for item in items]
 
 
 def _blob(uri: str):  # noqa: ANN202

@@ -243,9 +243,8 @@ class GceBackend:
             log.info("run %s: VM %s running (%s, %s)", layout.root, vm.name, vm.zone, _describe(vm))
 
         with ThreadPoolExecutor(max_workers=min(len(plan), 16)) as pool:
-            failures = [
-                f.exception() for f in [pool.submit(storage.carry_context(create), vm) for vm in plan]
-            ]
+            # Each thread with this task's storage client (the bucket connection's).
+            failures = [f.exception() for f in storage.submit_each(pool, create, plan)]
         errors = [str(e) for e in failures if e is not None]
         if errors:
             raise ClusterError("; ".join(errors))
@@ -457,9 +456,7 @@ class GceBackend:
             return name
 
         with ThreadPoolExecutor(max_workers=max(min(len(targets), 16), 1)) as pool:
-            deleted = [
-                f.result() for f in [pool.submit(storage.carry_context(delete), t) for t in sorted(targets)]
-            ]
+            deleted = [f.result() for f in storage.submit_each(pool, delete, sorted(targets))]
         self.hook.delete_firewall_if_exists(cloud["firewall"], project)
         return deleted
 

@@ -252,7 +252,7 @@ def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T])
 
     # Each thread with the caller's storage client (an Airflow task's: the bucket connection's).
     with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
-        return [f.result() for f in [pool.submit(storage.carry_context(guarded), h) for h in hosts]]
+        return [f.result() for f in storage.submit_each(pool, guarded, hosts)]
 
 
 def _python(host: dict[str, Any], module: str, *args: str) -> str:
