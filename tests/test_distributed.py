@@ -128,6 +128,10 @@ def deployment(
         # A task whose worker was lost is failed (and retried) this long after its last heartbeat.
         "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
         "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+        # The scheduler restarts after PostgreSQL does; the tasks its dead self had queued are adopted
+        # (and only then failed for their missing heartbeats) at its next orphan check: every 300 s by
+        # default, most of this file's time.
+        "SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "15",
     }
     with CeleryDeployment(
         tmp_path_factory.mktemp("celery"), bed, gcs, workers=2, settings=own, local_settings=QUEUE_POLICY
