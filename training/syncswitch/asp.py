@@ -18,7 +18,6 @@ exactly on target and checkpoints capture a drained state; an early stop rounds 
 from __future__ import annotations
 
 import collections
-import math
 import os
 import statistics
 import threading
@@ -36,6 +35,7 @@ from syncswitch.trainer import (
     ChiefReporter,
     NodeContext,
     Schedule,
+    StepBook,
     StopSignal,
     WorkerTimer,
     build_and_restore,
@@ -67,53 +67,11 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     state, restored, signature = build_and_restore(ctx, strategy, problem)
     spec, hp = ctx.spec, ctx.hp
     batch, global_batch = hp.batch_size, spec.num_workers * hp.batch_size
-    flat = state["flat"]
     start_samples, start_updates = restored["samples"], restored["updates"]
     start_step = start_samples / global_batch
     schedule = Schedule(spec, hp, start_step)
-
-    def dataset_fn() -> tf.data.Dataset:
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return problem.train_dataset(
-            ctx.data_dir,
-            batch_size=batch,
-            shard_index=worker,
-            num_shards=spec.num_workers,
-            seed=spec.seed + start_samples,
-        )
-
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    def mean_loss(outputs: Any, labels: Any) -> Any:
-        return tf.reduce_mean(state["loss"](outputs, labels))
-
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
-        loss, grads, statistics = flat.loss_and_gradients(x, y, mean_loss)
-        with tf.control_dependencies(grads):
-            computed = tf.timestamp()
-        flat.apply(grads, statistics, lr, momentum)
-        finished = tf.timestamp()  # automatic control deps: after the updates on the parameter servers
-        return loss, computed - started, finished - started
-
-    @tf.function
-    def worker_steps(iterator: Any, closure: Any) -> Any:
-        """``closure`` = [first update (segment-relative), count]; returns [worker, then per step:
-        loss, own seconds (input and forward/backward), step seconds (with the parameter-server
-        round trips)]."""
-        first, count = closure[0], tf.cast(closure[1], tf.int32)
-        records = tf.TensorArray(tf.float32, size=count)
-        for j in tf.range(count):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            started = tf.timestamp()
-            with tf.control_dependencies([started]):
-                x, y = next(iterator)
-            update = tf.cast(first + tf.cast(j, tf.int64), tf.float64)
-            step = (start_samples + update * batch) / global_batch
-            lr, momentum = schedule.tensors(step)
-            loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
-            records = records.write(j, tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)]))
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records.stack(), [-1])], 0)
+    iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, start_samples)))
+    worker_steps = _compile_worker_steps(strategy, state, schedule, start_samples, batch, global_batch)
 
     events = ctx.events()
     stop_signal = StopSignal(ctx.layout.stop_request(spec.index))
@@ -121,17 +79,19 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
     watchdog = Watchdog(ctx, events)
     segment_start_event(ctx, events, start_step, schedule, restored)
     loop = AspLoop(spec, batch, global_batch, start_samples)
+    book = StepBook(schedule, global_batch, reporter)
     checkpoint_uri = restored["uri"]
     timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
     sizer = ClosureSizer(ctx, events, watchdog)
 
     def checkpoint_now() -> str:  # only the coordinator writes under PSS
+        updates = start_updates + loop.done
         return save(
             ctx,
             state,
             signature,
             samples=loop.done_samples,
-            updates=start_updates + loop.done,
+            updates=updates,
             global_batch=global_batch,
             events=events,
         )
@@ -151,27 +111,16 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
                     print(f"[{spec.run_id}] worker lost mid-closure; rescheduling its closures", flush=True)
                 continue
             worker, records = done
-            for j, (_loss, own, took) in enumerate(records):
-                timers[worker].record(
-                    global_step=(loop.done_samples - (len(records) - 1 - j) * batch) / global_batch,
-                    step_time=float(took),
-                    compute_time=float(own),
-                )
             sizer.observe(records[:, 2])
             closure_timing.add(records[:, 2])
             watchdog.seen(worker)
-            loss = float(records[-1, 0])
-            lr, momentum = schedule.at(loop.done_samples / global_batch)
-            reporter.step(
+            book.after_steps(
+                records,
+                timers[worker],
                 samples=loop.done_samples,
                 updates=start_updates + loop.done,
-                loss=loss,
-                lr=lr,
-                momentum=momentum,
-                step_time=float(records[-1, 2]),
+                samples_per_step=batch,
             )
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {loop.done_samples / global_batch:g}")
             if loop.at_checkpoint_boundary():
                 checkpoint_uri = checkpoint_now()
         coordinator.join()
@@ -196,6 +145,69 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
         stop_signal.close()
         watchdog.close()
         events.close()
+
+
+def _dataset_fn(ctx: NodeContext, problem: Any, start_samples: int) -> Any:
+    """Each worker's shard of the training data (by its index), reshuffled by where the segment starts."""
+    import tensorflow as tf
+
+    def dataset_fn() -> Any:
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return problem.train_dataset(
+            ctx.data_dir,
+            batch_size=ctx.hp.batch_size,
+            shard_index=worker,
+            num_shards=ctx.spec.num_workers,
+            seed=ctx.spec.seed + start_samples,
+        )
+
+    return dataset_fn
+
+
+def _compile_worker_steps(
+    strategy: Any,
+    state: dict[str, Any],
+    schedule: Schedule,
+    start_samples: int,
+    batch: int,
+    global_batch: int,
+) -> Any:
+    """The graph function of one closure: ``closure`` = [first update (segment-relative), count];
+    returns [worker, then per step: loss, own seconds (input and forward/backward), step seconds
+    (with the parameter-server round trips)]."""
+    import tensorflow as tf
+
+    flat = state["flat"]
+
+    def mean_loss(outputs: Any, labels: Any) -> Any:
+        return tf.reduce_mean(state["loss"](outputs, labels))
+
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
+        loss, grads, statistics = flat.loss_and_gradients(x, y, mean_loss)
+        with tf.control_dependencies(grads):
+            computed = tf.timestamp()
+        flat.apply(grads, statistics, lr, momentum)
+        finished = tf.timestamp()  # automatic control deps: after the updates on the parameter servers
+        return loss, computed - started, finished - started
+
+    @tf.function
+    def worker_steps(iterator: Any, closure: Any) -> Any:
+        first, count = closure[0], tf.cast(closure[1], tf.int32)
+        records = tf.TensorArray(tf.float32, size=count)
+        for j in tf.range(count):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            started = tf.timestamp()
+            with tf.control_dependencies([started]):
+                x, y = next(iterator)
+            update = tf.cast(first + tf.cast(j, tf.int64), tf.float64)
+            step = (start_samples + update * batch) / global_batch
+            lr, momentum = schedule.tensors(step)
+            loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+            records = records.write(j, tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)]))
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records.stack(), [-1])], 0)
+
+    return worker_steps
 
 
 class ClosureTiming:

@@ -12,7 +12,6 @@ its peers in the all-reduce, which singles out a straggler in lockstep.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from syncswitch.trainer import (
     ChiefReporter,
     NodeContext,
     Schedule,
+    StepBook,
     StopSignal,
     WorkerTimer,
     build_and_restore,
@@ -47,23 +47,110 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     state, restored, signature = build_and_restore(ctx, strategy, problem)
     spec, hp = ctx.spec, ctx.hp
-    global_batch = spec.num_workers * hp.batch_size
-    flat = state["flat"]
-    samples, updates = restored["samples"], restored["updates"]
-    until_samples = spec.until_step * global_batch
-    start_step = samples / global_batch
+    loop = BspLoop(spec, hp, restored["samples"], restored["updates"])
+    start_step = loop.samples / loop.global_batch
     schedule = Schedule(spec, hp, start_step)
+    iterator = iter(strategy.distribute_datasets_from_function(_dataset_fn(ctx, problem, loop.samples)))
+    train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch)
 
-    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return problem.train_dataset(
-            ctx.data_dir,
-            batch_size=hp.batch_size,
-            shard_index=input_context.input_pipeline_id,
-            num_shards=input_context.num_input_pipelines,
-            seed=spec.seed + samples,
+    events = ctx.events()
+    stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
+    reporter = ChiefReporter(ctx, events, loop.global_batch, loop.samples) if ctx.is_chief else None
+    if ctx.is_chief:
+        segment_start_event(ctx, events, start_step, schedule, restored)
+    book = StepBook(schedule, loop.global_batch, reporter)
+    # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
+    probe = PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)).start()
+    worker_timer = WorkerTimer(events, ctx.task, probe=probe)
+    stopped_early, checkpoint_uri = False, restored["uri"]
+
+    def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
+        if not ctx.is_chief:
+            return None
+        return save(
+            ctx,
+            state,
+            signature,
+            samples=loop.samples,
+            updates=loop.updates,
+            global_batch=loop.global_batch,
+            events=events,
         )
 
-    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    try:
+        while not loop.finished:
+            step, count = loop.step, loop.next_count()
+            vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
+            called = time.perf_counter()
+            mine, totals = train_steps(
+                iterator,
+                tf.constant(float(step), tf.float64),
+                tf.constant(count, tf.int32),
+                tf.constant(vote, tf.float32),
+                tf.constant(loop.last_wall, tf.float32),
+            )
+            stop, measured = loop.advance(count, totals.numpy(), time.perf_counter() - called)
+            if measured is not None and not hp.steps_per_execution and reporter is not None:
+                steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
+            # In lockstep every worker's step time is equal; its own share (the step minus the wait
+            # for peers) is what singles out a straggler, whatever slows it.
+            book.after_steps(
+                mine.numpy(),
+                worker_timer,
+                samples=loop.samples,
+                updates=loop.updates,
+                samples_per_step=loop.global_batch,
+            )
+            if stop:
+                stopped_early = not loop.finished
+                break
+            if loop.checkpoint_due:
+                checkpoint_uri = checkpoint_now()
+        if loop.samples != restored["samples"] or checkpoint_uri is None:
+            checkpoint_uri = checkpoint_now()
+        worker_timer.flush()
+        ctx.finished_objects.extend([iterator, strategy, state, train_steps])
+        if reporter is None:
+            return None
+        stop_reason = stop_signal.reason if stop_signal and stop_signal.reason else "stop requested"
+        return reporter.finish(
+            samples=loop.samples,
+            updates=loop.updates,
+            stopped_early=stopped_early,
+            reason=stop_reason if stopped_early else "reached until_step",
+            checkpoint_uri=checkpoint_uri,
+            start_step=start_step,
+            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
+        )
+    finally:
+        probe.close()
+        if stop_signal is not None:
+            stop_signal.close()
+        events.close()
+
+
+def _dataset_fn(ctx: NodeContext, problem: Any, samples: int) -> Any:
+    """Each worker's shard of the training data, reshuffled by where the segment starts."""
+
+    def dataset_fn(input_context: Any) -> Any:
+        return problem.train_dataset(
+            ctx.data_dir,
+            batch_size=ctx.hp.batch_size,
+            shard_index=input_context.input_pipeline_id,
+            num_shards=input_context.num_input_pipelines,
+            seed=ctx.spec.seed + samples,
+        )
+
+    return dataset_fn
+
+
+def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedule, global_batch: int) -> Any:
+    """The graph function of one call: ``count`` steps from BSP step ``first_step``. Returns (this
+    worker's per-step [loss, own seconds, step seconds], all-reduced [per-step losses..., stop votes,
+    step seconds of all, wall seconds per step of the previous call of all])."""
+    import tensorflow as tf
+
+    flat = state["flat"]
 
     def average_loss(outputs: Any, labels: Any) -> Any:
         return tf.nn.compute_average_loss(state["loss"](outputs, labels), global_batch_size=global_batch)
@@ -83,9 +170,6 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     def train_steps(
         iterator: Any, first_step: Any, count: Any, stop_vote: Any, last_wall: Any
     ) -> tuple[Any, Any]:
-        """``count`` steps from BSP step ``first_step``; returns (this worker's per-step [loss, own
-        seconds, step seconds], all-reduced [per-step losses..., stop votes, step seconds of all,
-        wall seconds per step of the previous call of all])."""
         records = tf.TensorArray(tf.float32, size=count)
         for j in tf.range(count):
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
@@ -102,99 +186,57 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.concat([mine[:, 0], votes], 0), axis=None)
         return mine, totals
 
-    events = ctx.events()
-    stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
-    reporter = ChiefReporter(ctx, events, global_batch, samples) if ctx.is_chief else None
-    if ctx.is_chief:
-        segment_start_event(ctx, events, start_step, schedule, restored)
-    # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
-    probe = PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)).start()
-    worker_timer = WorkerTimer(events, ctx.task, probe=probe)
-    stopped_early, reason, checkpoint_uri = False, "reached until_step", restored["uri"]
-    executions, step_seconds, wall_per_step, last_wall = 0, None, None, 0.0
+    return train_steps
 
-    def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
-        if not ctx.is_chief:
-            return None
-        return save(
-            ctx, state, signature, samples=samples, updates=updates, global_batch=global_batch, events=events
-        )
 
-    try:
-        while samples < until_samples:
-            step = samples // global_batch
-            k = 1 if executions < WARMUP_EXECUTIONS + 1 else _steps_per_call(hp, step_seconds, wall_per_step)
-            count = min(k, spec.until_step - step, _steps_to_checkpoint(spec.ckpt_frequency, step))
-            vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
-            called = time.perf_counter()
-            mine, totals = train_steps(
-                iterator,
-                tf.constant(float(step), tf.float64),
-                tf.constant(count, tf.int32),
-                tf.constant(vote, tf.float32),
-                tf.constant(last_wall, tf.float32),
-            )
-            mine, totals = mine.numpy(), totals.numpy()
-            last_wall = (time.perf_counter() - called) / count
-            executions += 1
-            losses, stop, all_seconds = totals[:count], totals[count], float(totals[count + 1])
-            all_wall = float(totals[count + 2])
-            for j in range(count):
-                # In lockstep every worker's step time is equal; its own share (the step minus the
-                # wait for peers) is what singles out a straggler, whatever slows it.
-                worker_timer.record(
-                    global_step=step + j + 1, step_time=float(mine[j, 2]), compute_time=float(mine[j, 1])
-                )
-            samples += count * global_batch
-            updates += count
-            if executions > 2:  # the first call traces the graph; the second reports its wall time
-                # Both are all-reduced: every worker takes the same k, or the collectives part.
-                measured = all_seconds / (count * spec.num_workers)
-                wall_per_step = all_wall / spec.num_workers
-                if step_seconds is None and not hp.steps_per_execution and reporter is not None:
-                    steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
-                step_seconds = measured
-            loss = float(losses[-1])
-            if reporter is not None:
-                lr, momentum = schedule.at(step + count - 1)
-                reporter.step(
-                    samples=samples,
-                    updates=updates,
-                    loss=loss,
-                    lr=lr,
-                    momentum=momentum,
-                    step_time=float(mine[-1, 2]),
-                )
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {samples / global_batch:g}")
-            if stop > 0:
-                stopped_early = samples < until_samples
-                reason = stop_signal.reason if stop_signal and stop_signal.reason else "stop requested"
-                break
-            if _checkpoint_due(spec.ckpt_frequency, samples // global_batch) and samples < until_samples:
-                checkpoint_uri = checkpoint_now()
-        if samples != restored["samples"] or checkpoint_uri is None:
-            checkpoint_uri = checkpoint_now()
-        worker_timer.flush()
-        ctx.finished_objects.extend([iterator, strategy, state, train_steps])
-        if reporter is None:
-            return None
-        if not stopped_early:
-            reason = "reached until_step"
-        return reporter.finish(
-            samples=samples,
-            updates=updates,
-            stopped_early=stopped_early,
-            reason=reason,
-            checkpoint_uri=checkpoint_uri,
-            start_step=start_step,
-            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
-        )
-    finally:
-        probe.close()
-        if stop_signal is not None:
-            stop_signal.close()
-        events.close()
+class BspLoop:
+    """BSP book-keeping in whole steps: where the segment is, how many steps the next call runs (one
+    while the graph warms up, then sized on the all-reduced step time, never across a checkpoint
+    boundary or the target), and every worker's agreement on when to stop."""
+
+    def __init__(self, spec: Any, hp: Any, samples: int, updates: int) -> None:
+        self.spec, self.hp = spec, hp
+        self.global_batch = spec.num_workers * hp.batch_size
+        self.samples, self.updates = samples, updates
+        self.until_samples = spec.until_step * self.global_batch
+        self.calls = 0
+        self.step_seconds: float | None = None  # in-graph seconds per step, all workers' mean
+        self.wall_per_step: float | None = None  # the previous call's wall seconds per step
+        self.last_wall = 0.0  # this worker's, sent along with the next call to be all-reduced
+
+    @property
+    def step(self) -> int:
+        return self.samples // self.global_batch
+
+    @property
+    def finished(self) -> bool:
+        return self.samples >= self.until_samples
+
+    @property
+    def checkpoint_due(self) -> bool:
+        return _checkpoint_due(self.spec.ckpt_frequency, self.step) and not self.finished
+
+    def next_count(self) -> int:
+        warming = self.calls < WARMUP_EXECUTIONS + 1
+        k = 1 if warming else _steps_per_call(self.hp, self.step_seconds, self.wall_per_step)
+        to_checkpoint = _steps_to_checkpoint(self.spec.ckpt_frequency, self.step)
+        return min(k, self.spec.until_step - self.step, to_checkpoint)
+
+    def advance(self, count: int, totals: Any, wall_seconds: float) -> tuple[bool, float | None]:
+        """Count a call of ``count`` steps from its all-reduced ``totals``. Returns whether any worker
+        voted to stop, and the step time when it is measured for the first time (else None)."""
+        self.last_wall = wall_seconds / count
+        self.calls += 1
+        self.samples += count * self.global_batch
+        self.updates += count
+        first = None
+        if self.calls > 2:  # the first call traces the graph; the second reports its wall time
+            # Both are all-reduced: every worker takes the same k, or the collectives part.
+            measured = float(totals[count + 1]) / (count * self.spec.num_workers)
+            self.wall_per_step = float(totals[count + 2]) / self.spec.num_workers
+            first = measured if self.step_seconds is None else None
+            self.step_seconds = measured
+        return totals[count] > 0, first
 
 
 def _steps_per_call(hp: Any, step_seconds: float | None, wall_per_step: float | None) -> int:

@@ -13,6 +13,7 @@ Keras 3 ``fit`` does not work under ParameterServerStrategy, hence custom loops 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -564,3 +565,32 @@ class WorkerTimer:
         )
         self._steps.clear()
         self._last_emit = time.monotonic()
+
+
+class StepBook:
+    """What both loops do after each call or closure of k steps: the worker's per-step timings, the
+    chief's rate-limited step event (with the LR and momentum of the last step), and the finite-loss
+    check. ``records`` holds per step [loss, own seconds, step seconds]."""
+
+    def __init__(self, schedule: Schedule, global_batch: int, reporter: ChiefReporter | None) -> None:
+        self.schedule, self.global_batch, self.reporter = schedule, global_batch, reporter
+
+    def after_steps(
+        self, records: Any, timer: WorkerTimer, *, samples: int, updates: int, samples_per_step: int
+    ) -> None:
+        """``samples`` and ``updates`` count up to the last of the steps; each step is
+        ``samples_per_step`` samples (a BSP step is the global batch, an ASP update one worker's)."""
+        last_step = samples / self.global_batch
+        step = samples_per_step / self.global_batch
+        for j, (_loss, own, took) in enumerate(records):
+            global_step = last_step - (len(records) - 1 - j) * step
+            timer.record(global_step=global_step, step_time=float(took), compute_time=float(own))
+        loss = float(records[-1][0])
+        if self.reporter is not None:
+            lr, momentum = self.schedule.at(last_step - step)
+            step_time = float(records[-1][2])
+            self.reporter.step(
+                samples=samples, updates=updates, loss=loss, lr=lr, momentum=momentum, step_time=step_time
+            )
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {last_step:g}")
