@@ -76,6 +76,22 @@ def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = No
         server.stop()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n N --dist loadgroup`` (scripts/test.sh). Every test on the session's
+    embedded Airflow goes to one xdist worker, so that one Airflow serves them all, and it is first in
+    the queue, with the Celery deployment's file second: the two longest groups start at once, on
+    different workers. Any other test stays with its file (its module fixtures, a testbed, are built
+    once). Without xdist the marks do nothing, and the order is the files' as collected."""
+
+    def group(item: pytest.Item) -> str:
+        return "embedded-airflow" if "embedded_airflow" in item.fixturenames else item.module.__name__
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    first = ("embedded-airflow", "test_distributed")
+    items.sort(key=lambda item: first.index(group(item)) if group(item) in first else len(first))
+
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
     """The session's GCS emulator (fake-gcs-server, http, objects on disk). Sets
