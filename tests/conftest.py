@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 # Airflow reads its configuration when first imported, and pytest imports conftest before any test
 # module: point every in-process Airflow at one throwaway home, removed when the session's process
@@ -76,20 +77,51 @@ def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = No
         server.stop()
 
 
+# The tests on the session's embedded Airflow (conftest ``embedded_airflow``), by test id prefix: under
+# ``pytest -n N --dist loadgroup`` (scripts/test.sh) they all go to one xdist worker, so that one
+# Airflow serves them. Collection fails on a test that uses the fixture and is not listed here.
+EMBEDDED_AIRFLOW_TESTS = (
+    "tests/test_airflow_faults.py::",
+    "tests/test_embedded_airflow.py::",
+    "tests/test_recurring_jobs.py::",
+    "tests/test_trigger_form.py::",
+    "tests/test_hosts_backend.py::test_a_network_straggler_",
+)
+# Queued first, in this order, so that the two longest groups start at once on different workers.
+LONGEST_GROUPS = ("embedded-airflow", "tests/test_distributed.py")
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """A test's xdist group: the embedded Airflow's tests together, any other test with its file (its
+    module fixtures, a testbed or a Celery deployment, are built once)."""
+    return "embedded-airflow" if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS) else nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for ``pytest -n N --dist loadgroup`` (scripts/test.sh). Every test on the session's
-    embedded Airflow goes to one xdist worker, so that one Airflow serves them all, and it is first in
-    the queue, with the Celery deployment's file second: the two longest groups start at once, on
-    different workers. Any other test stays with its file (its module fixtures, a testbed, are built
-    once). Without xdist the marks do nothing, and the order is the files' as collected."""
-
-    def group(item: pytest.Item) -> str:
-        return "embedded-airflow" if "embedded_airflow" in item.fixturenames else item.module.__name__
-
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    first = ("embedded-airflow", "test_distributed")
-    items.sort(key=lambda item: first.index(group(item)) if group(item) in first else len(first))
+        if "embedded_airflow" in item.fixturenames and xdist_group_of(item.nodeid) != "embedded-airflow":
+            raise pytest.UsageError(f"{item.nodeid} uses embedded_airflow: add it to EMBEDDED_AIRFLOW_TESTS")
+
+    def rank(item: pytest.Item) -> int:
+        group = xdist_group_of(item.nodeid)
+        return LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS)
+
+    items.sort(key=rank)  # the order of the groups in xdist's queue: first seen, first sent
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:  # noqa: ANN401 - xdist types
+    """``--dist loadgroup`` by ``xdist_group_of``: each worker takes whole groups, in collection order.
+    (xdist's own loadgroup reads ``xdist_group`` marks into the test ids, which pytest 9.2 no longer
+    lets it do.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
