@@ -67,7 +67,7 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
     for the part they were seen in)."""
     from syncswitch import procs
     from syncswitch_airflow.tools.airflow_supervisor import read_status
-    from syncswitch_airflow.tools.embedded import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
 
     marker = instance_marker(airflow.running_instance())
 

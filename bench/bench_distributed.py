@@ -68,7 +68,7 @@ def airflow_pids(airflow: Any, extra_marker: str | None) -> list[int]:
     """The Airflow instance's processes (their marker), and the deployment's (PostgreSQL, Redis,
     Celery workers) where ``extra_marker`` names it."""
     from syncswitch import procs
-    from syncswitch_airflow.tools.embedded import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
 
     pids = {
         p.pid for p in procs.processes_with_env(INSTANCE_ENV, instance_marker(airflow.running_instance()))

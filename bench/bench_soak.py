@@ -87,7 +87,7 @@ class Sampler:
     def sample(self) -> dict[str, Any]:
         from syncswitch import procs
         from syncswitch_airflow.backends.base import CLUSTER_ENV
-        from syncswitch_airflow.tools.embedded import INSTANCE_ENV, instance_marker
+        from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
 
         groups: dict[str, float] = {}
         training: dict[str, float] = {}

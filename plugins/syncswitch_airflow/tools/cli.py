@@ -36,7 +36,8 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
-from syncswitch_airflow.tools.embedded import ADMIN_PASSWORD, ADMIN_USER, AirflowGone, EmbeddedAirflow
+from syncswitch_airflow.tools.embedded import AirflowGone, EmbeddedAirflow
+from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
 
 DAG_ID = "sync_switch"
 PROG = "syncswitch run"

@@ -1,0 +1,190 @@
+"""The files, ports and settings of one embedded Airflow instance (``embedded.EmbeddedAirflow`` runs
+it): its home folder and what it keeps there, the pid file's record, and the environment of every one
+of its processes. Every setting is passed to Airflow as an ``AIRFLOW__SECTION__KEY`` variable, so
+``airflow.cfg`` keeps only Airflow's generated secrets. No Airflow import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from syncswitch_airflow.tools.airflow_api import AirflowError
+
+ADMIN_USER = "admin"
+# A fixed password so the CLI, the tests and the README agree on it. The API listens on 127.0.0.1
+# only; this is the embedded development instance, not a deployment (see docker-compose.yaml).
+ADMIN_PASSWORD = "syncswitch"
+PREFERRED_PORT = 8080
+# Every process of one instance carries this marker; stop() kills by it. It starts with AIRFLOW so
+# that the cluster backends, which strip Airflow's variables from training processes, strip it too.
+INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
+# The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
+# there); a checkout serves its own dags/ instead.
+PACKAGED_DAGS = Path(__file__).resolve().parents[1] / "dags"
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """What the pid file records about a running supervisor."""
+
+    pid: int
+    port: int  # the API server (UI and REST)
+    worker_log_port: int  # log servers: fixed by default, so two instances on one machine would clash
+    trigger_log_port: int
+    home: str
+    started_at: float
+
+
+@dataclass(frozen=True)
+class InstanceHome:
+    """An instance's AIRFLOW_HOME and the project it serves."""
+
+    home: Path
+    project_dir: Path
+
+    @property
+    def dags_folder(self) -> Path:
+        """A checkout's dags/, else (an installed package run from any folder) the DAG files it carries."""
+        own = self.project_dir / "dags"
+        return own if own.is_dir() else PACKAGED_DAGS
+
+    @property
+    def plugins_folder(self) -> Path:
+        return self.project_dir / "plugins"
+
+    @property
+    def password_file(self) -> Path:
+        return self.home / "simple_auth_manager_passwords.json.generated"
+
+    def env(self, record: InstanceRecord, overrides: dict[str, str]) -> dict[str, str]:
+        """The environment every Airflow process of the instance ``record`` runs with; ``overrides``
+        (``SECTION__KEY`` -> value) go over ours."""
+        base_url = f"http://127.0.0.1:{record.port}"
+        bin_dir = str(Path(sys.executable).parent)
+        settings = {
+            "CORE__DAGS_FOLDER": str(self.dags_folder),
+            "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
+            "CORE__LOAD_EXAMPLES": "False",
+            "CORE__EXECUTOR": "LocalExecutor",
+            # 2 cores: the default 32 pre-forked workers cost 1.65 GB and only contend for CPU.
+            "CORE__PARALLELISM": "4",
+            "CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+            "CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.password_file),
+            "CORE__EXECUTION_API_SERVER_URL": f"{base_url}/execution/",
+            "DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "API__HOST": "127.0.0.1",
+            "API__PORT": str(record.port),
+            "API__BASE_URL": base_url,
+            "API__WORKERS": "1",
+            # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24
+            # cores at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers
+            # wake it between sleeps: see below; bench/bench_airflow_cpu.py). Segments end from the
+            # triggerer (no task process to resume), which pays for the longer sleep.
+            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0",
+            # Each scheduler timer that comes due between two idle sleeps cuts the sleep short: one
+            # more whole scheduling loop. These four came due ~13 times a minute; relaxed, ~3. No
+            # deferral of ours has a timeout, a dead task is failed after 120 s anyway (below), and
+            # stale DAGs (the dag-processor's check too), orphaned assets and connection tests can
+            # wait minutes.
+            "SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "60",
+            "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "30",
+            "SCHEDULER__PARSING_CLEANUP_INTERVAL": "300",
+            "CONNECTION_TEST__REAPER_INTERVAL": "300",
+            # Look for new DAG files every minute but reparse a known file only every 10 minutes:
+            # each parse imports the operators, CPU that training needs on 2 cores. start()
+            # reserializes, so a fresh start (every `syncswitch run`) sees the current DAG files.
+            "DAG_PROCESSOR__REFRESH_INTERVAL": "60",
+            "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
+            # A restarted triggerer takes over the deferred tasks of a dead one once that one has
+            # missed its heartbeats for this long (default 30 s); heartbeats come every 5 s.
+            "TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
+            # A task whose process died with a killed scheduler is failed (and retried) after this
+            # long without a heartbeat, rather than the default 5 minutes.
+            "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
+            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "syncswitch_airflow.tools.sqlite_settings.CONNECT_ARGS",
+            # Tasks talk to the api-server; when it restarts (or boots after the scheduler on a busy
+            # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
+            # ~15 s and failing a healthy run.
+            "WORKERS__EXECUTION_API_RETRIES": "10",
+            "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
+            "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
+            "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
+            # Every component signs and checks task and API tokens with the same key; Airflow's own
+            # generated one is short enough to log an InsecureKeyLengthWarning on every request.
+            "API_AUTH__JWT_SECRET": self.secret("jwt_secret"),
+            # The api-server fetches a task's log from the worker's log server with a token signed
+            # with this key: each component generating its own (Airflow's default) refuses every
+            # fetch from another machine (a Celery worker) with 403.
+            "API__SECRET_KEY": self.secret("api_secret_key"),
+            **self._project_settings(),
+            **overrides,
+        }
+        if not settings["DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite"):
+            del settings["DATABASE__SQL_ALCHEMY_CONNECT_ARGS"]  # SQLite's (a deployment on Postgres)
+        env = dict(os.environ)
+        # A caller's own Airflow settings must not leak into the embedded instance.
+        for key in [k for k in env if k.startswith("AIRFLOW__") or k in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")]:
+            del env[key]
+        env.update({f"AIRFLOW__{key}": value for key, value in settings.items()})
+        env["AIRFLOW_HOME"] = str(self.home)
+        env[INSTANCE_ENV] = instance_marker(record)
+        # Components run as plain `airflow ...`: our interpreter's bin comes first.
+        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _project_settings(self) -> dict[str, str]:
+        """The packaged DAG files sit in site-packages, so their folder cannot hold runs and job files:
+        those default to the project folder (where ``syncswitch run`` was started)."""
+        if self.dags_folder != PACKAGED_DAGS:
+            return {}
+        return {
+            "SYNCSWITCH__BUCKET_DIR": str(self.project_dir / "runs"),
+            "SYNCSWITCH__JOBS_DIR": str(self.project_dir / "jobs"),
+        }
+
+    def secret(self, name: str) -> str:
+        """A random secret of this instance, made once and kept (0600) in its home."""
+        path = self.home / name
+        if not path.exists():
+            path.write_text(secrets.token_urlsafe(64))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
+    def write_password_file(self) -> None:
+        self.password_file.write_text(json.dumps({ADMIN_USER: ADMIN_PASSWORD}) + "\n")
+        self.password_file.chmod(0o600)
+
+
+def pick_port(requested: int | None = None) -> int:
+    """``requested`` (0: any free port); by default 8080 when it is free on 127.0.0.1, else any."""
+    for port in (PREFERRED_PORT, 0) if requested is None else (requested,):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise AirflowError(f"port {requested} is in use on 127.0.0.1" if requested else "no free TCP port")
+
+
+def free_ports(count: int, exclude: set[int]) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1, none of them in ``exclude``."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in exclude and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def instance_marker(record: InstanceRecord) -> str:
+    return f"{record.home}@{record.started_at!r}"
