@@ -97,10 +97,12 @@ def xdist_group_of(nodeid: str) -> str:
     return "embedded-airflow" if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS) else nodeid.split("::")[0]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "embedded_airflow" in item.fixturenames and xdist_group_of(item.nodeid) != "embedded-airflow":
             raise pytest.UsageError(f"{item.nodeid} uses embedded_airflow: add it to EMBEDDED_AIRFLOW_TESTS")
+    if not hasattr(config, "workerinput"):
+        return  # one process: the files' order, as collected
 
     def rank(item: pytest.Item) -> int:
         group = xdist_group_of(item.nodeid)

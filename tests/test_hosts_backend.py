@@ -106,7 +106,10 @@ def assert_hosts_clean(bed: tb.Testbed) -> None:
             return not left
 
         wait_for(clean, timeout=30, what=f"{host.name}'s processes gone (left: {left})", poll=0.5)
-    assert not [p for p in Path("/tmp/syncswitch-hosts").glob("hosts-*")], "a host work folder is left"
+    # This testbed's only (folders are <job>@<host>): another test file's testbed may be running.
+    names = {host.name for host in bed.hosts}
+    left = [p for p in Path("/tmp/syncswitch-hosts").glob("hosts-*") if p.name.rpartition("@")[2] in names]
+    assert not left, f"a host work folder is left: {left}"
 
 
 # ---- input ----------------------------------------------------------------------------------------
