@@ -16,7 +16,7 @@ uv run --frozen deptry plugins dags --config plugins/pyproject.toml
 # One process by default. SYNCSWITCH_TEST_WORKERS=2 runs it on two xdist workers (--dist loadgroup:
 # tests/conftest.py keeps each file on one worker, every test of the session's embedded Airflow on one,
 # and queues the longest groups first): 48 min instead of 73 here, but under that load three tests
-# still fail (docs/benchmarks.md, "The suite on two workers"), so it is not CI's default yet.
+# still fail (docs/benchmarks.md, "The whole suite again"), so it is not CI's default yet.
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
 exec uv run --frozen pytest -q -p no:cacheprovider -n "${SYNCSWITCH_TEST_WORKERS:-0}" --dist loadgroup \
     --no-loadscope-reorder --durations=15 "$@"
