@@ -21,6 +21,12 @@ from typing import Any
 os.environ["AIRFLOW_HOME"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-airflow-{os.getpid()}")
 atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+# Cluster bookkeeping (the local backend's capacity slot, fork servers, leases) per session process,
+# not the machine-wide <tmp>/syncswitch: on two xdist workers, one worker's runs held the one local
+# cluster slot for minutes while the other's runs waited for it. Tests that need their own take
+# the work_root fixture.
+os.environ["SYNCSWITCH_WORK_DIR"] = os.path.join(tempfile.gettempdir(), f"syncswitch-test-work-{os.getpid()}")
+atexit.register(shutil.rmtree, os.environ["SYNCSWITCH_WORK_DIR"], True)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[1] / "dags")
 
 import pytest  # noqa: E402
