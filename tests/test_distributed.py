@@ -174,6 +174,7 @@ def task_log(deployment: CeleryDeployment, run_id: str, task_id: str, try_number
 
 def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines() -> None:
     assert deployment_refusal("LocalExecutor") == ""
+    assert deployment_refusal("syncswitch_airflow.warm_start.WarmLocalExecutor") == ""  # the embedded one
     assert "cluster_backend" in deployment_refusal(
         "airflow.providers.celery.executors.celery_executor.CeleryExecutor"
     )

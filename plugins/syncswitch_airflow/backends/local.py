@@ -231,7 +231,10 @@ class LocalBackend:
 
 
 # Executors whose tasks all run on the scheduler's machine: the only ones a local cluster works under.
-SINGLE_MACHINE_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
+# syncswitch_airflow.warm_start.WarmLocalExecutor is the LocalExecutor (the embedded Airflow runs it).
+SINGLE_MACHINE_EXECUTORS = frozenset(
+    {"LocalExecutor", "WarmLocalExecutor", "SequentialExecutor", "DebugExecutor"}
+)
 
 
 def deployment_refusal(executors: str) -> str:

@@ -71,7 +71,8 @@ class InstanceHome:
             "CORE__DAGS_FOLDER": str(self.dags_folder),
             "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
             "CORE__LOAD_EXAMPLES": "False",
-            "CORE__EXECUTOR": "LocalExecutor",
+            # LocalExecutor, its workers forked after the task side's imports (warm_start).
+            "CORE__EXECUTOR": "syncswitch_airflow.warm_start.WarmLocalExecutor",
             # 2 cores: the default 32 pre-forked workers cost 1.65 GB and only contend for CPU.
             "CORE__PARALLELISM": "4",
             "CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
