@@ -40,10 +40,12 @@ from syncswitch.trainer import (
     WorkerTimer,
     build_and_restore,
     evaluate_if_asked,
+    replica_step_fn,
     save,
     segment_start_event,
     steps_per_execution,
     steps_per_execution_event,
+    timed_steps,
 )
 
 # A closure lost with its worker is rescheduled; this many in one segment means something else is
@@ -177,35 +179,25 @@ def _compile_worker_steps(
     (with the parameter-server round trips)]."""
     import tensorflow as tf
 
-    flat = state["flat"]
-
     def mean_loss(outputs: Any, labels: Any) -> Any:
         return tf.reduce_mean(state["loss"](outputs, labels))
 
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
-        loss, grads, statistics = flat.loss_and_gradients(x, y, mean_loss)
-        with tf.control_dependencies(grads):
-            computed = tf.timestamp()
-        flat.apply(grads, statistics, lr, momentum)
-        finished = tf.timestamp()  # automatic control deps: after the updates on the parameter servers
-        return loss, computed - started, finished - started
+    replica_step = replica_step_fn(state["flat"], mean_loss)
+
+    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
+        loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+        return tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)])
 
     @tf.function
     def worker_steps(iterator: Any, closure: Any) -> Any:
         first, count = closure[0], tf.cast(closure[1], tf.int32)
-        records = tf.TensorArray(tf.float32, size=count)
-        for j in tf.range(count):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            started = tf.timestamp()
-            with tf.control_dependencies([started]):
-                x, y = next(iterator)
-            update = tf.cast(first + tf.cast(j, tf.int64), tf.float64)
-            step = (start_samples + update * batch) / global_batch
-            lr, momentum = schedule.tensors(step)
-            loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
-            records = records.write(j, tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)]))
+
+        def step_at(j: Any) -> Any:  # progress in BSP steps: an update is of this worker's batch only
+            return (start_samples + tf.cast(first + tf.cast(j, tf.int64), tf.float64) * batch) / global_batch
+
+        records = timed_steps(iterator, count, schedule, step_at, run_step)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records.stack(), [-1])], 0)
+        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records, [-1])], 0)
 
     return worker_steps
 

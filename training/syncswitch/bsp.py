@@ -27,10 +27,12 @@ from syncswitch.trainer import (
     WorkerTimer,
     build_and_restore,
     evaluate_if_asked,
+    replica_step_fn,
     save,
     segment_start_event,
     steps_per_execution,
     steps_per_execution_event,
+    timed_steps,
 )
 
 # A call's wall time at most, when steps per call are automatic: workers report timings once per call.
@@ -150,38 +152,24 @@ def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedul
     step seconds of all, wall seconds per step of the previous call of all])."""
     import tensorflow as tf
 
-    flat = state["flat"]
-
     def average_loss(outputs: Any, labels: Any) -> Any:
         return tf.nn.compute_average_loss(state["loss"](outputs, labels), global_batch_size=global_batch)
 
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
-        loss, grads, statistics = flat.loss_and_gradients(x, y, average_loss)
-        with tf.control_dependencies(grads):
-            computed = tf.timestamp()
-        flat.apply(grads, statistics, lr, momentum)
-        applied = tf.timestamp()  # automatic control deps: after the all-reduce and the updates
-        return loss, computed - started, applied - started
+    replica_step = replica_step_fn(state["flat"], average_loss)
 
-    def local(value: Any) -> Any:
-        return strategy.experimental_local_results(value)[0]
+    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
+        loss, own, step = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+        local = [strategy.experimental_local_results(value)[0] for value in (loss, own, step)]
+        return tf.stack([tf.cast(value, tf.float32) for value in local])
 
     @tf.function
     def train_steps(
         iterator: Any, first_step: Any, count: Any, stop_vote: Any, last_wall: Any
     ) -> tuple[Any, Any]:
-        records = tf.TensorArray(tf.float32, size=count)
-        for j in tf.range(count):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            started = tf.timestamp()
-            with tf.control_dependencies([started]):
-                x, y = next(iterator)
-            lr, momentum = schedule.tensors(first_step + tf.cast(j, tf.float64))
-            loss, own, step = strategy.run(replica_step, args=(x, y, lr, momentum, started))
-            records = records.write(
-                j, tf.stack([local(loss), tf.cast(local(own), tf.float32), tf.cast(local(step), tf.float32)])
-            )
-        mine = records.stack()
+        def step_at(j: Any) -> Any:
+            return first_step + tf.cast(j, tf.float64)
+
+        mine = timed_steps(iterator, count, schedule, step_at, run_step)
         votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, 2]), last_wall])
         totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.concat([mine[:, 0], votes], 0), axis=None)
         return mine, totals

@@ -154,6 +154,42 @@ class Schedule:
         return tf.cast(lr, tf.float32), tf.cast(momentum, tf.float32)
 
 
+def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
+    """The step both protocols run on a replica, timed inside the graph: loss and gradients, then the
+    update (all-reduced in BSP, applied on the parameter servers in ASP). The step returns its loss
+    and the seconds from ``started`` to the gradients (this worker's own compute) and to the applied
+    update (with the all-reduce or the parameter-server round trips)."""
+    import tensorflow as tf
+
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
+        loss, grads, statistics = flat.loss_and_gradients(x, y, loss_fn)
+        with tf.control_dependencies(grads):
+            computed = tf.timestamp()
+        flat.apply(grads, statistics, lr, momentum)
+        applied = tf.timestamp()  # automatic control deps: after the all-reduce or the updates
+        return loss, computed - started, applied - started
+
+    return replica_step
+
+
+def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run_step: Any) -> Any:
+    """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
+    timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
+    (float64); ``run_step(x, y, lr, momentum, started)``: its record, [loss, own seconds, step
+    seconds] as float32. Returns the records, shape [count, 3]."""
+    import tensorflow as tf
+
+    records = tf.TensorArray(tf.float32, size=count)
+    for j in tf.range(count):
+        tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            x, y = next(iterator)
+        lr, momentum = schedule.tensors(step_at(j))
+        records = records.write(j, run_step(x, y, lr, momentum, started))
+    return records.stack()
+
+
 def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
     """Optimizer steps per execution: the ``steps_per_execution`` hparam, or (0 = automatic) as many
     as take about TARGET_EXECUTION_SECONDS at the measured time per step (1 until measured)."""
