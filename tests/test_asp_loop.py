@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from segment_specs import segment_spec
 from syncswitch.asp import AspLoop, Closure
 from syncswitch.spec import SegmentSpec
 
@@ -43,19 +44,7 @@ def drive(loop: AspLoop, stop_after: int | None, size: int = 1, sizes: list[int]
 
 
 def spec(workers: int, until_step: int, ckpt_frequency: int) -> SegmentSpec:
-    return SegmentSpec(
-        run_id="r",
-        run_dir="/tmp/unused",
-        index=0,
-        protocol="asp",
-        until_step=until_step,
-        total_steps=until_step,
-        model="cnn",
-        hparam_set="cnn_digits",
-        problem="digits",
-        num_workers=workers,
-        ckpt_frequency=ckpt_frequency,
-    )
+    return segment_spec("asp", workers, until_step, ckpt_frequency)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])

@@ -6,9 +6,9 @@ thing runs in test_runtime_cluster.py."""
 from __future__ import annotations
 
 import numpy as np
+from segment_specs import segment_spec
 from syncswitch.bsp import MAX_CALL_SECONDS, BspLoop
 from syncswitch.hparams import HParams
-from syncswitch.spec import SegmentSpec
 from syncswitch.trainer import MAX_STEPS_PER_EXECUTION, TARGET_EXECUTION_SECONDS, WARMUP_EXECUTIONS
 
 WORKERS = 2
@@ -17,19 +17,7 @@ WORKERS = 2
 def loop(
     until_step: int, ckpt_frequency: int, *, start_step: int = 0, steps_per_execution: int = 0
 ) -> BspLoop:
-    spec = SegmentSpec(
-        run_id="r",
-        run_dir="/tmp/unused",
-        index=0,
-        protocol="bsp",
-        until_step=until_step,
-        total_steps=until_step,
-        model="cnn",
-        hparam_set="cnn_digits",
-        problem="digits",
-        num_workers=WORKERS,
-        ckpt_frequency=ckpt_frequency,
-    )
+    spec = segment_spec("bsp", WORKERS, until_step, ckpt_frequency)
     hp = HParams(model="cnn", batch_size=32, steps_per_execution=steps_per_execution)
     return BspLoop(spec, hp, samples=start_step * WORKERS * 32, updates=start_step)
 
