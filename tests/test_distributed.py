@@ -224,7 +224,9 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
         "switch_order": "101",
         # BSP runs long enough at a quarter speed for greedy to see the straggler (two 5 s windows).
         "train_steps": [1000, 200, 60],
-        "ckpt_frequency": [100, 100, 30],
+        # Segment 0 checkpoints early: greedy stops it after ~15-20 s, which was step 74 on a loaded
+        # machine, and the first fault waits for its first checkpoint.
+        "ckpt_frequency": [25, 100, 30],
         "num_workers": 2,
         "num_ps": 1,
         "online_policy": "greedy",
@@ -249,7 +251,7 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
 
     def faults(run: DuringRun) -> None:
         run.wait(
-            lambda: task_state("segment_0.bsp") == "deferred" and checkpoint_step(layout) >= 100,
+            lambda: task_state("segment_0.bsp") == "deferred" and checkpoint_step(layout) >= 25,
             "segment 0 deferred, past its first checkpoint",
         )
         deployment.kill_worker(0)

@@ -14,7 +14,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +37,10 @@ def train(*args: str, timeout: float = LAUNCH_TIMEOUT) -> tuple[int, dict | None
     return proc.returncode, result, proc.stderr
 
 
-def start_train(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([*TRAIN[:-1], *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_train(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*TRAIN[:-1], *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def wait_for_progress(work_dir: Path, step: float, proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -154,7 +155,10 @@ def autograph_files(folder: str | Path) -> set[str]:
 def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_leftover_processes) -> None:
     run_dir, work_dir = tmp_path / "run", tmp_path / "work"
     no_leftover_processes(re.escape(str(work_dir)))
-    system_temp_before = autograph_files(tempfile.gettempdir())
+    # The launcher's own temp folder stands for the system's: it is the nodes' unless they get theirs
+    # (other processes on the machine, another test worker's, write to the real one meanwhile).
+    system_temp = tmp_path / "system-temp"
+    system_temp.mkdir()
     proc = start_train(
         "--protocol",
         "asp",
@@ -170,6 +174,7 @@ def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_le
         "50",
         "--work-dir",
         str(work_dir),
+        env={**os.environ, "TMPDIR": str(system_temp)},
     )
     try:
         wait_for_progress(work_dir, 30, proc)
@@ -198,7 +203,7 @@ def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_le
     # Autograph's module files (removed only at a normal interpreter exit, which nodes never have) go
     # to the segment's work folder, not the system's temp folder.
     assert autograph_files(work_dir / "tmp"), "the nodes traced nothing into their temp folder"
-    assert autograph_files(tempfile.gettempdir()) <= system_temp_before
+    assert not autograph_files(system_temp), "a node traced into the launcher's temp folder"
 
 
 def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_leftover_processes) -> None:
