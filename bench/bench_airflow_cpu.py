@@ -10,7 +10,8 @@ ones), its CPU use while the BSP segment trains (the mean of ``--samples`` sampl
 five switch gaps. CPU use is user+system time from /proc of every process of the instance (they carry
 its marker), grouped by component (the supervisor; scheduler, dag-processor, triggerer, api-server with
 everything they started), in cores (1.0 = one core busy). Goal: at most 0.05 cores while a segment
-trains, without a longer switch gap.
+trains, without a longer switch gap. Beside the gaps, the run's fixed overhead: trigger -> first
+step, and the last segment's end -> run finished (evaluate, report, teardown, finalize).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ SETTINGS = {
         **AIRFLOW_TIMERS,
     },
     "idle sleep 2 s, Airflow's timers (before)": AIRFLOW_TIMERS,
-    "idle sleep 2 s, relaxed timers (now)": {},
+    "idle sleep 2 s, relaxed timers, cold task starts (LocalExecutor)": {"CORE__EXECUTOR": "LocalExecutor"},
+    "idle sleep 2 s, relaxed timers, warm task starts (now)": {},
     "idle sleep 3 s, relaxed timers": {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "3.0"},
 }
 # A long first BSP segment to sample in, then five short segments: five switch gaps per setting.
@@ -90,6 +92,7 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
 
 
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from syncswitch import storage
     from syncswitch.layout import RunLayout
     from syncswitch_airflow.report import load_run, summarize
     from syncswitch_airflow.tools.embedded import EmbeddedAirflow
@@ -109,6 +112,7 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
             "max_online_switches": 0,
             "ckpt_frequency": [500],
         }
+        triggered_at = time.time()
         run_id = airflow.api.trigger("sync_switch", conf)
         layout = RunLayout.for_run(conf["bucket_dir"], "cpu", run_id)
         wait_for_bsp_step(layout, 100)
@@ -126,7 +130,18 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
             raise BenchError(f"{name}: the BSP segment ended inside the sample; raise --first-segment-steps")
         gaps = [g["seconds"] for g in summary["switch_gaps_seconds"] if g.get("seconds") is not None]
         totals = [sum(s.values()) for s in samples]
-        return {"idle": idle, "training": training, "totals": totals, "gaps": gaps}
+        # The run's fixed overhead: trigger -> first step, last segment's end -> run finished.
+        finished = (storage.read_json(layout.state, default={}) or {}).get("timings", {}).get("finished")
+        start_up = summary["segments"][0]["first_step_at"] - triggered_at
+        wind_down = finished - summary["segments"][-1]["ended_at"] if finished else None
+        return {
+            "idle": idle,
+            "training": training,
+            "totals": totals,
+            "gaps": gaps,
+            "start_up": start_up,
+            "wind_down": wind_down,
+        }
     finally:
         airflow.stop()
 
@@ -181,12 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         markdown_table(
-            ["setting", "switch gaps (s)", "mean gap (s)"],
+            [
+                "setting",
+                "switch gaps (s)",
+                "mean gap (s)",
+                "trigger -> first step (s)",
+                "last segment end -> run finished (s)",
+            ],
             [
                 [
                     n,
                     " ".join(fmt(g, 1) for g in r["gaps"]),
                     fmt(sum(r["gaps"]) / len(r["gaps"]), 1) if r["gaps"] else "-",
+                    fmt(r["start_up"], 1),
+                    fmt(r["wind_down"], 1) if r["wind_down"] is not None else "-",
                 ]
                 for n, r in results.items()
             ],

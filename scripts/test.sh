@@ -13,10 +13,10 @@ uv run --frozen ruff check .
 # the runtime (training/), then the Airflow provider (plugins/ and the DAGs it ships).
 uv run --frozen deptry training --config training/pyproject.toml
 uv run --frozen deptry plugins dags --config plugins/pyproject.toml
-# One process by default. SYNCSWITCH_TEST_WORKERS=2 runs it on two xdist workers (--dist loadgroup:
-# tests/conftest.py keeps each file on one worker, every test of the session's embedded Airflow on one,
-# and queues the longest groups first): 48 min instead of 73 here, but under that load three tests
-# still fail (docs/benchmarks.md, "The whole suite again"), so it is not CI's default yet.
+# Two xdist workers by default, for CI's 2 cores (--dist loadgroup: tests/conftest.py keeps each file
+# on one worker and every test of the session's embedded Airflow on one, and queues the longest groups
+# first): 47 min against 73 in one process here (docs/benchmarks.md, "The whole suite again").
+# SYNCSWITCH_TEST_WORKERS=0 runs it in one process, in the files' order.
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
-exec uv run --frozen pytest -q -p no:cacheprovider -n "${SYNCSWITCH_TEST_WORKERS:-0}" --dist loadgroup \
+exec uv run --frozen pytest -q -p no:cacheprovider -n "${SYNCSWITCH_TEST_WORKERS:-2}" --dist loadgroup \
     --no-loadscope-reorder --durations=15 "$@"
