@@ -92,8 +92,8 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
 
 
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from syncswitch import storage
     from syncswitch.layout import RunLayout
+    from syncswitch.state import read_state
     from syncswitch_airflow.report import load_run, summarize
     from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -131,7 +131,7 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
         gaps = [g["seconds"] for g in summary["switch_gaps_seconds"] if g.get("seconds") is not None]
         totals = [sum(s.values()) for s in samples]
         # The run's fixed overhead: trigger -> first step, last segment's end -> run finished.
-        finished = (storage.read_json(layout.state, default={}) or {}).get("timings", {}).get("finished")
+        finished = (read_state(layout) or {}).get("timings", {}).get("finished")
         start_up = summary["segments"][0]["first_step_at"] - triggered_at
         wind_down = finished - summary["segments"][-1]["ended_at"] if finished else None
         return {

@@ -29,6 +29,7 @@ from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
+from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
@@ -108,7 +109,7 @@ def assert_hosts_clean(bed: tb.Testbed) -> None:
         wait_for(clean, timeout=30, what=f"{host.name}'s processes gone (left: {left})", poll=0.5)
     # This testbed's only (folders are <job>@<host>): another test file's testbed may be running.
     names = {host.name for host in bed.hosts}
-    left = [p for p in Path("/tmp/syncswitch-hosts").glob("hosts-*") if p.name.rpartition("@")[2] in names]
+    left = [p for p in Path(DEFAULT_WORK_ROOT).glob("hosts-*") if p.name.rpartition("@")[2] in names]
     assert not left, f"a host work folder is left: {left}"
 
 
