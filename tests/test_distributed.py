@@ -181,6 +181,19 @@ def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines(
     assert "KubernetesExecutor" in deployment_refusal("LocalExecutor,KubernetesExecutor")
 
 
+def test_only_the_warm_executor_shortens_the_schedulers_idle_sleep(tmp_path: Path) -> None:
+    """The WarmLocalExecutor's heartbeat waits 1.8 s of the 2 s idle loop; any other executor (Celery
+    here) would spin at its 0.2 s idle sleep."""
+    from syncswitch_airflow.tools.instance import InstanceHome, InstanceRecord
+
+    files = InstanceHome(tmp_path, tmp_path)
+    record = InstanceRecord(0, 8080, 8793, 8794, str(tmp_path), 0.0)
+    sleep = "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME"
+    assert files.env(record, {})[sleep] == "0.2"
+    assert files.env(record, {"CORE__EXECUTOR": "CeleryExecutor"})[sleep] == "2.0"
+    assert files.env(record, {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0"})[sleep] == "1.0"
+
+
 def assert_cluster_gone(bed: tb.Testbed, bucket: str, layout: RunLayout) -> None:
     """No process of the cluster on the training hosts (their sshd aside), no lease, no secret."""
     for host in training_testbed_hosts(bed):

@@ -4,7 +4,8 @@
       -> evaluate -> report -> teardown_cluster (teardown of provision_cluster) -> finalize
 
 Each ``segment_<i>`` task group holds ``bsp`` and ``asp`` (the one matching plan entry ``i`` runs, the
-other skips) and ``watch_stragglers`` beside them; groups past the end of the plan skip. finalize runs
+other skips) and ``watch_stragglers`` beside them; past the end of the plan, the first unused group's
+watcher skips every later group at once (its own segment tasks skip themselves). finalize runs
 after teardown whatever happened (ALL_DONE): it records the run's outcome in state.json, the report and
 the job's history. The run's state is decided by report and finalize (teardown tasks do not count).
 """

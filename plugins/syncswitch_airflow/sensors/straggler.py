@@ -1,7 +1,9 @@
 """StragglerSensor (``segment_<i>.watch_stragglers``): watches slot ``i`` and applies the online policy.
 
 execute()
-    reads state.json; no plan entry for the slot -> skipped; the segment already ended -> returns at
+    reads state.json; no plan entry for the slot -> skips every later slot's tasks at once and ends
+    (the plan is final once its last segment has ended), or is skipped itself where no slot comes
+    later; the segment already ended -> returns at
     once (the ``airflow dags test`` path, where the sensor runs after its segment task); else defers
     to :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`.
 execute_complete()
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from airflow.sdk import BaseSensorOperator
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowSkipException, DownstreamTasksSkipped
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
@@ -83,7 +85,7 @@ class StragglerSensor(BaseSensorOperator):
         state = read_state(layout) or {}
         item = plans.entry(state.get("plan", []), slot)
         if item is None:
-            raise AirflowSkipException(f"slot {slot} is past the end of the plan")
+            self._skip_later_slots(state, slot)
         if self._segment_ended(layout, state, item):
             return self._finish(state, item, WatchStatus.SEGMENT_ENDED)
         if _runs_tasks_one_at_a_time(context):
@@ -100,6 +102,23 @@ class StragglerSensor(BaseSensorOperator):
         self._defer(
             context, state, item, start_after=None, straggling_since=since, straggling_workers=workers
         )
+
+    def _skip_later_slots(self, state: State, slot: int) -> NoReturn:
+        """Skip the tasks of every slot after this one in one go. Left to the scheduler, each slot is
+        skipped one scheduling loop (~2 s) after the one before it, and evaluation waits for the last.
+        This watcher ends as a success (Airflow's short-circuit idiom); the slot's own segment tasks
+        skip themselves."""
+        later = sorted(t.task_id for t in self.get_flat_relatives(upstream=False) if hasattr(t, "slot"))
+        if not later:
+            raise AirflowSkipException(f"slot {slot} is past the end of the plan")
+        self.log.info(
+            "run %s: the plan ended with %d segment(s); skipping the %d task(s) of the slots after %d",
+            state.get("run_id"),
+            len(state.get("plan", [])),
+            len(later),
+            slot,
+        )
+        raise DownstreamTasksSkipped(tasks=later)
 
     def _defer(
         self,

@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +55,6 @@ BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
 # guards against waiting forever, and is configurable.
 DEFAULT_BOOT_TIMEOUT_S = 1800.0
 _BOOT_PROGRESS_EVERY_S = 15.0
-# While the api-server restarts, requests are refused for a few seconds: keep asking this long.
 
 
 class DagImportError(AirflowError):
@@ -123,9 +123,20 @@ class EmbeddedAirflow:
             else:
                 self._spawn()
             self._wait_healthy(deadline)
+        # The api-server builds the execution API (the one tasks call) on its first request: ~7 s here,
+        # which the first task of the first run would wait for. Build it while the DAGs parse.
+        warm_up = threading.Thread(target=self._warm_execution_api, name="warm-execution-api", daemon=True)
+        warm_up.start()
         self.reserialize(deadline)
         for dag_id in wait_for_dags:
             self.wait_for_dag(dag_id, deadline)
+        warm_up.join(max(deadline - time.monotonic(), 0.0))
+
+    def _warm_execution_api(self) -> None:
+        try:
+            self.api.request("GET", "/execution/health", auth=False)
+        except (OSError, AirflowError) as exc:  # only a warm-up: the first task pays for it instead
+            self._log.debug("execution API warm-up failed: %s", exc)
 
     def _spawn(self) -> None:
         api_port = pick_port(self.requested_port)

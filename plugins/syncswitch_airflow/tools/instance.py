@@ -24,6 +24,11 @@ PREFERRED_PORT = 8080
 # Every process of one instance carries this marker; stop() kills by it. It starts with AIRFLOW so
 # that the cluster backends, which strip Airflow's variables from training processes, strip it too.
 INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
+WARM_EXECUTOR = "syncswitch_airflow.warm_start.WarmLocalExecutor"
+# The scheduler's idle loop lasts 2 s (its CPU: see env()). The WarmLocalExecutor's heartbeat waits up
+# to 1.8 s of it for a task to end (warm_start.RESULT_WAIT_SECONDS); the idle sleep is the rest.
+IDLE_SLEEP_SECONDS = {WARM_EXECUTOR: "0.2"}
+DEFAULT_IDLE_SLEEP_SECONDS = "2.0"
 # The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
 # there); a checkout serves its own dags/ instead.
 PACKAGED_DAGS = Path(__file__).resolve().parents[1] / "dags"
@@ -72,7 +77,7 @@ class InstanceHome:
             "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
             "CORE__LOAD_EXAMPLES": "False",
             # LocalExecutor, its workers forked after the task side's imports (warm_start).
-            "CORE__EXECUTOR": "syncswitch_airflow.warm_start.WarmLocalExecutor",
+            "CORE__EXECUTOR": WARM_EXECUTOR,
             # 2 cores: the default 32 pre-forked workers cost 1.65 GB and only contend for CPU.
             "CORE__PARALLELISM": "4",
             "CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
@@ -83,11 +88,6 @@ class InstanceHome:
             "API__PORT": str(record.port),
             "API__BASE_URL": base_url,
             "API__WORKERS": "1",
-            # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24
-            # cores at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers
-            # wake it between sleeps: see below; bench/bench_airflow_cpu.py). Segments end from the
-            # triggerer (no task process to resume), which pays for the longer sleep.
-            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0",
             # Each scheduler timer that comes due between two idle sleeps cuts the sleep short: one
             # more whole scheduling loop. These four came due ~13 times a minute; relaxed, ~3. No
             # deferral of ours has a timeout, a dead task is failed after 120 s anyway (below), and
@@ -126,6 +126,13 @@ class InstanceHome:
             **self._project_settings(),
             **overrides,
         }
+        # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24 cores
+        # at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers wake it
+        # between sleeps: the timers above; bench/bench_airflow_cpu.py). Hence a 2 s idle loop.
+        settings.setdefault(
+            "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME",
+            IDLE_SLEEP_SECONDS.get(settings["CORE__EXECUTOR"], DEFAULT_IDLE_SLEEP_SECONDS),
+        )
         if not settings["DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite"):
             del settings["DATABASE__SQL_ALCHEMY_CONNECT_ARGS"]  # SQLite's (a deployment on Postgres)
         env = dict(os.environ)
