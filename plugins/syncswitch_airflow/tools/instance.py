@@ -113,6 +113,14 @@ class InstanceHome:
             # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
             # ~15 s and failing a healthy run.
             "WORKERS__EXECUTION_API_RETRIES": "10",
+            # A task's supervisor waits for its process in select() for up to this long (default 5 s),
+            # and when the process's sockets close just before it can be reaped, that select has
+            # nothing left to wake it: the worker then reported the task's end 5 s late (3 of 17 tasks
+            # of one demo run), the next task waited for the scheduler's own loop. Our tasks run for
+            # seconds (segments and watchers defer), so a heartbeat a second costs little. Failed
+            # heartbeats are tolerated as long as before (3 x 5 s).
+            "WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            "WORKERS__MAX_FAILED_HEARTBEATS": "15",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
             "LOGGING__WORKER_LOG_SERVER_PORT": str(record.worker_log_port),
             "LOGGING__TRIGGER_LOG_SERVER_PORT": str(record.trigger_log_port),
