@@ -31,7 +31,7 @@ from typing import Any
 from airflow.executors.local_executor import LocalExecutor
 
 # Longest an executor heartbeat waits for a worker's result; with the embedded Airflow's idle sleep
-# (instance.py: SCHEDULER_IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop.
+# (tools/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop.
 RESULT_WAIT_SECONDS = 1.8
 
 # What a task process needs before it runs a line of ours, then our DAG files' own modules, then

@@ -108,6 +108,7 @@ class StragglerSensor(BaseSensorOperator):
         skipped one scheduling loop (~2 s) after the one before it, and evaluation waits for the last.
         This watcher ends as a success (Airflow's short-circuit idiom); the slot's own segment tasks
         skip themselves."""
+        # Downstream tasks with a slot: the segment tasks and watchers (evaluate and the rest have none).
         later = sorted(t.task_id for t in self.get_flat_relatives(upstream=False) if hasattr(t, "slot"))
         if not later:
             raise AirflowSkipException(f"slot {slot} is past the end of the plan")
