@@ -168,7 +168,8 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
     assert states["segment_0.bsp"] == "success" and states["segment_0.asp"] == "skipped"
     assert states["segment_1.asp"] == "success" and states["segment_1.bsp"] == "skipped"
     # Past the plan: the first unused slot's watcher skipped every later slot's tasks in one go.
-    unused = {t: s for t, s in states.items() if t.startswith("segment_") and int(t.split(".")[0][8:]) >= 2}
+    slot_of = {t: int(t.split(".")[0].removeprefix("segment_")) for t in states if t.startswith("segment_")}
+    unused = {t: states[t] for t, slot in slot_of.items() if slot >= 2}
     assert unused.pop("segment_2.watch_stragglers") == "success"
     assert set(unused.values()) == {"skipped"}, unused
     assert states["teardown_cluster"] == "success"
