@@ -67,10 +67,15 @@ def test_task_ids(dag) -> None:  # noqa: ANN001
 
 
 def test_pipeline_order(dag) -> None:  # noqa: ANN001
-    assert dag.get_task("validate").downstream_task_ids == {"timing_policy"}
-    assert dag.get_task("timing_policy").downstream_task_ids == {"provision_cluster", "plan"}
-    assert dag.get_task("provision_cluster").downstream_task_ids == {"plan", "teardown_cluster"}
+    # The cluster starts beside the timing policy and the plan: its nodes take the longest to start.
+    assert dag.get_task("validate").downstream_task_ids == {"timing_policy", "provision_cluster"}
+    assert dag.get_task("timing_policy").downstream_task_ids == {"plan"}
+    assert dag.get_task("provision_cluster").downstream_task_ids == slot_ids(0) | {"teardown_cluster"}
     assert dag.get_task("plan").downstream_task_ids == slot_ids(0)
+    for task_id in slot_ids(0):
+        task = dag.get_task(task_id)
+        assert task.upstream_task_ids == {"plan", "provision_cluster"}, task_id
+        assert task.trigger_rule == TriggerRule.ALL_SUCCESS  # Airflow's rule after a setup task
     for slot in range(1, MAX_SEGMENT_SLOTS):
         for task_id in slot_ids(slot):
             task = dag.get_task(task_id)
@@ -81,10 +86,12 @@ def test_pipeline_order(dag) -> None:  # noqa: ANN001
     # Unused slots at the end skip; evaluation must still run.
     assert evaluate.trigger_rule == TriggerRule.NONE_FAILED
     assert dag.get_task("report").upstream_task_ids == {"evaluate"}
-    assert dag.get_task("teardown_cluster").upstream_task_ids == {"report", "provision_cluster"}
-    # The outcome is recorded after teardown, whatever happened before.
+    # The cluster goes as soon as the last segment has ended, beside evaluation and the report.
+    last_slot = slot_ids(MAX_SEGMENT_SLOTS - 1)
+    assert dag.get_task("teardown_cluster").upstream_task_ids == last_slot | {"provision_cluster"}
+    # The outcome is recorded after the report and the teardown, whatever happened before.
     finalize = dag.get_task("finalize")
-    assert finalize.upstream_task_ids == {"teardown_cluster"} and not finalize.downstream_task_ids
+    assert finalize.upstream_task_ids == {"report", "teardown_cluster"} and not finalize.downstream_task_ids
     assert finalize.trigger_rule == TriggerRule.ALL_DONE
 
 
@@ -96,7 +103,7 @@ def test_setup_and_teardown(dag) -> None:  # noqa: ANN001
     assert teardown.trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS
     # Every work task lies between the setup and the teardown.
     in_scope = provision.get_flat_relative_ids(upstream=False)
-    assert set(dag.task_ids) - {"validate", "timing_policy", "provision_cluster"} <= in_scope
+    assert set(dag.task_ids) - {"validate", "timing_policy", "plan", "provision_cluster"} <= in_scope
 
 
 def test_segment_tasks(dag) -> None:  # noqa: ANN001

@@ -1,13 +1,20 @@
 """The one builder of Sync-Switch DAGs: the ad-hoc ``sync_switch`` DAG and every recurring job's DAG.
 
-    validate -> timing_policy -> provision_cluster (setup) -> plan -> segment_0 ... segment_<N-1>
-      -> evaluate -> report -> teardown_cluster (teardown of provision_cluster) -> finalize
+    validate -> timing_policy -> plan --------+
+    validate -> provision_cluster (setup) ----+-> segment_0 -> ... -> segment_<N-1> --+
+       segment_<N-1> -> evaluate -> report -------------------------------------------+-> finalize
+       segment_<N-1> -> teardown_cluster (teardown of provision_cluster) -------------+
 
 Each ``segment_<i>`` task group holds ``bsp`` and ``asp`` (the one matching plan entry ``i`` runs, the
 other skips) and ``watch_stragglers`` beside them; past the end of the plan, the first unused group's
-watcher skips every later group at once (its own segment tasks skip themselves). finalize runs
-after teardown whatever happened (ALL_DONE): it records the run's outcome in state.json, the report and
-the job's history. The run's state is decided by report and finalize (teardown tasks do not count).
+watcher skips every later group at once (its own segment tasks skip themselves).
+
+The cluster starts as soon as the params are valid, beside the timing policy and the plan, because its
+nodes' start (importing TensorFlow) is the longest wait before the first step. It is torn down as soon
+as the last segment has ended, beside evaluation and the report, which need only the bucket: a cloud
+cluster is not billed while the report renders. finalize runs after both whatever happened (ALL_DONE):
+it records the run's outcome in state.json, the report and the job's history, then fails if another
+task failed: it is the one leaf that decides the DAG run's state (teardown tasks do not count).
 """
 
 from __future__ import annotations
@@ -69,8 +76,9 @@ def build_sync_switch_dag(
         timing = TimingPolicyOperator(task_id="timing_policy")
         provision = ProvisionClusterOperator(task_id="provision_cluster").as_setup()
         plan = PlanRunOperator(task_id="plan", timing=timing.output)
-        validate >> timing >> provision >> plan
-        last_slot = _segment_slots(plan)
+        validate >> timing >> plan
+        validate >> provision
+        last_slot = _segment_slots([plan, provision])
         # Skipped (unused) slots at the end must not skip evaluation; a failed segment still stops it.
         evaluate = EvaluateRunOperator(
             task_id="evaluate", run_dir=RUN_DIR, trigger_rule=TriggerRule.NONE_FAILED
@@ -78,17 +86,22 @@ def build_sync_switch_dag(
         report = ReportRunOperator(task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS])
         teardown = TeardownClusterOperator(task_id="teardown_cluster")
         finalize = FinalizeRunOperator(task_id="finalize", trigger_rule=TriggerRule.ALL_DONE)
-        cross_downstream(last_slot, [evaluate])
-        evaluate >> report >> teardown >> finalize
+        cross_downstream(last_slot, [evaluate, teardown])
+        evaluate >> report >> finalize
+        teardown >> finalize
         teardown.as_teardown(setups=provision)
     return dag
 
 
-def _segment_slots(plan: Any) -> list[Any]:
-    """MAX_SEGMENTS task groups after ``plan``, each after the one before; the last group's tasks."""
-    previous: list[Any] = [plan]
+def _segment_slots(first_upstream: list[Any]) -> list[Any]:
+    """MAX_SEGMENTS task groups after ``first_upstream``, each after the one before; the last group's
+    tasks."""
+    previous: list[Any] = first_upstream
     for slot in range(MAX_SEGMENTS):
-        after_previous = {"trigger_rule": TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS}
+        # A later slot runs after a skipped one; the first follows the setup, which Airflow wants
+        # followed by ALL_SUCCESS (the plan and the cluster, neither of which skips).
+        rule = TriggerRule.ALL_SUCCESS if slot == 0 else TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
+        after_previous = {"trigger_rule": rule}
         with TaskGroup(group_id=f"segment_{slot}", tooltip=f"plan entry {slot}: BSP or ASP, and its watcher"):
             segments = [
                 SegmentOperator(

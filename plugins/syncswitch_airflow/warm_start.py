@@ -16,7 +16,7 @@ that keeps its workers.
 The WarmLocalExecutor also starts the next task as soon as one ends. The scheduler notices a finished
 task on its next loop, and an idle loop sleeps (``[scheduler] scheduler_idle_sleep_time``): at the
 embedded Airflow's 2 s, each change-over between two short tasks of a run (validate -> timing_policy
--> provision_cluster -> plan, evaluate -> report -> teardown_cluster -> finalize) waited ~1.9 s, as
+-> plan, evaluate -> report -> finalize) waited ~1.9 s, as
 the task log timestamps showed, for tasks that ran 0.2-2 s. Its heartbeat now waits for a worker's
 result for up to ``RESULT_WAIT_SECONDS`` unless it has just handed out work, and the embedded
 Airflow's idle sleep is the rest of the 2 s loop: an idle scheduler loops as often as before (same

@@ -1,9 +1,13 @@
 """The last task of a run: its outcome, in state.json and in the job's history.
 
-It runs after teardown_cluster whatever happened (trigger rule ALL_DONE), so it sees the run's true
-outcome, which the report task (before teardown) cannot: it marks state.json, corrects the report's
-status, and writes the run's one immutable history record (syncswitch_airflow.history), failed runs
-included (they never count as evidence for the timing policy, but they are part of the job's story).
+It runs after report and teardown_cluster whatever happened (trigger rule ALL_DONE), so it sees the
+run's true outcome, which the report task (beside teardown) cannot: it marks state.json, corrects the
+report's status, and writes the run's one immutable history record (syncswitch_airflow.history), failed
+runs included (they never count as evidence for the timing policy, but they are part of the job's story).
+
+It is also the run's watcher (the idiom of Airflow's own system tests): as the DAG's only leaf that
+counts, it decides the DAG run's state, so once the outcome is recorded it fails when any other task
+failed, naming them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import time
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
 from syncswitch import usercode
 from syncswitch.costs import cost_headline, run_ledger
 from syncswitch.layout import RunLayout
@@ -38,7 +43,8 @@ class FinalizeRunOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
         run_id = run_key(context)
-        outcome = self._outcome(context)
+        failed = self._failed_tasks(context)
+        outcome = "failed" if failed else "success"
         layout = run_layout(job, run_id)
         state = read_state(layout)
         if state is not None:
@@ -68,14 +74,18 @@ class FinalizeRunOperator(BaseOperator):
             record["final_accuracy"],
             record["total_seconds"],
         )
+        if failed:
+            raise AirflowFailException(f"run {run_id} failed: {', '.join(failed)}")
         return record
 
-    def _outcome(self, context: Context) -> str:
-        """``failed`` if any other task of this run failed (or could not run because one did)."""
+    def _failed_tasks(self, context: Context) -> list[str]:
+        """The other tasks of this run that failed; those that could not run because one did only when
+        none failed itself (a task marked failed by hand leaves its downstream upstream_failed)."""
         ti = context["ti"]
         states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
         others = {task: state for task, state in states.items() if task != ti.task_id}
-        return "failed" if any(state in FAILED_STATES for state in others.values()) else "success"
+        failed = sorted(task for task, state in others.items() if state == "failed")
+        return failed or sorted(task for task, state in others.items() if state in FAILED_STATES)
 
     def _refresh_report(self, layout: RunLayout, outcome: str, state: dict[str, Any]) -> None:
         from syncswitch_airflow.report import refresh_status

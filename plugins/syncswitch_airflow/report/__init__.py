@@ -79,8 +79,8 @@ def refresh_status(
     """Set the run's final status (and, given its final state, its cluster events and bill) in an
     already written report (summary.json and index.html).
 
-    The report task runs before teardown, while the run is still going; the finalize task knows the
-    outcome and the final cost. Plots do not change, so only the two text files are rewritten. None if
+    The report task runs beside teardown, before the run's outcome is decided; the finalize task knows
+    the outcome and the final cost. Plots do not change, so only the two text files are rewritten. None if
     no report exists."""
     report_dir = RunLayout(run_dir).report
     summary = storage.read_json(join(report_dir, "summary.json"), default={}) or None
