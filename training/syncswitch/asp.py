@@ -18,6 +18,7 @@ exactly on target and checkpoints capture a drained state; an early stop rounds 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import statistics
 import threading
@@ -32,17 +33,12 @@ from syncswitch.events import EventWriter
 from syncswitch.spec import SegmentSpec
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
-    ChiefReporter,
     NodeContext,
     Schedule,
-    StepBook,
-    StopSignal,
+    SegmentSession,
     WorkerTimer,
     build_and_restore,
-    evaluate_if_asked,
     replica_step_fn,
-    save,
-    segment_start_event,
     steps_per_execution,
     steps_per_execution_event,
     timed_steps,
@@ -55,52 +51,34 @@ MAX_LOST_CLOSURES = 1000
 WATCHDOG_CLOSURE_MULTIPLE = 20
 
 
-def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
+def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     """The ParameterServerStrategy coordinator: schedules closures until the segment's target."""
     import tensorflow as tf
 
     # A worker killed mid-RPC can surface as an UnknownError "Graph execution error"; TF retries it
     # as a worker failure only when asked to (b/216666282 in cluster_coordinator.py).
     os.environ.setdefault("TF_PS_HANDLE_UNKNOWN_ERROR", "1")
-    closure_timing = ClosureTiming()
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    state, restored, signature = build_and_restore(ctx, strategy, problem)
-    spec, hp = ctx.spec, ctx.hp
-    batch, global_batch = hp.batch_size, spec.num_workers * hp.batch_size
-    start_samples, start_updates = restored["samples"], restored["updates"]
-    start_step = start_samples / global_batch
-    schedule = Schedule(spec, hp, start_step)
-    iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, start_samples)))
-    worker_steps = _compile_worker_steps(strategy, state, schedule, start_samples, batch, global_batch)
-
-    events = ctx.events()
-    stop_signal = StopSignal(ctx.layout.stop_request(spec.index))
-    reporter = ChiefReporter(ctx, events, global_batch, start_samples)
-    watchdog = Watchdog(ctx, events)
-    segment_start_event(ctx, events, start_step, schedule, restored)
-    loop = AspLoop(spec, batch, global_batch, start_samples)
-    book = StepBook(schedule, global_batch, reporter)
-    checkpoint_uri = restored["uri"]
-    timers = {w: WorkerTimer(events, w) for w in range(spec.num_workers)}
-    sizer = ClosureSizer(ctx, events, watchdog)
-
-    def checkpoint_now() -> str:  # only the coordinator writes under PSS
-        updates = start_updates + loop.done
-        return save(
-            ctx,
-            state,
-            signature,
-            samples=loop.done_samples,
-            updates=updates,
-            global_batch=global_batch,
-            events=events,
-        )
-
-    try:
+    training = build_and_restore(ctx, strategy, problem)
+    state, restored, _signature = training
+    spec, batch = ctx.spec, ctx.hp.batch_size
+    loop = AspLoop(spec, batch, spec.num_workers * batch, restored["samples"], restored["updates"])
+    schedule = Schedule(spec, ctx.hp, restored["samples"] / loop.global_batch)
+    iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, restored["samples"])))
+    worker_steps = _compile_worker_steps(
+        strategy, state, schedule, restored["samples"], batch, loop.global_batch
+    )
+    closure_timing = ClosureTiming()
+    with (
+        SegmentSession(ctx, training, schedule, loop.global_batch, reports=True) as session,
+        contextlib.closing(Watchdog(ctx, session.events)) as watchdog,
+    ):
+        timers = {w: WorkerTimer(session.events, w) for w in range(spec.num_workers)}
+        sizer = ClosureSizer(ctx, session.events, watchdog)
         while True:
-            if stop_signal.requested:
+            if session.stop_requested:
                 loop.request_stop()  # may finish the loop at once, when nothing is in flight
             if loop.finished:
                 break
@@ -116,37 +94,24 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any]:
             sizer.observe(records[:, 2])
             closure_timing.add(records[:, 2])
             watchdog.seen(worker)
-            book.after_steps(
+            session.book.after_steps(
                 records,
                 timers[worker],
                 samples=loop.done_samples,
-                updates=start_updates + loop.done,
+                updates=loop.updates,
                 samples_per_step=batch,
             )
             if loop.at_checkpoint_boundary():
-                checkpoint_uri = checkpoint_now()
+                session.checkpoint(samples=loop.done_samples, updates=loop.updates)
         coordinator.join()
-        if loop.done or checkpoint_uri is None:
-            checkpoint_uri = checkpoint_now()
         for timer in timers.values():
             timer.flush()
         ctx.finished_objects.extend([iterator, coordinator, strategy, state, worker_steps])
         stopped_early = loop.stopping and loop.done_samples < loop.until_samples
-        reason = (stop_signal.reason or "stop requested") if stopped_early else "reached until_step"
-        return reporter.finish(
-            samples=loop.done_samples,
-            updates=start_updates + loop.done,
-            stopped_early=stopped_early,
-            reason=reason,
-            checkpoint_uri=checkpoint_uri,
-            start_step=start_step,
-            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
-            extra={"closure_timing": closure_timing.summary()},
+        extra = {"closure_timing": closure_timing.summary()}
+        return session.finish(
+            samples=loop.done_samples, updates=loop.updates, stopped_early=stopped_early, extra=extra
         )
-    finally:
-        stop_signal.close()
-        watchdog.close()
-        events.close()
 
 
 def _dataset_fn(ctx: NodeContext, problem: Any, start_samples: int) -> Any:
@@ -270,9 +235,11 @@ class Closure:
 class AspLoop:
     """Book-keeping of scheduled and completed ASP closures, in optimizer updates."""
 
-    def __init__(self, spec: SegmentSpec, batch: int, global_batch: int, start_samples: int) -> None:
+    def __init__(
+        self, spec: SegmentSpec, batch: int, global_batch: int, start_samples: int, start_updates: int = 0
+    ) -> None:
         self.batch, self.global_batch = batch, global_batch
-        self.start_samples = start_samples
+        self.start_samples, self.start_updates = start_samples, start_updates
         self.until_samples = spec.until_step * global_batch
         self.limit = max((self.until_samples - start_samples) // batch, 0)
         self.ckpt_updates = spec.ckpt_frequency * spec.num_workers  # updates per checkpoint interval
@@ -291,6 +258,11 @@ class AspLoop:
     @property
     def done_samples(self) -> int:
         return self.start_samples + self.done * self.batch
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates of the whole job so far (the checkpoint's counter)."""
+        return self.start_updates + self.done
 
     def _next_boundary(self) -> int:
         """The update count no closure may cross: the target, or the next checkpoint."""

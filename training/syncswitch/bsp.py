@@ -11,6 +11,7 @@ its peers in the all-reduce, which singles out a straggler in lockstep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,17 +20,12 @@ from typing import Any
 from syncswitch.peers import PeerProbe, bsp_peers
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
-    ChiefReporter,
     NodeContext,
     Schedule,
-    StepBook,
-    StopSignal,
+    SegmentSession,
     WorkerTimer,
     build_and_restore,
-    evaluate_if_asked,
     replica_step_fn,
-    save,
-    segment_start_event,
     steps_per_execution,
     steps_per_execution_event,
     timed_steps,
@@ -47,42 +43,23 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         implementation=tf.distribute.experimental.CommunicationImplementation.RING
     )
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    state, restored, signature = build_and_restore(ctx, strategy, problem)
-    spec, hp = ctx.spec, ctx.hp
-    loop = BspLoop(spec, hp, restored["samples"], restored["updates"])
-    start_step = loop.samples / loop.global_batch
-    schedule = Schedule(spec, hp, start_step)
+    training = build_and_restore(ctx, strategy, problem)
+    state, restored, _signature = training
+    loop = BspLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
+    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch)
     iterator = iter(strategy.distribute_datasets_from_function(_dataset_fn(ctx, problem, loop.samples)))
     train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch)
-
-    events = ctx.events()
-    stop_signal = StopSignal(ctx.layout.stop_request(spec.index)) if ctx.is_chief else None
-    reporter = ChiefReporter(ctx, events, loop.global_batch, loop.samples) if ctx.is_chief else None
-    if ctx.is_chief:
-        segment_start_event(ctx, events, start_step, schedule, restored)
-    book = StepBook(schedule, loop.global_batch, reporter)
     # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
-    probe = PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)).start()
-    worker_timer = WorkerTimer(events, ctx.task, probe=probe)
-    stopped_early, checkpoint_uri = False, restored["uri"]
-
-    def checkpoint_now() -> str | None:  # the chief writes; the checkpoint holds local variables only
-        if not ctx.is_chief:
-            return None
-        return save(
-            ctx,
-            state,
-            signature,
-            samples=loop.samples,
-            updates=loop.updates,
-            global_batch=loop.global_batch,
-            events=events,
-        )
-
-    try:
+    peers = bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)
+    with (
+        SegmentSession(ctx, training, schedule, loop.global_batch, reports=ctx.is_chief) as session,
+        contextlib.closing(PeerProbe(peers).start()) as probe,
+    ):
+        timer = WorkerTimer(session.events, ctx.task, probe=probe)
+        stopped_early = False
         while not loop.finished:
             step, count = loop.step, loop.next_count()
-            vote = 1.0 if stop_signal is not None and stop_signal.requested else 0.0
+            vote = 1.0 if session.stop_requested else 0.0
             called = time.perf_counter()
             mine, totals = train_steps(
                 iterator,
@@ -92,43 +69,27 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 tf.constant(loop.last_wall, tf.float32),
             )
             stop, measured = loop.advance(count, totals.numpy(), time.perf_counter() - called)
-            if measured is not None and not hp.steps_per_execution and reporter is not None:
-                steps_per_execution_event(ctx, events, steps_per_execution(hp, measured), measured)
+            if measured is not None and not ctx.hp.steps_per_execution and session.reporter is not None:
+                steps_per_execution_event(
+                    ctx, session.events, steps_per_execution(ctx.hp, measured), measured
+                )
             # In lockstep every worker's step time is equal; its own share (the step minus the wait
             # for peers) is what singles out a straggler, whatever slows it.
-            book.after_steps(
+            session.book.after_steps(
                 mine.numpy(),
-                worker_timer,
+                timer,
                 samples=loop.samples,
                 updates=loop.updates,
                 samples_per_step=loop.global_batch,
             )
-            if stop:
+            if stop:  # any worker's vote: all of them stop after the same call
                 stopped_early = not loop.finished
                 break
             if loop.checkpoint_due:
-                checkpoint_uri = checkpoint_now()
-        if loop.samples != restored["samples"] or checkpoint_uri is None:
-            checkpoint_uri = checkpoint_now()
-        worker_timer.flush()
+                session.checkpoint(samples=loop.samples, updates=loop.updates)
+        timer.flush()
         ctx.finished_objects.extend([iterator, strategy, state, train_steps])
-        if reporter is None:
-            return None
-        stop_reason = stop_signal.reason if stop_signal and stop_signal.reason else "stop requested"
-        return reporter.finish(
-            samples=loop.samples,
-            updates=loop.updates,
-            stopped_early=stopped_early,
-            reason=stop_reason if stopped_early else "reached until_step",
-            checkpoint_uri=checkpoint_uri,
-            start_step=start_step,
-            evaluation=evaluate_if_asked(ctx, checkpoint_uri),
-        )
-    finally:
-        probe.close()
-        if stop_signal is not None:
-            stop_signal.close()
-        events.close()
+        return session.finish(samples=loop.samples, updates=loop.updates, stopped_early=stopped_early)
 
 
 def _dataset_fn(ctx: NodeContext, problem: Any, samples: int) -> Any:

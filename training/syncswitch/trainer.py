@@ -630,3 +630,80 @@ class StepBook:
             )
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {last_step:g}")
+
+
+class SegmentSession:
+    """What a segment's loop does besides stepping, the same under BSP and ASP: its events, the graceful
+    stop request, the step book, checkpoints and the segment's result. Only the node that reports (the
+    chief: BSP's worker 0, ASP's coordinator) watches for a stop request, writes checkpoints (they hold
+    local variables only) and returns a result; the others time their steps.
+
+    A context manager: leaving it closes the stop request's poller and the event writer."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        training: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+        schedule: Schedule,
+        global_batch: int,
+        *,
+        reports: bool,
+    ) -> None:
+        self.ctx, self.global_batch = ctx, global_batch
+        self.state, self.restored, self.signature = training
+        self.start_samples = self.restored["samples"]
+        self.start_step = self.start_samples / global_batch
+        self.checkpoint_uri: str | None = self.restored["uri"]
+        self.events = ctx.events()
+        self.stop_signal = StopSignal(ctx.layout.stop_request(ctx.spec.index)) if reports else None
+        self.reporter = ChiefReporter(ctx, self.events, global_batch, self.start_samples) if reports else None
+        self.book = StepBook(schedule, global_batch, self.reporter)
+        if reports:
+            segment_start_event(ctx, self.events, self.start_step, schedule, self.restored)
+
+    def __enter__(self) -> SegmentSession:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.stop_signal is not None:
+            self.stop_signal.close()
+        self.events.close()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop_signal is not None and self.stop_signal.requested
+
+    def checkpoint(self, *, samples: int, updates: int) -> None:
+        if self.reporter is not None:
+            self.checkpoint_uri = save(
+                self.ctx,
+                self.state,
+                self.signature,
+                samples=samples,
+                updates=updates,
+                global_batch=self.global_batch,
+                events=self.events,
+            )
+
+    def finish(
+        self, *, samples: int, updates: int, stopped_early: bool, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The segment's last checkpoint (unless nothing trained since the one it restored), then, on
+        the reporting node, its result (evaluated when the spec asks for it)."""
+        if samples != self.start_samples or self.checkpoint_uri is None:
+            self.checkpoint(samples=samples, updates=updates)
+        if self.reporter is None or self.checkpoint_uri is None:
+            return None
+        reason = "reached until_step"
+        if stopped_early:
+            reason = (self.stop_signal.reason if self.stop_signal else "") or "stop requested"
+        return self.reporter.finish(
+            samples=samples,
+            updates=updates,
+            stopped_early=stopped_early,
+            reason=reason,
+            checkpoint_uri=self.checkpoint_uri,
+            start_step=self.start_step,
+            evaluation=evaluate_if_asked(self.ctx, self.checkpoint_uri),
+            extra=extra,
+        )
