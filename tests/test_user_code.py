@@ -76,6 +76,32 @@ def hparams():
     return HParams(model="{name}_model", batch_size=8, extra={{"units": 4}})
 """
 
+# A model whose call branches in Python on a tensor's value: fine eagerly, not in a traced step.
+CONTROL_FLOW_MODEL = """
+import keras
+from syncswitch.hparams import HParams
+from syncswitch.registry import register_hparams, register_model
+
+class Gated(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+    def call(self, x, training=None):
+        if keras.ops.sum(x) > 0:
+            return self.dense(x)
+        return self.dense(-x)
+
+@register_model("control_pkg_model")
+def build(hp, problem):
+    model = Gated()
+    model(keras.ops.ones((1, 6)))
+    return model
+
+@register_hparams("control_pkg_hparams")
+def hparams():
+    return HParams(model="control_pkg_model", batch_size=8, extra={"units": 4})
+"""
+
 
 def write_package(root: Path, name: str, *, problem: str = "", model: str = "", **fields: str) -> Path:
     """A user package ``root/name`` with problem.py and model.py (defaults: the good ones)."""
@@ -228,6 +254,16 @@ def test_a_correct_user_package_passes_the_check(tmp_path: Path) -> None:
             {"input_width": "5"},
             r"^model: 'shape_pkg_model' \(.*shape_pkg/model\.py:6\): a forward and backward pass on one "
             r"batch failed: ValueError: .*expected axis -1 of input shape to have value 5",
+        ),
+        (
+            # Segments trace their step without AutoGraph (trainer.timed_steps): Python control flow
+            # on a tensor runs eagerly but not there, and the check traces as they do.
+            "control",
+            {"model": CONTROL_FLOW_MODEL},
+            r"^model: 'control_pkg_model' \(.*control_pkg/model\.py:11\): a forward and backward pass on "
+            r"one batch failed: OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a Python "
+            r"`bool` is not allowed. The training step is traced without AutoGraph: branch on a tensor "
+            r"with keras.ops.cond or keras.ops.where, not a Python if or while$",
         ),
         (
             "empty",

@@ -153,7 +153,7 @@ def _compile_worker_steps(
         loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
         return tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)])
 
-    @tf.function
+    @tf.function(autograph=False)  # see timed_steps
     def worker_steps(iterator: Any, closure: Any) -> Any:
         first, count = closure[0], tf.cast(closure[1], tf.int32)
 

@@ -123,7 +123,7 @@ def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedul
         local = [strategy.experimental_local_results(value)[0] for value in (loss, own, step)]
         return tf.stack([tf.cast(value, tf.float32) for value in local])
 
-    @tf.function
+    @tf.function(autograph=False)  # see timed_steps
     def train_steps(
         iterator: Any, first_step: Any, count: Any, stop_vote: Any, last_wall: Any
     ) -> tuple[Any, Any]:

@@ -122,8 +122,21 @@ def _forward_backward(
         shapes["loss"] = values.shape
         return tf.reduce_mean(values)
 
-    with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir, builder):
-        loss, grads, _state = flat.loss_and_gradients(features, labels, mean_loss)
+    # Traced as the segments trace their step (without AutoGraph): a model whose call needs Python
+    # control flow on tensors fails here, before anything is provisioned, and not on the cluster.
+    step = tf.function(lambda x, y: flat.loss_and_gradients(x, y, mean_loss), autograph=False)
+    try:
+        with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir, builder):
+            loss, grads, _state = step(features, labels)
+    except UserCodeError as err:
+        if not isinstance(err.__cause__, tf.errors.OperatorNotAllowedInGraphError):
+            raise
+        message = str(err).partition(": ")[2].partition(". ")[0]
+        raise UserCodeError(
+            "model",
+            f"{message}. The training step is traced without AutoGraph: branch on a tensor with "
+            "keras.ops.cond or keras.ops.where, not a Python if or while",
+        ) from err.__cause__
     if shapes["loss"].rank != 1:
         raise UserCodeError(
             "problem",

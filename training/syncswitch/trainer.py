@@ -176,17 +176,30 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
     """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
     timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
     (float64); ``run_step(x, y, lr, momentum, started)``: its record, [loss, own seconds, step
-    seconds] as float32. Returns the records, shape [count, 3]."""
+    seconds] as float32. Returns the records, shape [count, 3].
+
+    An explicit ``tf.while_loop``, so that the step functions are traced with ``autograph=False``:
+    AutoGraph rewrote the Python source of every function a step calls (ours, the model's layers,
+    the optimizer's) on each node at its first step, the largest share of the first step's tracing.
+    Keras 3 layers have no Python control flow on tensors (they also run under JAX), so nothing needs
+    it; a user model that does is refused before provisioning by the user-code check, which traces
+    its forward and backward pass the same way (syncswitch.check)."""
     import tensorflow as tf
 
-    records = tf.TensorArray(tf.float32, size=count)
-    for j in tf.range(count):
-        tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+    def step(j: Any, records: Any) -> tuple[Any, Any]:
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             x, y = next(iterator)
         lr, momentum = schedule.tensors(step_at(j))
-        records = records.write(j, run_step(x, y, lr, momentum, started))
+        return j + 1, records.write(j, run_step(x, y, lr, momentum, started))
+
+    # One step at a time (parallel_iterations=1): each step's timestamps are its own.
+    _, records = tf.while_loop(
+        lambda j, _records: j < count,
+        step,
+        (tf.constant(0), tf.TensorArray(tf.float32, size=count)),
+        parallel_iterations=1,
+    )
     return records.stack()
 
 
