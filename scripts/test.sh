@@ -15,7 +15,7 @@ uv run --frozen deptry training --config training/pyproject.toml
 uv run --frozen deptry plugins dags --config plugins/pyproject.toml
 # Two xdist workers by default, for CI's 2 cores (--dist loadgroup: tests/conftest.py keeps each file
 # on one worker and every test of the session's embedded Airflow on one, and queues the longest groups
-# first): 35 min from a clean clone here, where one process took 73 before the last cuts
+# first): 34-38 min from a clean clone here, where one process took 73 before the last cuts
 # (docs/benchmarks.md, "The whole suite again").
 # SYNCSWITCH_TEST_WORKERS=0 runs it in one process, in the files' order.
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.

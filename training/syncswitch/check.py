@@ -24,6 +24,10 @@ from syncswitch.errors import SpecError
 from syncswitch.usercode import UserCodeError
 
 CHECK_BATCH = 4  # a small batch: the check is about shapes and types, not speed
+NO_AUTOGRAPH = (
+    "The training step is traced without AutoGraph: branch on a tensor with keras.ops.cond or "
+    "keras.ops.where, not a Python if or while"
+)
 
 
 @contextmanager
@@ -125,18 +129,14 @@ def _forward_backward(
     # Traced as the segments trace their step (without AutoGraph): a model whose call needs Python
     # control flow on tensors fails here, before anything is provisioned, and not on the cluster.
     step = tf.function(lambda x, y: flat.loss_and_gradients(x, y, mean_loss), autograph=False)
-    try:
-        with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir, builder):
+    with _blame(f"model {job.model!r}", "a forward and backward pass on one batch", job.usr_dir, builder):
+        try:
             loss, grads, _state = step(features, labels)
-    except UserCodeError as err:
-        if not isinstance(err.__cause__, tf.errors.OperatorNotAllowedInGraphError):
-            raise
-        message = str(err).partition(": ")[2].partition(". ")[0]
-        raise UserCodeError(
-            "model",
-            f"{message}. The training step is traced without AutoGraph: branch on a tensor with "
-            "keras.ops.cond or keras.ops.where, not a Python if or while",
-        ) from err.__cause__
+        except tf.errors.OperatorNotAllowedInGraphError as exc:
+            # TensorFlow's own advice (add @tf.function, rely on AutoGraph) does not apply here: keep
+            # its first sentence and say what does. Same traceback, so the user's line is named.
+            sentence = str(exc).split(". ")[0]
+            raise type(exc)(f"{sentence}. {NO_AUTOGRAPH}").with_traceback(exc.__traceback__) from None
     if shapes["loss"].rank != 1:
         raise UserCodeError(
             "problem",
