@@ -54,6 +54,11 @@ from syncswitch_airflow.tools.embedded import EmbeddedAirflow  # noqa: E402
 DB_USER = "airflow"
 DB_NAME = "airflow"
 WORKER_CONCURRENCY = 4
+# Airflow requeues a task queued this long (seconds; default 600), checked this often (default 120).
+QUEUED_TASK_SETTINGS = {
+    "SCHEDULER__TASK_QUEUED_TIMEOUT": "120",
+    "SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "15",
+}
 WORKER_READY_S = 180.0
 AIRFLOW_BOOT_S = 900.0
 SERVICE_READY_S = 30.0
@@ -208,6 +213,10 @@ class CeleryDeployment:
             "CORE__EXECUTION_API_SERVER_URL": f"http://{self.gateway}:{self.api_port}/execution/",
             # A task instance's host is its worker's address: the api-server fetches its log from there.
             "CORE__HOSTNAME_CALLABLE": "airflow.utils.net.get_host_ip_address",
+            # A worker lost with a task it had taken from the broker but not started leaves that task
+            # queued (its message unacknowledged in Redis for the 6 h visibility timeout); the
+            # scheduler requeues it after this long, instead of 10 minutes.
+            **QUEUED_TASK_SETTINGS,
             **self.extra_settings,
         }
 

@@ -69,6 +69,28 @@ def wait_run(airflow: EmbeddedAirflow, run_id: str, timeout: float = 900) -> str
     return airflow.api.wait(DAG_ID, run_id, timeout=timeout)
 
 
+class TaskTimeline:
+    """An ``on_poll`` for ``AirflowApi.wait`` that keeps (and prints) every change of the run's and
+    its tasks' states with the time it was seen: when a run under faults does not end, the failure
+    says where it stood and since when."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._seen: dict[str, str | None] = {}
+        self.changes: list[str] = []
+
+    def __call__(self, state: str, tasks: dict[str, str | None]) -> None:
+        for name, now in {"(run)": state, **tasks}.items():
+            if self._seen.get(name, "") != now:
+                self._seen[name] = now
+                line = f"{time.monotonic() - self._start:6.0f} s {time.strftime('%H:%M:%S')} {name}: {now}"
+                self.changes.append(line)
+                print(line, flush=True)
+
+    def __str__(self) -> str:
+        return "\n".join(self.changes)
+
+
 def segment_starts(layout: RunLayout) -> dict[int, int]:
     """How many times each segment was started (its segment_start events): 1 = never relaunched."""
     counts: dict[int, int] = {}
@@ -128,12 +150,14 @@ class DuringRun:
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.waiting_for = ""  # what the script waits for now, for a failure's message
 
     def start(self) -> DuringRun:
         self._thread.start()
         return self
 
     def wait(self, predicate: Callable[[], bool], what: str) -> None:
+        self.waiting_for = f"{what} (since {time.strftime('%H:%M:%S')})"
         while not self._stop.is_set():
             if predicate():
                 return

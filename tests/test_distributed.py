@@ -22,7 +22,14 @@ from urllib.parse import quote
 
 import pytest
 import testbed as tb
-from airflow_runs import DuringRun, checkpoint_step, component_pid, segment_starts, wait_for_restart
+from airflow_runs import (
+    DuringRun,
+    TaskTimeline,
+    checkpoint_step,
+    component_pid,
+    segment_starts,
+    wait_for_restart,
+)
 from celery_deployment import CeleryDeployment, missing_prerequisites
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
@@ -40,7 +47,7 @@ from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.local import deployment_refusal
-from syncswitch_airflow.tools.airflow_api import AirflowUnavailable
+from syncswitch_airflow.tools.airflow_api import AirflowError, AirflowUnavailable
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster, pytest.mark.airflow]
 
@@ -132,6 +139,10 @@ def deployment(
         # (and only then failed for their missing heartbeats) at its next orphan check: every 300 s by
         # default, most of this file's time.
         "SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "15",
+        # A lost worker may take a task it had received but not started (the online segment's
+        # watcher, queued beside its launch): requeued after a minute.
+        "SCHEDULER__TASK_QUEUED_TIMEOUT": "60",
+        "SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "10",
     }
     with CeleryDeployment(
         tmp_path_factory.mktemp("celery"), bed, gcs, workers=2, settings=own, local_settings=QUEUE_POLICY
@@ -224,7 +235,8 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
        segment goes on untouched; the worker comes back as a new machine, with an empty disk;
     2. worker 1 is lost while it launches the online ASP segment (the task runs): Airflow fails that
        try once its heartbeat is missed, and the retry runs on a replacement worker on another
-       machine, which finds the segment running (or launches it) and follows it;
+       machine, which finds the segment running (or launches it) and follows it; a task the lost worker
+       had received but not started (the segment's watcher, at times) is requeued by the scheduler;
     3. PostgreSQL is restarted while that happens;
     4. the scheduler is killed while segment 2 trains (its supervisor starts it again).
     The run succeeds, each segment is started once (no training lost or repeated), and nothing of
@@ -280,9 +292,13 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
         os.kill(scheduler, signal.SIGKILL)
         wait_for_restart(deployment.airflow, "scheduler", scheduler)
 
-    during = DuringRun(faults).start()
+    during, timeline = DuringRun(faults).start(), TaskTimeline()
     try:
-        state = api.wait("sync_switch", run_id, timeout=1800)
+        # Under pytest-timeout's 900 s with the deployment's start: a run that does not end fails
+        # with where it stood rather than with the stack of this wait.
+        state = api.wait("sync_switch", run_id, timeout=660, on_poll=timeline)
+    except AirflowError as exc:
+        pytest.fail(f"{exc}; the faults script waited for: {during.waiting_for}\n{timeline}")
     finally:
         during.stop()
     tis = task_instances(deployment, run_id)
