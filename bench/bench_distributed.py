@@ -1,6 +1,7 @@
 """The pipeline on the Celery deployment against the embedded default, and concurrent runs (issue 19).
 
-    sudo .venv/bin/python bench/bench_distributed.py          # ~20 minutes on 2 cores
+    sudo .venv/bin/python bench/bench_distributed.py                    # ~20 minutes on 2 cores
+    sudo .venv/bin/python bench/bench_distributed.py --only-concurrent  # part 2 alone
 
 Side by side in one run, on one testbed and one GCS emulator:
 
@@ -11,7 +12,8 @@ Side by side in one run, on one testbed and one GCS emulator:
    trains (PostgreSQL and Redis counted on the Celery side);
 2. on the Celery deployment, four runs triggered at once with room for two clusters
    (``hosts_clusters=2``) on two sets of training hosts (runs 0 and 2 name set A, 1 and 3 set B): each
-   run's wait from its trigger to its cluster, and a check that no host was in two clusters at once.
+   run's wait from its trigger to its cluster's lease, and, from the capacity ledger itself (polled
+   every 0.5 s), that no host was in two leases at once and how many clusters were held at once.
 """
 
 from __future__ import annotations
@@ -107,51 +109,78 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
     }
 
 
-def concurrent_runs(deployment: Any, bucket: str, sets: list[list[str]], steps: int) -> list[dict[str, Any]]:
-    """Four runs at once, alternating two host sets; each run's wait from its trigger to its cluster,
-    and its cluster's lifetime (cluster recorded to run finished) for the overlap check. The
-    sync_switch DAG runs one run at a time (``max_active_runs=1`` in dags/sync_switch.py), so today
-    the four queue behind each other there before the capacity ledger is asked (missing: a DAG or
-    backfill with more active runs, and host pools for one job's runs)."""
-    from syncswitch.layout import RunLayout
-    from syncswitch.state import read_state
+class LedgerWatch:
+    """Polls the deployment's capacity ledger (a bucket object) from a thread: for each run, when its
+    lease was first and last seen and the hosts it named, and every moment two leases named one host.
+    The clusters' real holding times, not inferred from task dates (provision_cluster runs beside
+    plan, so the run's state is created before its cluster is held)."""
+
+    def __init__(self, ledger: str, poll_seconds: float = 0.5) -> None:
+        import threading
+
+        self.ledger, self.poll_seconds = ledger, poll_seconds
+        self.held: dict[str, dict[str, Any]] = {}
+        self.shared: list[tuple[str, str, str]] = []  # (host, run, run) seen in one snapshot
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LedgerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        from syncswitch import storage
+
+        while not self._stop.is_set():
+            now = time.time()
+            leases = (storage.read_json(self.ledger, default=None) or {}).get("leases", {})
+            owners: dict[str, str] = {}
+            for run, lease in leases.items():
+                seen = self.held.setdefault(run, {"from": now, "hosts": set(lease.get("hosts", []))})
+                seen["to"] = now
+                for host in lease.get("hosts", []):
+                    if host in owners:
+                        self.shared.append((host, owners[host], run))
+                    owners[host] = run
+            self._stop.wait(self.poll_seconds)
+
+
+def concurrent_runs(
+    deployment: Any, bucket: str, sets: list[list[str]], steps: int
+) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]:
+    """Four runs at once, alternating two host sets, with room for two clusters: each run's wait from
+    its trigger to its cluster's lease; every host the ledger ever showed in two leases at once; the
+    most leases held at once (2 when the ledger is what queues the runs)."""
+    from syncswitch.layout import safe_run_id
 
     api = deployment.airflow.api
     runs, triggered = [], {}
-    for i in range(4):
-        job_conf = conf(bucket, f"conc{i}", sets[i % 2], steps)
-        job_conf["train_steps"] = [steps, 100, 100]
-        triggered[i] = time.time()
-        runs.append((i, sets[i % 2], api.trigger("sync_switch", job_conf)))
+    with LedgerWatch(f"{bucket}/_leases/hosts.json") as watch:
+        for i in range(4):
+            job_conf = conf(bucket, f"conc{i}", sets[i % 2], steps)
+            job_conf["train_steps"] = [steps, 100, 100]
+            triggered[i] = time.time()
+            runs.append((i, api.trigger("sync_switch", job_conf)))
+        states = {i: api.wait("sync_switch", run_id, timeout=3600) for i, run_id in runs}
     rows = []
-    for i, hosts, run_id in runs:
-        state = api.wait("sync_switch", run_id, timeout=3600)
-        run_state = read_state(RunLayout.for_run(f"{bucket}/runs", f"conc{i}", run_id)) or {}
-        timings = run_state.get("timings", {})
-        # The run's state is created by its plan task, right after its cluster was provisioned.
-        held_from, held_to = timings.get("created", 0.0), timings.get("finished", 0.0)
+    for i, run_id in runs:
+        held = watch.held.get(safe_run_id(run_id))  # a lease is named by its run folder
         rows.append(
             {
                 "run": i,
                 "hosts": "A" if i % 2 == 0 else "B",
-                "state": state,
-                "queued": held_from - triggered[i],
-                "held": (held_from, held_to),
-                "addresses": {h.split(",")[0] for h in hosts},
+                "state": states[i],
+                "queued": held["from"] - triggered[i] if held else float("nan"),
+                "held": held["to"] - held["from"] if held else float("nan"),
             }
         )
-    return rows
-
-
-def overlaps(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Pairs of runs whose clusters shared a host while both were held."""
-    found = []
-    for a in rows:
-        for b in rows:
-            shared = a["run"] < b["run"] and a["addresses"] & b["addresses"]
-            if shared and a["held"][0] < b["held"][1] and b["held"][0] < a["held"][1]:
-                found.append((a["run"], b["run"]))
-    return found
+    windows = [(h["from"], h["to"]) for h in watch.held.values()]
+    most = max((sum(1 for a, b in windows if a <= t <= b) for t, _ in windows), default=0)
+    return rows, watch.shared, most
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-segment-steps", type=int, default=2000)
     p.add_argument("--sample-seconds", type=float, default=20.0)
     p.add_argument("--concurrent-steps", type=int, default=200)
+    p.add_argument("--only-concurrent", action="store_true", help="skip part 1 (the side-by-side job)")
     args = p.parse_args(argv)
     reason = missing_prerequisites()
     if reason:
@@ -189,29 +219,31 @@ def main(argv: list[str] | None = None) -> int:
         set_b = host_params(bed, bed.hosts[WORKER_HOSTS + 3 :], key)
         shared = {"SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases", "SYNCSWITCH__HOSTS_CLUSTERS": "2"}
 
-        embedded = EmbeddedAirflow(PROJECT_DIR, home=work / "embedded", port=0, settings=shared)
-        log("embedded Airflow: starting")
-        embedded.start()
-        try:
-            results["embedded (SQLite, LocalExecutor)"] = one_job(
-                "embedded",
-                embedded,
-                conf(bucket, "embedded", set_a, args.first_segment_steps),
-                args.sample_seconds,
-                None,
-            )
-        finally:
-            embedded.stop()
+        if not args.only_concurrent:
+            embedded = EmbeddedAirflow(PROJECT_DIR, home=work / "embedded", port=0, settings=shared)
+            log("embedded Airflow: starting")
+            embedded.start()
+            try:
+                results["embedded (SQLite, LocalExecutor)"] = one_job(
+                    "embedded",
+                    embedded,
+                    conf(bucket, "embedded", set_a, args.first_segment_steps),
+                    args.sample_seconds,
+                    None,
+                )
+            finally:
+                embedded.stop()
 
         log("Celery deployment: starting")
         with CeleryDeployment(work / "celery", bed, gcs, WORKER_HOSTS, settings=shared) as deployment:
-            results["Celery (PostgreSQL, Redis, 2 workers)"] = one_job(
-                "celery",
-                deployment.airflow,
-                conf(bucket, "celery", set_a, args.first_segment_steps),
-                args.sample_seconds,
-                str(deployment.root),
-            )
+            if not args.only_concurrent:
+                results["Celery (PostgreSQL, Redis, 2 workers)"] = one_job(
+                    "celery",
+                    deployment.airflow,
+                    conf(bucket, "celery", set_a, args.first_segment_steps),
+                    args.sample_seconds,
+                    str(deployment.root),
+                )
             log("Celery deployment: four runs at once, room for two clusters")
             concurrent = concurrent_runs(deployment, bucket, [set_a, set_b], args.concurrent_steps)
     except BenchError as exc:
@@ -224,43 +256,49 @@ def main(argv: list[str] | None = None) -> int:
     print("# bench_distributed: the embedded Airflow against the Celery deployment, hosts backend, '101'")
     print(f"machine: {machine}")
     print()
-    headers = [
-        "Airflow",
-        "trigger to first step (s)",
-        "last step to run end (s)",
-        "switch gaps (s)",
-        "Airflow CPU while BSP trains (cores)",
-    ]
-    rows = [
-        [
-            name,
-            fmt(r["to_first_step"], 1),
-            fmt(r["after_last_step"], 1),
-            " ".join(fmt(g, 1) for g in r["gaps"]),
-            fmt(r["cpu"], 3),
+    if results:  # part 1 ran
+        headers = [
+            "Airflow",
+            "trigger to first step (s)",
+            "last step to run end (s)",
+            "switch gaps (s)",
+            "Airflow CPU while BSP trains (cores)",
         ]
-        for name, r in results.items()
-    ]
-    print(markdown_table(headers, rows))
-    print()
-    overhead = {name: r["to_first_step"] + r["after_last_step"] for name, r in results.items()}
-    mean_gap = {name: sum(r["gaps"]) / max(len(r["gaps"]), 1) for name, r in results.items()}
-    (base, celery) = results
-    print(
-        f"Celery / embedded: fixed overhead x{fmt(overhead[celery] / overhead[base], 2)}, "
-        f"mean switch gap x{fmt(mean_gap[celery] / mean_gap[base], 2)}"
-    )
-    print()
+        rows = [
+            [
+                name,
+                fmt(r["to_first_step"], 1),
+                fmt(r["after_last_step"], 1),
+                " ".join(fmt(g, 1) for g in r["gaps"]),
+                fmt(r["cpu"], 3),
+            ]
+            for name, r in results.items()
+        ]
+        print(markdown_table(headers, rows))
+        print()
+        overhead = {name: r["to_first_step"] + r["after_last_step"] for name, r in results.items()}
+        mean_gap = {name: sum(r["gaps"]) / max(len(r["gaps"]), 1) for name, r in results.items()}
+        (base, celery) = results
+        print(
+            f"Celery / embedded: fixed overhead x{fmt(overhead[celery] / overhead[base], 2)}, "
+            f"mean switch gap x{fmt(mean_gap[celery] / mean_gap[base], 2)}"
+        )
+        print()
+    runs, shared_hosts, most = concurrent
     print(
         markdown_table(
-            ["run", "host set", "state", "waited for its cluster (s)"],
-            [[str(r["run"]), r["hosts"], r["state"], fmt(r["queued"], 1)] for r in concurrent],
+            ["run", "host set", "state", "waited for its cluster (s)", "held its cluster (s)"],
+            [[str(r["run"]), r["hosts"], r["state"], fmt(r["queued"], 1), fmt(r["held"], 1)] for r in runs],
         )
     )
-    shared_hosts = overlaps(concurrent)
     print()
-    print("no host in two clusters at once" if not shared_hosts else f"HOSTS SHARED by runs {shared_hosts}")
-    return 0 if not shared_hosts and all(r["state"] == "success" for r in concurrent) else 1
+    print(f"most clusters held at once: {most} (room for 2)")
+    print(
+        "no host in two clusters at once"
+        if not shared_hosts
+        else f"HOSTS SHARED (host, run, run): {sorted(set(shared_hosts))}"
+    )
+    return 0 if not shared_hosts and all(r["state"] == "success" for r in runs) else 1
 
 
 if __name__ == "__main__":

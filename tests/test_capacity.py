@@ -7,6 +7,7 @@ or one host twice. These tests run it on local files and on the real GCS emulato
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -55,6 +56,26 @@ def test_a_host_is_never_in_two_clusters_whatever_the_capacity(tmp_path: Path) -
     assert capacity.holders() == ["r2", "r3"]
 
 
+def test_a_pool_of_hosts_gives_each_run_its_own_free_ones_and_a_retry_the_same(tmp_path: Path) -> None:
+    """``hosts_per_cluster``: the job's six hosts are a pool, each run takes three free ones in order."""
+    capacity = ClusterCapacity(tmp_path / "hosts.json", 5, setting="hosts_clusters", what="hosts")
+    pool = tuple(f"10.0.0.{i}" for i in range(6))
+    assert capacity.claim("r1", hosts=pool, need=3, run_dir=str(tmp_path / "r1")) == pool[:3]
+    assert capacity.claim("r2", hosts=pool, need=3, run_dir=str(tmp_path / "r2")) == pool[3:]
+    assert capacity.claim("r1", hosts=pool, need=3, run_dir=str(tmp_path / "r1")) == pool[:3]  # a retry
+    assert not capacity.has_free_slot(pool, need=1)
+    with pytest.raises(
+        ClusterBusy, match=r"0 of the pool's 6 host\(s\) are free, 3 needed; held: 10\.0\.0\.0 \(run r1\)"
+    ) as busy:
+        capacity.claim("r3", hosts=pool, need=3, run_dir=str(tmp_path / "r3"))
+    assert (busy.value.hosts, busy.value.need) == (pool, 3)  # what its deferred wait watches
+    capacity.release("r1")
+    assert capacity.has_free_slot(pool, need=3) and not capacity.has_free_slot(pool, need=4)
+    assert capacity.claim("r3", hosts=pool, need=3, run_dir=str(tmp_path / "r3")) == pool[:3]
+    # Without a pool, a run needs every host it names.
+    assert not capacity.acquire("r4", hosts=(pool[0], "10.0.0.9"), run_dir=str(tmp_path / "r4"))
+
+
 def test_a_full_ledger_names_the_holders_and_the_setting(tmp_path: Path) -> None:
     capacity = ClusterCapacity(tmp_path / "gce.json", 1, setting="gce_clusters", what="gce")
     capacity.claim("r1", run_dir=str(tmp_path / "r1"))
@@ -88,6 +109,31 @@ def test_workers_provisioning_at_the_same_moment_on_a_bucket_ledger_never_share_
     assert capacity.holders() == winners  # the ledger holds exactly those who were told yes
     # Four hosts in pairs: at most two disjoint clusters.
     assert len(winners) == 2
+
+
+def test_runs_of_one_job_taking_from_a_pool_at_the_same_moment_never_share_a_host(gcs_bucket: str) -> None:
+    """Eight provisioning tasks of one job (a backfill on eight Airflow workers) take two hosts each
+    from the same pool of seven, at the same instant, with room for five clusters: three win."""
+    capacity = ClusterCapacity(f"{gcs_bucket}/_leases/pool.json", 5, what="hosts")
+    pool = tuple(f"10.0.1.{i}" for i in range(7))
+    runs = [f"b{i}" for i in range(8)]
+    start = threading.Barrier(len(runs))
+    held: dict[str, tuple[str, ...]] = {}
+
+    def provision(run: str) -> None:
+        start.wait()
+        with contextlib.suppress(ClusterBusy):
+            held[run] = capacity.claim(run, hosts=pool, need=2, run_dir=f"{gcs_bucket}/job/{run}")
+
+    threads = [threading.Thread(target=provision, args=(run,)) for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    taken = [host for hosts in held.values() for host in hosts]
+    assert len(held) == 3 and all(len(hosts) == 2 for hosts in held.values()), held
+    assert len(taken) == len(set(taken)), f"a host in two clusters: {held}"
+    assert capacity.holders() == sorted(held)
 
 
 def test_a_hosts_lease_is_freed_when_its_run_has_finished_or_never_recorded_a_cluster(

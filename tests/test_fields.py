@@ -36,6 +36,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "bucket_dir": ("gs://bucket/runs", ["gs://bucket/runs"], {}),
     "cluster_backend": ("hosts", ["hosts"], {"hosts": HOSTS, "bucket_dir": "gs://b/r"}),
     "hosts": (HOSTS, HOSTS, {"cluster_backend": "hosts", "bucket_dir": "gs://b/r"}),
+    "hosts_per_cluster": (1, ["1"], {"cluster_backend": "hosts", "hosts": HOSTS, "bucket_dir": "gs://b/r"}),
     "gce": (
         {"project": "sync-proj-1", "zones": ["us-central1-a"]},
         ["project=sync-proj-1;zones=us-central1-a"],

@@ -139,6 +139,17 @@ HOSTS = {"cluster_backend": "hosts", "bucket_dir": "gs://b/runs"}
             "hosts",
             "is also host 0",
         ),
+        ({"hosts_per_cluster": 2}, "hosts_per_cluster", "only for cluster_backend 'hosts'"),
+        (
+            {**HOSTS, "hosts": ["address=10.0.0.2,key=/k"], "hosts_per_cluster": 2},
+            "hosts_per_cluster",
+            "2 of 1 host(s): at most the number of hosts listed",
+        ),
+        (
+            {**HOSTS, "hosts": ["address=10.0.0.2,key=/k"], "hosts_per_cluster": -1},
+            "hosts_per_cluster",
+            ">= 0",
+        ),
     ],
 )
 def test_bad_host_specs_are_rejected_naming_the_field(params: dict, field: str, words: str) -> None:

@@ -237,6 +237,15 @@ FIELDS: tuple[Field, ...] = (
         metavar="address=10.0.0.2,key=/path/to/key[,role=worker] | conn=ssh_conn_id[,role=worker]",
     ),
     Field(
+        "hosts_per_cluster",
+        "integer",
+        "Hosts per cluster",
+        "cluster_backend hosts: how many of the hosts a run's cluster takes; 0 = all of them. Fewer than "
+        "listed makes the hosts a pool: each run takes free ones, in order, from the deployment's "
+        "capacity ledger, so runs of one job (a backfill, a sweep) train at once on different hosts.",
+        minimum=0,
+    ),
+    Field(
         "gce",
         "object",
         "Compute Engine",

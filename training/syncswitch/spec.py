@@ -250,6 +250,7 @@ class JobSpec:
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
+    hosts_per_cluster: int = 0  # of ``hosts``, a run takes this many free ones (0: all)
     gce: GceSpec | None = None  # cluster_backend "gce": the VMs to create (syncswitch.gce)
     momentum_rule: str = "ramped"
     momentum_ramp_steps: int = 50
@@ -289,22 +290,11 @@ class JobSpec:
         values["hparams"] = _str_list("hparams", values["hparams"])
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
         values["hosts"] = parse_hosts(values["hosts"])
-        for name in (
-            "total_steps",
-            "num_workers",
-            "num_ps",
-            "momentum_ramp_steps",
-            "max_online_switches",
-            "seed",
-            "timing_repeats",
-            "timing_refine",
-        ):
-            values[name] = _int(name, values[name])
+        scalar_parsers = {"integer": _int, "number": _float, "boolean": _bool}
+        for field in FIELDS:  # each scalar by its type in the one table
+            if field.type in scalar_parsers:
+                values[field.name] = scalar_parsers[field.type](field.name, values[field.name])
         values["gce"] = GceSpec.parse(values["gce"], max(values["num_workers"], 1))
-        for name in ("bsp_fraction", "stall_seconds", "timing_tolerance", "timing_floor"):
-            values[name] = _float(name, values[name])
-        for name in ("pin_cores", "evaluate_segments", "evaluate_checkpoints"):
-            values[name] = _bool(name, values[name])
         for field in FIELDS:  # each field's bounds and accepted values, from the one table
             field.check(values[field.name])
         spec = cls(**values)
@@ -404,10 +394,19 @@ class JobSpec:
         for name, value in (("hosts", self.hosts), ("gce", self.gce)):
             if value and backend != name:
                 raise SpecError(name, f"only for cluster_backend {name!r} (this job's is {backend!r})")
+        if self.hosts_per_cluster and backend != "hosts":
+            raise SpecError(
+                "hosts_per_cluster", f"only for cluster_backend 'hosts' (this job's is {backend!r})"
+            )
         if backend == "local":
             return
         if self.cluster_backend == "hosts" and not self.hosts:
             raise SpecError("hosts", "cluster_backend 'hosts' needs at least one host (address=..., key=...)")
+        if self.hosts_per_cluster > len(self.hosts):
+            raise SpecError(
+                "hosts_per_cluster",
+                f"{self.hosts_per_cluster} of {len(self.hosts)} host(s): at most the number of hosts listed",
+            )
         if self.cluster_backend == "gce" and not self.gce:
             raise SpecError("gce", "cluster_backend 'gce' needs the gce param (project=...;zones=...)")
         if not self.bucket_dir.startswith("gs://"):

@@ -52,11 +52,13 @@ class ClusterError(RuntimeError):
 
 class ClusterBusy(ClusterError):
     """Every cluster slot of the backend is taken, or a host the run needs is held by another
-    cluster; provisioning waits (deferred) until ``has_free_slot(hosts)``."""
+    cluster (of a pool: fewer than ``need`` are free); provisioning waits (deferred) until
+    ``has_free_slot(hosts, need)``."""
 
-    def __init__(self, message: str, hosts: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, hosts: tuple[str, ...] = (), need: int | None = None) -> None:
         super().__init__(message)
         self.hosts = tuple(hosts)
+        self.need = need
 
 
 @dataclass(frozen=True)
@@ -122,47 +124,79 @@ class ClusterCapacity:
         """``backend``'s ledger, with the capacity that ``[syncswitch] <setting>`` sets."""
         return cls(leases_uri(backend), settings.get_int(setting), cluster_gone, setting, backend)
 
-    def acquire(self, run: str, cluster_dir: str = "", hosts: tuple[str, ...] = (), **where: str) -> bool:
+    def acquire(
+        self,
+        run: str,
+        cluster_dir: str = "",
+        hosts: tuple[str, ...] = (),
+        need: int | None = None,
+        **where: str,
+    ) -> bool:
         """Take a slot for ``run`` (True; also when it holds one already), or False if every slot is
-        taken or another run holds one of ``hosts``. ``where``: more of what finds the cluster again
-        (``run_dir``), kept in the lease for ``cluster_gone``."""
-        return self._take(run, {"cluster_dir": cluster_dir, "hosts": list(hosts), **where}) == ""
+        taken or too few of ``hosts`` are free (see ``claim``). ``where``: more of what finds the
+        cluster again (``run_dir``), kept in the lease for ``cluster_gone``."""
+        taken, _ = self._take(run, hosts, need, {"cluster_dir": cluster_dir, **where})
+        return taken is not None
 
-    def claim(self, run: str, cluster_dir: str = "", hosts: tuple[str, ...] = (), **where: str) -> None:
-        """``acquire``, or ClusterBusy naming who holds the slots or the hosts, and the setting."""
-        refused = self._take(run, {"cluster_dir": cluster_dir, "hosts": list(hosts), **where})
-        if not refused:
-            return
+    def claim(
+        self,
+        run: str,
+        cluster_dir: str = "",
+        hosts: tuple[str, ...] = (),
+        need: int | None = None,
+        **where: str,
+    ) -> tuple[str, ...]:
+        """The hosts ``run`` now holds, or ClusterBusy naming who holds the slots or the hosts, and the
+        setting. ``need`` None: every one of ``hosts``; a number: that many of them, the first free
+        ones in their order (a pool that several runs of one job share). A run that already holds a
+        lease gets the same hosts again (a retried provisioning task)."""
+        taken, refused = self._take(run, hosts, need, {"cluster_dir": cluster_dir, **where})
+        if taken is not None:
+            return taken
         if self.setting is not None and refused.startswith("all "):
             env = settings.setting(self.setting).env
             refused += f"; [{settings.SECTION}] {self.setting} (or ${env}) sets how many run at once"
-        raise ClusterBusy(refused, hosts)
+        raise ClusterBusy(refused, hosts, need)
 
-    def _take(self, run: str, lease: dict[str, Any]) -> str:
-        """Take the lease; "" when taken, else why not."""
+    def _take(
+        self, run: str, hosts: tuple[str, ...], need: int | None, lease: dict[str, Any]
+    ) -> tuple[tuple[str, ...] | None, str]:
+        """(the hosts taken, "") or (None, why not)."""
         gone = self._gone()
-        refused = ""
+        outcome: tuple[tuple[str, ...] | None, str] = (None, "")
 
         def take(ledger: dict[str, Any]) -> None:
-            nonlocal refused
+            nonlocal outcome
             leases = _drop(ledger.setdefault("leases", {}), gone)
-            refused = "" if run in leases else self._refusal(leases, lease["hosts"])
-            if not refused and run not in leases:
-                leases[run] = {
-                    **lease,
-                    "run": run,
-                    "holder": socket.gethostname(),
-                    "acquired_at": time.time(),
-                }
+            if run in leases:
+                outcome = (tuple(leases[run].get("hosts", [])), "")
+                return
+            refused = self._refusal(leases, list(hosts), need)
+            if refused:
+                outcome = (None, refused)
+                return
+            chosen = _free_hosts(leases, list(hosts))[: len(hosts) if need is None else need]
+            leases[run] = {
+                **lease,
+                "hosts": chosen,
+                "run": run,
+                "holder": socket.gethostname(),
+                "acquired_at": time.time(),
+            }
+            outcome = (tuple(chosen), "")
 
         storage.update_json(self.ledger, take)
-        return refused
+        return outcome
 
-    def _refusal(self, leases: dict[str, dict[str, Any]], hosts: list[str]) -> str:
-        shared = {h: r for r, lease in leases.items() for h in lease.get("hosts", []) if h in hosts}
-        if shared:
-            return "host(s) held by another cluster: " + ", ".join(
-                f"{h} (run {r})" for h, r in shared.items()
+    def _refusal(self, leases: dict[str, dict[str, Any]], hosts: list[str], need: int | None) -> str:
+        held = {h: r for r, lease in leases.items() for h in lease.get("hosts", []) if h in hosts}
+        held_text = ", ".join(f"{h} (run {r})" for h, r in held.items())
+        if need is None and held:
+            return "host(s) held by another cluster: " + held_text
+        if need is not None and len(hosts) - len(held) < need:
+            return (
+                f"{len(hosts) - len(held)} of the pool's {len(hosts)} host(s) are free, {need} needed; "
+                f"held: {held_text}"
             )
         if len(leases) >= self.capacity:
             what = f"{self.what} " if self.what else ""
@@ -176,12 +210,13 @@ class ClusterCapacity:
     def held_by(self, run: str) -> bool:
         return run in self._leases()
 
-    def has_free_slot(self, hosts: tuple[str, ...] = ()) -> bool:
-        """Whether ``acquire`` with ``hosts`` would succeed now (frees the leases of gone clusters)."""
+    def has_free_slot(self, hosts: tuple[str, ...] = (), need: int | None = None) -> bool:
+        """Whether ``acquire`` with ``hosts`` and ``need`` would succeed now (frees the leases of gone
+        clusters)."""
         gone = self._gone()
         if gone:
             storage.update_json(self.ledger, lambda ledger: _drop(ledger.setdefault("leases", {}), gone))
-        return not self._refusal(_drop(self._leases(), gone), list(hosts))
+        return not self._refusal(_drop(self._leases(), gone), list(hosts), need)
 
     def holders(self) -> list[str]:
         return sorted(self._leases())
@@ -209,6 +244,11 @@ def run_cluster_gone(lease: dict[str, Any]) -> bool:
     if state.get("cluster"):
         return bool(state.get("timings", {}).get("finished"))
     return time.time() - float(lease.get("acquired_at", 0)) > PROVISIONING_SECONDS
+
+
+def _free_hosts(leases: dict[str, dict[str, Any]], hosts: list[str]) -> list[str]:
+    held = {h for lease in leases.values() for h in lease.get("hosts", [])}
+    return [h for h in hosts if h not in held]
 
 
 def _drop(leases: dict[str, dict[str, Any]], gone: dict[str, float]) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,8 @@ Nothing of a cluster stays on the Airflow worker that provisioned it, so any wor
 Airflow can run the run's next task: the handle is in state.json, the token in the run's bucket
 folder, the capacity lease (with the hosts it holds) in the deployment's ledger (``leases_dir``).
 
-**provision** takes the lease (no host is in two clusters), logs into every host (in parallel),
+**provision** takes the lease (no host is in two clusters; with ``hosts_per_cluster`` the job's
+hosts are a pool, and the lease takes that many free ones), logs into every host (in parallel),
 writes the token and starts the host's fork server
 (TensorFlow imported once per host), and waits until each listens. An unreachable host or a failed
 login fails provisioning, naming the host and the reason. **launch_segment** starts ``syncswitch
@@ -279,9 +280,10 @@ class HostsBackend:
         except SpecError as exc:
             raise ClusterError(str(exc)) from None
         capacity = self.capacity()
-        capacity.claim(run, hosts=tuple(h.address for h in hosts), run_dir=layout.root)
+        need = job.hosts_per_cluster or None  # a number: the hosts are a pool shared with other runs
+        held = capacity.claim(run, hosts=tuple(h.address for h in hosts), need=need, run_dir=layout.root)
         try:
-            return self.start_cluster(job, hosts, layout)
+            return self.start_cluster(job, _by_address(hosts, held), layout)
         except BaseException:
             capacity.release(run)
             raise
@@ -529,3 +531,14 @@ class HostsBackend:
                 f"{outcome['leftovers']}"
             )
         return outcome["stopped"]
+
+
+def _by_address(hosts: tuple[HostSpec, ...], addresses: tuple[str, ...]) -> tuple[HostSpec, ...]:
+    """The hosts a lease holds, in the job's order: each held address takes one host that has it."""
+    left = list(addresses)
+    picked = []
+    for host in hosts:
+        if host.address in left:
+            left.remove(host.address)
+            picked.append(host)
+    return tuple(picked)

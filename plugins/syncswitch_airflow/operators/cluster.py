@@ -31,7 +31,7 @@ class ProvisionClusterOperator(BaseOperator):
             handle = backend.provision(job, layout)
         except ClusterBusy as busy:
             self.log.info("run %s: %s; waiting for a free slot", context["run_id"], busy)
-            trigger = ClusterCapacityTrigger(backend.name, hosts=list(busy.hosts))
+            trigger = ClusterCapacityTrigger(backend.name, hosts=list(busy.hosts), need=busy.need)
             self.defer(trigger=trigger, method_name="execute")
         except ClusterError as err:
             raise AirflowException(f"cannot provision the {backend.name} cluster: {err}") from None

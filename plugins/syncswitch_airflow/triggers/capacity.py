@@ -26,12 +26,13 @@ class CapacityStatus(StrEnum):
 
 class ClusterCapacityTrigger(BaseTrigger):
     """Fires ``{"status": "free"}`` once backend ``backend`` has a free cluster slot, and none of
-    ``hosts`` is held by another cluster."""
+    ``hosts`` is held by another cluster (of a pool: ``need`` of them are free)."""
 
     def __init__(
         self,
         backend: str,
         hosts: list[str] | None = None,
+        need: int | None = None,
         poll_seconds: float = 5.0,
         log_seconds: float = 60.0,
     ) -> None:
@@ -39,6 +40,7 @@ class ClusterCapacityTrigger(BaseTrigger):
         self.bucket = BucketHook()
         self.backend = backend
         self.hosts = list(hosts or [])
+        self.need = need
         self.poll_seconds = poll_seconds
         self.log_seconds = log_seconds
 
@@ -48,6 +50,7 @@ class ClusterCapacityTrigger(BaseTrigger):
             {
                 "backend": self.backend,
                 "hosts": self.hosts,
+                "need": self.need,
                 "poll_seconds": self.poll_seconds,
                 "log_seconds": self.log_seconds,
             },
@@ -56,7 +59,7 @@ class ClusterCapacityTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         capacity = get_backend(self.backend).capacity()
         started, next_log = time.monotonic(), 0.0
-        while not await self.bucket.in_thread(capacity.has_free_slot, tuple(self.hosts)):
+        while not await self.bucket.in_thread(capacity.has_free_slot, tuple(self.hosts), self.need):
             if time.monotonic() >= next_log:
                 next_log = time.monotonic() + self.log_seconds
                 holders = await self.bucket.in_thread(capacity.holders)
@@ -65,8 +68,15 @@ class ClusterCapacityTrigger(BaseTrigger):
                     time.monotonic() - started,
                     capacity.capacity,
                     self.backend,
-                    f" and hosts {', '.join(self.hosts)}" if self.hosts else "",
+                    self._hosts_text(),
                     ", ".join(holders),
                 )
             await asyncio.sleep(self.poll_seconds)
         yield TriggerEvent({"status": CapacityStatus.FREE.value})
+
+    def _hosts_text(self) -> str:
+        if not self.hosts:
+            return ""
+        if self.need is None:
+            return f" and hosts {', '.join(self.hosts)}"
+        return f" and {self.need} free host(s) of the pool {', '.join(self.hosts)}"
