@@ -10,10 +10,11 @@ Side by side in one run, on one testbed and one GCS emulator:
    Redis, two Celery workers on their own hosts): the DAG run's fixed overhead (trigger to first step,
    last step to run end), its switch gaps, and the Airflow processes' CPU while the first segment
    trains (PostgreSQL and Redis counted on the Celery side);
-2. on the Celery deployment, four runs triggered at once with room for two clusters
-   (``hosts_clusters=2``) on two sets of training hosts (runs 0 and 2 name set A, 1 and 3 set B): each
-   run's wait from its trigger to its cluster's lease, and, from the capacity ledger itself (polled
-   every 0.5 s), that no host was in two leases at once and how many clusters were held at once.
+2. on the Celery deployment, four runs of one job triggered at once on a pool of six training hosts,
+   three per cluster (``hosts_per_cluster=3``), with room for two clusters (``hosts_clusters=2``):
+   each run's wait from its trigger to its cluster's lease, and, from the capacity ledger itself
+   (polled every 0.5 s), that no host was in two leases at once and how many clusters were held at
+   once.
 """
 
 from __future__ import annotations
@@ -150,19 +151,20 @@ class LedgerWatch:
 
 
 def concurrent_runs(
-    deployment: Any, bucket: str, sets: list[list[str]], steps: int
+    deployment: Any, bucket: str, pool: list[str], steps: int
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]:
-    """Four runs at once, alternating two host sets, with room for two clusters: each run's wait from
-    its trigger to its cluster's lease; every host the ledger ever showed in two leases at once; the
-    most leases held at once (2 when the ledger is what queues the runs)."""
+    """Four runs of one job at once on a pool of six hosts, three per cluster (``hosts_per_cluster``),
+    with room for two clusters: each run's wait from its trigger to its cluster's lease; every host
+    the ledger ever showed in two leases at once; the most leases held at once (2 when the ledger is
+    what queues the runs)."""
     from syncswitch.layout import safe_run_id
 
     api = deployment.airflow.api
     runs, triggered = [], {}
     with LedgerWatch(f"{bucket}/_leases/hosts.json") as watch:
         for i in range(4):
-            job_conf = conf(bucket, f"conc{i}", sets[i % 2], steps)
-            job_conf["train_steps"] = [steps, 100, 100]
+            job_conf = conf(bucket, "pooled", pool, steps)
+            job_conf.update(train_steps=[steps, 100, 100], hosts_per_cluster=len(ROLES))
             triggered[i] = time.time()
             runs.append((i, api.trigger("sync_switch", job_conf)))
         states = {i: api.wait("sync_switch", run_id, timeout=3600) for i, run_id in runs}
@@ -172,7 +174,7 @@ def concurrent_runs(
         rows.append(
             {
                 "run": i,
-                "hosts": "A" if i % 2 == 0 else "B",
+                "hosts": ", ".join(sorted(held["hosts"])) if held else "",
                 "state": states[i],
                 "queued": held["from"] - triggered[i] if held else float("nan"),
                 "held": held["to"] - held["from"] if held else float("nan"),
@@ -244,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.sample_seconds,
                     str(deployment.root),
                 )
-            log("Celery deployment: four runs at once, room for two clusters")
-            concurrent = concurrent_runs(deployment, bucket, [set_a, set_b], args.concurrent_steps)
+            log("Celery deployment: four runs of one job at once, a pool of six hosts, room for two clusters")
+            concurrent = concurrent_runs(deployment, bucket, set_a + set_b, args.concurrent_steps)
     except BenchError as exc:
         print(f"bench_distributed: {exc}", file=sys.stderr)
         return 1
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, shared_hosts, most = concurrent
     print(
         markdown_table(
-            ["run", "host set", "state", "waited for its cluster (s)", "held its cluster (s)"],
+            ["run", "hosts it took", "state", "waited for its cluster (s)", "held its cluster (s)"],
             [[str(r["run"]), r["hosts"], r["state"], fmt(r["queued"], 1), fmt(r["held"], 1)] for r in runs],
         )
     )
