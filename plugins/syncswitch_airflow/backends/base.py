@@ -132,11 +132,14 @@ class ClusterCapacity:
         need: int | None = None,
         **where: str,
     ) -> bool:
-        """Take a slot for ``run`` (True; also when it holds one already), or False if every slot is
-        taken or too few of ``hosts`` are free (see ``claim``). ``where``: more of what finds the
+        """``claim`` as a yes or no: True when ``run`` holds a slot (also one it held already), False
+        if every slot is taken or too few of ``hosts`` are free. ``where``: more of what finds the
         cluster again (``run_dir``), kept in the lease for ``cluster_gone``."""
-        taken, _ = self._take(run, hosts, need, {"cluster_dir": cluster_dir, **where})
-        return taken is not None
+        try:
+            self.claim(run, cluster_dir, hosts, need, **where)
+        except ClusterBusy:
+            return False
+        return True
 
     def claim(
         self,
