@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -31,11 +33,13 @@ from syncswitch.errors import SpecError
 from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout
+from syncswitch.requirements import locked_versions
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.hosts import HostsBackend
+from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
@@ -240,6 +244,98 @@ def test_hosts_named_by_ssh_connections_log_in_with_the_connections_key_and_host
         backend.teardown(handle)
     assert_hosts_clean(bed)
     assert backend.capacity().holders() == []
+
+
+def test_hosts_runtime_install_puts_the_locks_versions_on_the_hosts_once_per_version(
+    bed: tb.Testbed,
+    bucket: str,
+    work_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``[syncswitch] hosts_runtime = install``: provisioning installs the runtime (this package and the
+    lock's pins) into a venv named by its content on each host, from the host's own ``python3``; two
+    hosts on one filesystem (the testbed's) take turns on it and install it once; the fork servers run
+    it; teardown leaves it for the next run, which installs nothing. The testbed's hosts have no route
+    to a registry: uv installs from this machine's cache (which the test command's ``uv sync`` filled),
+    offline, through ``hosts_env``."""
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH (scripts/test.sh puts it there)")
+    requirements = Path(syncswitch.__file__).with_name("requirements.txt")
+    # Every pin's index entry and wheel in uv's cache: a no-op where the lock was synced from it.
+    warm = tmp_path / "warm-cache"
+    subprocess.run([uv, "venv", "-q", str(warm)], check=True)
+    subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), "-r", str(requirements)], check=True)
+    cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    path = f"{os.path.dirname(uv)}:/usr/local/bin:/usr/bin:/bin"
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_ENV", f"PATH={path};UV_OFFLINE=1;UV_CACHE_DIR={cache}")
+    root = tmp_path / "hosts-root"
+    hosts = [f"{h},work_root={root}" for h in host_params(bed)[:2]]
+    backend = HostsBackend()
+
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_RUNTIME", "sometimes")
+    with pytest.raises(
+        ValueError, match=r"hosts_runtime .* must be one of installed, install, got 'sometimes'"
+    ):
+        backend.provision(
+            job(bed, bucket, hosts=hosts, num_workers=1), RunLayout.for_run(bucket, "hosts", "r0")
+        )
+    assert backend.capacity().holders() == []
+
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_RUNTIME", "install")
+    # A host whose interpreter is not there: named, and the run's folders gone from both hosts.
+    absent = [f"{h},work_root={tmp_path}/other-root" for h in host_params(bed)[:2]]
+    absent[1] += ",python=/nonexistent/python3"
+    with pytest.raises(ClusterError, match=r"h1 .*installing the runtime failed.*/nonexistent/python3"):
+        backend.provision(
+            job(bed, bucket, hosts=absent, num_workers=1), RunLayout.for_run(bucket, "hosts", "r0")
+        )
+    assert not list((tmp_path / "other-root").glob("hosts-*")), "a run's work folder is left"
+
+    venv = root / "runtime" / RuntimeBundle.current().id
+    caplog.set_level(logging.INFO, logger="syncswitch_airflow.backends.hosts")
+    handle = backend.provision(
+        job(bed, bucket, hosts=hosts, num_workers=1), RunLayout.for_run(bucket, "hosts", "r1")
+    )
+    try:
+        assert {h["python"] for h in handle["hosts"]} == {str(venv / "bin" / "python")}
+        installs = [
+            m for r in caplog.records if "r1: runtime" in (m := r.getMessage()) and "installed on" in m
+        ]
+        assert len(installs) == 1, installs  # the second host waited on the lock and found it made
+        assert "with uv in" in installs[0]
+        for host in bed.hosts[:2]:  # each host's fork server runs the venv's interpreter
+            assert any(str(venv) in line for line in host_processes(bed, host).values())
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+    assert not list(root.glob("hosts-*")), "a run's work folder is left"
+
+    # The venv: the lock's versions, and this runtime's files (a copy, not the checkout's).
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "syncswitch.requirements", "--check"], check=True)
+    probe = (
+        "import syncswitch, importlib.metadata as m; print(syncswitch.__file__, m.version('tensorflow-cpu'))"
+    )
+    where, version = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert where.startswith(str(venv))
+    assert version == {name: pin for name, pin, _ in locked_versions()}["tensorflow-cpu"]
+
+    # The next run finds it: nothing installed, the venv untouched.
+    marker = venv / MARKER
+    made = marker.stat().st_mtime_ns
+    caplog.clear()
+    handle = backend.provision(
+        job(bed, bucket, hosts=hosts, num_workers=1), RunLayout.for_run(bucket, "hosts", "r2")
+    )
+    backend.teardown(handle)
+    assert not [r for r in caplog.records if "installing the runtime" in r.getMessage()]
+    assert marker.stat().st_mtime_ns == made
+    assert_hosts_clean(bed)
 
 
 # ---- end to end through the DAG -------------------------------------------------------------------

@@ -94,6 +94,14 @@ SETTINGS: tuple[Setting, ...] = (
         example="/etc/ssh/ssh_known_hosts",
     ),
     Setting(
+        "hosts_runtime",
+        "How the hosts backend's hosts get the training runtime: 'installed' (they have it at their "
+        "python=, checked against the lock) or 'install' (installed over SSH, once per version, into "
+        "<work_root>/runtime/<id> on each host: uv where on PATH, else pip)",
+        default="installed",
+        example="install",
+    ),
+    Setting(
         "hosts_env",
         "K=V;K=V set for every process on the cluster's hosts (the GCS emulator, a project)",
         example="STORAGE_EMULATOR_HOST=http://10.0.0.1:4443;GOOGLE_CLOUD_PROJECT=demo",
@@ -136,6 +144,18 @@ def get_int(key: str) -> int:
         raise SettingError(
             f"[{SECTION}] {key} (${declared.env} or ${declared.airflow_env}) must be an integer, got {raw!r}"
         ) from None
+
+
+def get_choice(key: str, choices: tuple[str, ...]) -> str:
+    """The setting's value, which must be one of ``choices``."""
+    raw = get(key) or ""
+    if raw not in choices:
+        declared = setting(key)
+        raise SettingError(
+            f"[{SECTION}] {key} (${declared.env} or ${declared.airflow_env}) must be one of "
+            f"{', '.join(choices)}, got {raw!r}"
+        )
+    return raw
 
 
 def provider_config() -> dict[str, Any]:

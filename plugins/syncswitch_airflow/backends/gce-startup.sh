@@ -41,6 +41,7 @@ bucket, _, key = uri.removeprefix("gs://").partition("/")
 data = storage.Client().bucket(bucket).blob(key).download_as_bytes()
 shutil.rmtree(f"{site}/syncswitch", ignore_errors=True)
 with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-    tar.extractall(site, filter="data")
+    # Our own tarball; extraction filters came in Python 3.11.4 (Debian 12 has 3.11.2).
+    tar.extractall(site, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
 PY
 "$PYTHON" -c "import syncswitch.forkserver" && echo "sync-switch runtime ready: $PYTHON"

@@ -26,17 +26,14 @@ gce_api_endpoint (hooks.compute), and those of the hosts backend.
 
 from __future__ import annotations
 
-import io
 import logging
 import posixpath
-import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import syncswitch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.api_core.exceptions import Conflict
@@ -67,6 +64,7 @@ from syncswitch_airflow.backends.base import (
     run_cluster_gone,
 )
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
+from syncswitch_airflow.backends.node_runtime import runtime_tarball
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 CAPACITY_SETTING = "gce_clusters"
@@ -75,7 +73,6 @@ GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
 # Both found beside the code, so that an installed package (site-packages) works as a checkout does.
 STARTUP_SCRIPT = Path(__file__).resolve().with_name("gce-startup.sh")
-RUNTIME_PACKAGE = Path(syncswitch.__file__).resolve().parent
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +211,7 @@ class GceBackend:
     @staticmethod
     def _upload_runtime(layout: RunLayout) -> None:
         """What the VMs' startup script installs (backends/gce-startup.sh): this runtime, as it is here."""
-        storage.write_bytes(layout.cluster_runtime, _runtime_tarball())
+        storage.write_bytes(layout.cluster_runtime, runtime_tarball())
 
     def _create_vms(
         self,
@@ -571,16 +568,6 @@ def _ensure_key(uri: str) -> str:
     key = serialization.load_ssh_private_key(storage.create_private(uri, private), password=None)
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     return public.decode() + " syncswitch-run"
-
-
-def _runtime_tarball() -> bytes:
-    """The training runtime (``training/syncswitch``) as the VMs' startup script installs it."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        tar.add(
-            RUNTIME_PACKAGE, arcname="syncswitch", filter=lambda t: None if "__pycache__" in t.name else t
-        )
-    return buffer.getvalue()
 
 
 def _timestamp(text: str) -> float | None:

@@ -11,6 +11,9 @@ role). The bucket (``gs://``) is the only thing the hosts share. On each host, i
                                   launcher.log, exitcode (``syncswitch.supervise``); on the others:
                                   the nodes' logs and staged data
 
+and, with ``[syncswitch] hosts_runtime = install``, ``<work_root>/runtime/<id>/``: the runtime's venv
+(node_runtime), shared by the runs of that version and kept after teardown.
+
 Nothing of a cluster stays on the Airflow worker that provisioned it, so any worker of a distributed
 Airflow can run the run's next task: the handle is in state.json, the token in the run's bucket
 folder, the capacity lease (with the hosts it holds) in the deployment's ledger (``leases_dir``).
@@ -32,6 +35,8 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
     hosts_env         K=V;K=V for every process on the hosts (e.g. the GCS emulator as the hosts
                       reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
                       SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
+    hosts_runtime     "installed" (the hosts have the runtime at their python=; checked against the
+                      lock) or "install" (node_runtime: installed over SSH once per version)
     hosts_clusters    how many hosts clusters may exist at once (default 1)
     leases_dir        where the capacity ledger is: a gs:// folder on a distributed Airflow
 """
@@ -70,6 +75,12 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
+from syncswitch_airflow.backends.node_runtime import (
+    MARKER,
+    NODE_INSTALL_SCRIPT,
+    RuntimeBundle,
+    hosts_install_runtime,
+)
 from syncswitch_airflow.hooks.ssh import connected_client, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
@@ -77,6 +88,7 @@ FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 120.0
 FORKSERVER_READY_S = 300.0
+INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
 log = logging.getLogger(__name__)
@@ -176,25 +188,29 @@ class SshSession:
             raise ClusterError(f"{self.where}: {what} failed (exit {code}): {(err or out).strip()[-800:]}")
         return out
 
-    def json(self, command: str, what: str) -> dict[str, Any]:
-        out = self.check(command, what)
+    def json(self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
+        out = self.check(command, what, timeout)
         try:
             return json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
             raise ClusterError(f"{self.where}: {what} printed no JSON: {out[-300:]!r}") from None
 
-    def write_file(self, path: str, text: str, mode: int = 0o644) -> None:
+    def write_file(self, path: str, content: str | bytes, mode: int = 0o644) -> None:
         try:
             with self.client.open_sftp() as sftp, sftp.open(path, "w") as f:
-                f.write(text)
+                f.write(content)
                 sftp.chmod(path, mode)
         except (paramiko.SSHException, OSError) as exc:
             raise ClusterError(f"{self.where}: cannot write {path}: {exc}") from None
 
 
-def host_record(host: HostSpec, work_dir: str) -> dict[str, Any]:
+def host_record(host: HostSpec, work_dir: str, runtime: RuntimeBundle | None = None) -> dict[str, Any]:
     """A host as the handle carries it (no secret: the key is a path or a bucket object, or the name
-    of the Airflow connection that holds it)."""
+    of the Airflow connection that holds it). With ``runtime``, the host runs that runtime's venv,
+    which ``install_from`` (the host's own interpreter) makes where it is missing."""
+    python = host.python or sys.executable
+    if runtime is not None:
+        python = posixpath.join(runtime.venv(host.work_root), "bin", "python")
     return {
         "name": host.label,
         "address": host.address,
@@ -203,7 +219,8 @@ def host_record(host: HostSpec, work_dir: str) -> dict[str, Any]:
         "key": host.key,
         "conn": host.conn,
         "role": host.role,
-        "python": host.python or sys.executable,
+        "python": python,
+        "install_from": (host.python or "python3") if runtime is not None else "",
         "work_dir": work_dir,
         "forkserver": "",
     }
@@ -279,18 +296,26 @@ class HostsBackend:
             hosts = resolve_hosts(job.hosts)
         except SpecError as exc:
             raise ClusterError(str(exc)) from None
+        runtime = RuntimeBundle.current() if hosts_install_runtime() else None  # a bad setting: named
         capacity = self.capacity()
         need = job.hosts_per_cluster or None  # a number: the hosts are a pool shared with other runs
         held = capacity.claim(run, hosts=tuple(h.address for h in hosts), need=need, run_dir=layout.root)
         try:
-            return self.start_cluster(job, _by_address(hosts, held), layout)
+            return self.start_cluster(job, _by_address(hosts, held), layout, runtime)
         except BaseException:
             capacity.release(run)
             raise
 
-    def start_cluster(self, job: JobSpec, hosts: tuple[HostSpec, ...], layout: RunLayout) -> Handle:
-        """A fork server on every one of ``hosts``; the handle of the cluster they make. On failure
-        nothing is left on the hosts. (The gce backend calls this on its VMs.) Nothing of the cluster
+    def start_cluster(
+        self,
+        job: JobSpec,
+        hosts: tuple[HostSpec, ...],
+        layout: RunLayout,
+        runtime: RuntimeBundle | None = None,
+    ) -> Handle:
+        """A fork server on every one of ``hosts`` (with ``runtime``, installed there first where it is
+        missing); the handle of the cluster they make. On failure nothing is left on the hosts but an
+        installed runtime. (The gce backend calls this on its VMs.) Nothing of the cluster
         stays on this Airflow worker: its token is in the run's bucket folder, where any worker that
         runs a later task of the run finds the same one."""
         run = posixpath.basename(layout.root)
@@ -298,7 +323,7 @@ class HostsBackend:
             "backend": self.name,
             "run": run,
             "run_dir": layout.root,
-            "hosts": [host_record(h, host_work_dir(h, job.job_name, run)) for h in hosts],
+            "hosts": [host_record(h, host_work_dir(h, job.job_name, run), runtime) for h in hosts],
             "chief": chief_host([h.role for h in hosts]),
             "env": hosts_environment(),
             "processes": 1 + job.num_workers + job.num_ps,
@@ -336,6 +361,8 @@ class HostsBackend:
             ready = self._server_ready(ssh, server_dir)
             if ready:
                 return ready
+            if host.get("install_from"):
+                self._install_runtime(ssh, handle, host)
             # Workers on other TensorFlow or Keras versions than the chief's would not load each
             # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
             ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
@@ -367,6 +394,53 @@ class HostsBackend:
         raise ClusterError(
             f"{ssh.where}: its fork server did not listen within {FORKSERVER_READY_S:.0f}s; log:\n{tail}"
         )
+
+    @staticmethod
+    def _install_runtime(ssh: SshSession, handle: Handle, host: dict[str, Any]) -> None:
+        """The host's runtime venv (``host["python"]``'s), installed unless it is there: the runtime
+        and the lock's pins, through node_install.py run by the host's own interpreter."""
+        venv = posixpath.dirname(posixpath.dirname(host["python"]))
+        if ssh.run(f"test -f {shlex.quote(posixpath.join(venv, MARKER))}")[0] == 0:
+            return
+        runtime = RuntimeBundle.current()
+        if runtime.venv(posixpath.dirname(host["work_dir"])) != venv:
+            raise ClusterError(
+                f"{ssh.where}: the runtime was upgraded since this cluster was provisioned, and {venv} "
+                "is not on the host: provision a new cluster (retry the run)"
+            )
+        staging = posixpath.join(host["work_dir"], "runtime-install")
+        ssh.check(f"mkdir -p {shlex.quote(staging)}", "mkdir")
+        files = {
+            "node_install.py": NODE_INSTALL_SCRIPT.read_text(),
+            "requirements.txt": runtime.requirements,
+            "syncswitch.tar.gz": runtime.tarball,
+        }
+        for name, content in files.items():
+            ssh.write_file(posixpath.join(staging, name), content)
+        log.info("run %s: installing the runtime %s on %s", handle["run"], runtime.id, host["name"])
+        command = shlex.join(
+            [
+                "env",
+                *(f"{k}={v}" for k, v in handle["env"].items()),
+                host["install_from"],
+                posixpath.join(staging, "node_install.py"),
+                venv,
+                "--requirements",
+                posixpath.join(staging, "requirements.txt"),
+                "--runtime",
+                posixpath.join(staging, "syncswitch.tar.gz"),
+            ]
+        )
+        done = ssh.json(f"cd / && {command}", "installing the runtime", timeout=INSTALL_TIMEOUT_S)
+        if done["installed"]:
+            log.info(
+                "run %s: runtime %s installed on %s with %s in %.1fs",
+                handle["run"],
+                runtime.id,
+                host["name"],
+                done["installer"],
+                done["seconds"],
+            )
 
     @staticmethod
     def _server_ready(ssh: SshSession, server_dir: str) -> str:
@@ -404,7 +478,7 @@ class HostsBackend:
     def _teardown_hosts(self, handle: Handle) -> dict[str, dict[str, Any]]:
         def stop(host: dict[str, Any]) -> dict[str, Any]:
             work = host["work_dir"]
-            command = _python(
+            stop_processes = _python(
                 host,
                 "syncswitch.supervise",
                 "stop",
@@ -417,6 +491,15 @@ class HostsBackend:
                 "--remove",
                 work,
             )
+            command = stop_processes
+            if host.get("install_from"):
+                # A runtime that failed to install ran nothing, and cannot run the stop either.
+                marker = posixpath.join(posixpath.dirname(posixpath.dirname(host["python"])), MARKER)
+                nothing = json.dumps({"stopped": [], "leftovers": []})
+                command = (
+                    f"if [ -f {shlex.quote(marker)} ]; then {stop_processes}; "
+                    f"else rm -rf {shlex.quote(work)} && echo {shlex.quote(nothing)}; fi"
+                )
             with SshSession(host) as ssh:
                 return ssh.json(command, "teardown")
 
