@@ -6,7 +6,7 @@
 Side by side in one run, on one testbed and one GCS emulator:
 
 1. the same job ("101" on the ``hosts`` backend, three training hosts) on the embedded Airflow
-   (SQLite, LocalExecutor) and on the Celery deployment (scripts/celery_deployment.py: PostgreSQL,
+   (SQLite, LocalExecutor) and on the Celery deployment (testing/celery_deployment.py: PostgreSQL,
    Redis, two Celery workers on their own hosts): the DAG run's fixed overhead (trigger to first step,
    last step to run end), its switch gaps, and the Airflow processes' CPU while the first segment
    trains (PostgreSQL and Redis counted on the Celery side);
@@ -31,7 +31,6 @@ from typing import Any
 from _common import BenchError, fmt, log, machine_line, markdown_table, wait_for_bsp_step
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(PROJECT_DIR / "scripts")]
 ROLES = ("chief", "worker", "ps")
 WORKER_HOSTS = 2
 

@@ -44,7 +44,6 @@ from typing import Any
 from _common import BenchError, fmt, log, machine_line, markdown_table
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "tests")]
 ROLES = ("chief", "worker", "worker", "worker", "ps")
 
 
@@ -120,9 +119,7 @@ def link_shape(text: str, profiles: dict[str, dict[str, float | None]]) -> dict[
 
 def host_round_trip_ms(bed: Any, source: Any, target: Any) -> float | None:  # noqa: ANN401
     """The fastest of five TCP connects from one testbed host to another's sshd, in ms."""
-    from test_testbed import _connect
-
-    result = _connect(bed, source, target.address, target.ssh_port, count=5, timeout=5.0)
+    result = bed.connect_ms(source, target.address, target.ssh_port, count=5, timeout=5.0)
     return result if isinstance(result, float) else None
 
 

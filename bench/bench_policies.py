@@ -11,7 +11,7 @@ elastic, and once without a straggler (greedy) to count false switches.
                                          # host, worker 1's link +30 ms per round trip (issue 10)
 
 With --testbed (root) the cluster is the hosts backend on a 5-host network-namespace testbed
-(scripts/testbed.py: chief, three workers, a parameter server) with checkpoints in a GCS emulator on
+(testing/testbed: chief, three workers, a parameter server) with checkpoints in a GCS emulator on
 the testbed's gateway, and the default job is the digits CNN, whose BSP a 30 ms link slows about
 fivefold. Otherwise every run is on the local backend.
 
@@ -286,7 +286,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def testbed_cluster() -> Iterator[list[str]]:
     """A 5-host testbed and a GCS emulator on its gateway (this process's storage, and what the
     embedded Airflow started below inherits); yields the `syncswitch run` flags of that cluster."""
-    sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "tests")]
     import testbed as tb
     from gcs_emulator import GcsEmulator, free_port
     from syncswitch import storage

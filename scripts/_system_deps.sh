@@ -3,7 +3,7 @@
 #   chromium          the Trigger-form test (a real browser on the real Airflow UI)
 #   openssh-server    the multi-host testbed (an sshd per network namespace)
 #   iptables          the testbed's isolation rules
-#   postgresql        the distributed deployment's metadata database (scripts/celery_deployment.py)
+#   postgresql        the distributed deployment's metadata database (testing/celery_deployment.py)
 #   redis-server      its Celery broker
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)

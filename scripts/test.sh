@@ -10,9 +10,10 @@ source scripts/_uv.sh
 source scripts/_system_deps.sh
 uv run --frozen ruff check .
 # Each distribution declares every module it imports, and imports every package it declares:
-# the runtime (training/), then the Airflow provider (plugins/ and the DAGs it ships).
+# the runtime (training/), the Airflow provider (plugins/ and the DAGs it ships), the test infrastructure.
 uv run --frozen deptry training --config training/pyproject.toml
 uv run --frozen deptry plugins dags --config plugins/pyproject.toml
+uv run --frozen deptry testing --config testing/pyproject.toml
 # Two xdist workers by default, for CI's 2 cores (--dist loadgroup: tests/conftest.py keeps each file
 # on one worker and every test of the session's embedded Airflow on one, and queues the longest groups
 # first): 34-38 min from a clean clone here, where one process took 73 before the last cuts

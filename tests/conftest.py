@@ -31,7 +31,7 @@ os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parents[
 
 import pytest  # noqa: E402
 import testbed as tb  # noqa: E402
-from gcs_emulator import GcsEmulator, free_port  # noqa: E402
+from gcs_emulator import GcsEmulator, free_port  # noqa: E402 - testing/ (the syncswitch-testing distribution)
 from proc_utils import assert_no_processes, find_processes  # noqa: E402
 from syncswitch import storage  # noqa: E402
 

@@ -328,8 +328,10 @@ def test_trainer_dockerfile() -> None:
     assert "uv sync --frozen --no-default-groups --package syncswitch" in runs
     assert "airflow" not in runs.lower()
     copied = {args.split()[0].rstrip("/") for args in _args(instructions, "COPY")}
-    # The provider's manifest (uv reads the whole workspace), never its code.
-    assert copied == {"pyproject.toml", "training/pyproject.toml", "plugins/pyproject.toml", "training"}
+    # The other members' manifests (uv reads the whole workspace), never their code.
+    members = ("training", "plugins", "testing")
+    manifests = {"pyproject.toml", *(f"{member}/pyproject.toml" for member in members)}
+    assert copied == {*manifests, "training"}
 
 
 def _imported_top_modules(path: Path) -> set[str]:

@@ -1,6 +1,6 @@
 """The pipeline on a distributed Airflow: PostgreSQL, Redis, the CeleryExecutor, and two Celery workers
 on separate testbed hosts, each with a private /tmp (its AIRFLOW_HOME, logs and work folder), sharing
-nothing but the bucket (scripts/celery_deployment.py). Training runs on three more testbed hosts.
+nothing but the bucket (testing/celery_deployment.py). Training runs on three more testbed hosts.
 
 A cluster policy pins consecutive tasks of a run to different workers (queues ``w0`` / ``w1``), so a
 task that needed something an earlier task left on its worker's disk would fail here. Needs root

@@ -104,7 +104,7 @@ def _remove_hosts(engine: FakeComputeEngine, bed: tb.Testbed) -> None:
 
 
 def _host_namespaces(bed: tb.Testbed) -> list[str]:
-    return [name for name in tb._netns_names() if name.startswith(f"{bed.name}-h")]
+    return [name for name in tb.netns_names() if name.startswith(f"{bed.name}-h")]
 
 
 def _instance(

