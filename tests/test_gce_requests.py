@@ -6,6 +6,7 @@ REST client sends is checked field by field (spot, GPUs, labels, network, time l
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from google.cloud import compute_v1
@@ -193,3 +194,26 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     installs = [line.strip() for line in script.splitlines() if 'pip" install' in line]
     assert installs == ['"$VENV/bin/pip" install -q -r /tmp/syncswitch-requirements.txt'], installs
     assert "attribute syncswitch-requirements > /tmp/syncswitch-requirements.txt" in script
+
+
+def test_a_gpu_nodes_cuda_tensorflow_at_the_locks_version_satisfies_the_cpu_pin() -> None:
+    """GPU VMs (and GPU hosts that the hosts backend installs) take ``tensorflow[and-cuda]`` where the
+    lock has ``tensorflow-cpu``: the version check accepts it at the same version, and only then."""
+    from importlib import metadata
+
+    from syncswitch.requirements import locked_versions, mismatches
+
+    pins = {name: version for name, version, _ in locked_versions()}
+
+    def gpu_node(version: str) -> Callable[[str], str]:
+        def version_of(name: str) -> str:
+            if name == "tensorflow-cpu":
+                raise metadata.PackageNotFoundError(name)
+            return version if name == "tensorflow" else pins.get(name, "0")
+
+        return version_of
+
+    assert not [m for m in mismatches(gpu_node(pins["tensorflow-cpu"])) if "tensorflow" in m]
+    assert mismatches(gpu_node("2.20.0")) == [
+        f"tensorflow-cpu: 2.20.0 installed, the lock has {pins['tensorflow-cpu']}"
+    ]

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib import metadata, resources
 
 REQUIREMENTS_FILE = "requirements.txt"
+# Distributions that stand in for a pin at the same version: a GPU node installs TensorFlow's CUDA
+# build (``tensorflow[and-cuda]``) where the lock has the CPU one (gce-startup.sh, node_install.py).
+STAND_INS = {"tensorflow-cpu": ("tensorflow",)}
 
 
 def requirements_text() -> str:
@@ -34,19 +38,28 @@ def locked_versions() -> list[tuple[str, str, bool]]:
     return pins
 
 
-def mismatches() -> list[str]:
+def mismatches(version_of: Callable[[str], str] = metadata.version) -> list[str]:
     """One line per pin this interpreter does not satisfy: another version, or missing."""
     found = []
     for name, wanted, conditional in locked_versions():
-        try:
-            installed = metadata.version(name)
-        except metadata.PackageNotFoundError:
+        installed = _installed(name, version_of)
+        if installed is None:
             if not conditional:
                 found.append(f"{name}: missing (the lock has {wanted})")
             continue
         if installed != wanted:
             found.append(f"{name}: {installed} installed, the lock has {wanted}")
     return found
+
+
+def _installed(name: str, version_of: Callable[[str], str]) -> str | None:
+    """The installed version of ``name``, or of the first of its stand-ins that is installed."""
+    for candidate in (name, *STAND_INS.get(name, ())):
+        try:
+            return version_of(candidate)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,14 @@ def make_venv(venv: str, uv: str | None) -> str:
 
 
 def install(python: str, requirements: str, uv: str | None) -> None:
+    if shutil.which("nvidia-smi"):
+        # A GPU host: TensorFlow's CUDA build at the lock's version in place of the CPU one (the
+        # runtime's version check accepts it: syncswitch.requirements.STAND_INS).
+        with open(requirements) as f:
+            pins = f.read().replace("tensorflow-cpu==", "tensorflow[and-cuda]==")
+        requirements = requirements + ".gpu"
+        with open(requirements, "w") as f:
+            f.write(pins)
     if uv:
         run([uv, "pip", "install", "--quiet", "--python", python, "-r", requirements])
     else:
