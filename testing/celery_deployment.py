@@ -18,6 +18,11 @@ What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.ya
   A worker's AIRFLOW_HOME, task logs and cluster work folder live on that tmpfs: no other worker and
   not the scheduler can see them, and it sees none of theirs. Worker ``i`` serves Airflow's
   ``default`` queue and a queue of its own, ``w<i>`` (a cluster policy can pin tasks to a worker);
+- the packages as a deployment installs them: both wheels (the runtime and the provider, built from
+  this checkout with ``uv build``) installed into a virtualenv of their own at the lock's versions,
+  which every component runs from, with the provider's packaged DAG files as the DAGs folder. The
+  workers do not see the checkout at all (their mount namespace covers it), so nothing of a run can
+  come from it; the training hosts run the runtime of that virtualenv too;
 - the GCS emulator on the gateway: the bucket, the one storage every component shares;
 - M more testbed hosts for training clusters (the ``hosts`` backend), reached over SSH.
 
@@ -38,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +68,10 @@ WORKER_READY_S = 180.0
 AIRFLOW_BOOT_S = 900.0
 SERVICE_READY_S = 30.0
 STOP_GRACE_S = 30.0
+# The installed packages: outside /tmp and the deployment's folder, which the workers do not see.
+INSTALL_ROOT = Path("/var/tmp")
+# What the deploy dependency group adds to the provider for the CeleryExecutor on PostgreSQL.
+DEPLOY_REQUIREMENTS = ("celery[redis]", "psycopg2-binary", "asyncpg")
 PRIVATE_HOME = "/tmp/airflow"  # a worker's AIRFLOW_HOME, on its private tmpfs
 PRIVATE_WORK = "/tmp/syncswitch"  # its [syncswitch] work_dir, likewise
 
@@ -151,6 +161,48 @@ def _wait_for(what: str, ready: Any, service: Service, timeout: float) -> None:
         time.sleep(0.5)
 
 
+class Installation:
+    """The runtime and the provider installed from their wheels into a virtualenv of their own."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.venv = folder / "venv"
+        self.python = self.venv / "bin" / "python"
+        purelib = sysconfig.get_path("purelib", vars={"base": str(self.venv), "platbase": str(self.venv)})
+        self.dags_folder = Path(purelib) / "syncswitch_airflow" / "dags"
+        self.plugins_folder = folder / "airflow-plugins"  # empty: no checkout on Airflow's sys.path
+
+    def install(self) -> None:
+        """Build both wheels, install them with the lock's versions of everything they need (from
+        uv's cache, which the lock's sync filled: seconds)."""
+        started = time.monotonic()
+        uv = shutil.which("uv")
+        if uv is None:
+            raise RuntimeError("uv is not on PATH (scripts/_uv.sh installs it)")
+        shutil.rmtree(self.folder, ignore_errors=True)
+        dist = self.folder / "dist"
+        for package in ("syncswitch", "airflow-provider-syncswitch"):
+            _check([uv, "build", "--quiet", "--package", package, "--wheel", "--out-dir", str(dist)])
+        constraints = self.folder / "constraints.txt"
+        lock = ["export", "--frozen", "--all-packages", "--no-dev", "--no-emit-workspace", "--no-hashes"]
+        _check([uv, *lock, "--quiet", "-o", str(constraints)])
+        runtime, provider = (
+            next(dist.glob(f"{name}-*.whl")) for name in ("syncswitch", "airflow_provider_syncswitch")
+        )
+        _check([uv, "venv", "--quiet", "--python", sys.executable, str(self.venv)])
+        install = ["pip", "install", "--quiet", "--python", str(self.python), "-c", str(constraints)]
+        _check([uv, *install, str(runtime), f"{provider}[celery]", *DEPLOY_REQUIREMENTS])
+        self.plugins_folder.mkdir()
+        took = time.monotonic() - started
+        log(f"installed {runtime.name} and {provider.name} into {self.venv} in {took:.1f} s")
+
+
+def _check(argv: list[str]) -> None:
+    done = subprocess.run(argv, cwd=PROJECT_DIR, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv[0]} {argv[1]} failed: {(done.stderr or done.stdout)[-2000:]}")
+
+
 class CeleryDeployment:
     """The deployment as one object: ``up()``, its parts, its faults, ``down()``; see the module doc.
 
@@ -184,8 +236,13 @@ class CeleryDeployment:
         self.postgres: Service | None = None
         self.redis: Service | None = None
         self.workers: dict[int, Service] = {}
+        self.installation = Installation(INSTALL_ROOT / f"syncswitch-celery-{self.root.name}")
         self.airflow = EmbeddedAirflow(
-            PROJECT_DIR, home=self.root / "scheduler", port=self.api_port, settings=self.airflow_settings()
+            PROJECT_DIR,
+            home=self.root / "scheduler",
+            port=self.api_port,
+            settings=self.airflow_settings(),
+            python=str(self.installation.python),
         )
 
     # ---- configuration ---------------------------------------------------------------------------
@@ -216,6 +273,9 @@ class CeleryDeployment:
             # queued (its message unacknowledged in Redis for the 6 h visibility timeout); the
             # scheduler requeues it after this long, instead of 10 minutes.
             **QUEUED_TASK_SETTINGS,
+            # The installed provider's DAG files, and no plugins folder of the checkout's.
+            "CORE__DAGS_FOLDER": str(self.installation.dags_folder),
+            "CORE__PLUGINS_FOLDER": str(self.installation.plugins_folder),
             **self.extra_settings,
         }
 
@@ -229,6 +289,7 @@ class CeleryDeployment:
             config.mkdir(parents=True, exist_ok=True)
             (config / "airflow_local_settings.py").write_text(self.local_settings)
         try:
+            self.installation.install()
             self._start_postgres()
             self._start_redis()
             log(f"starting Airflow (CeleryExecutor) on http://{self.gateway}:{self.api_port}")
@@ -257,6 +318,7 @@ class CeleryDeployment:
                 service.stop(signal.SIGINT if service is self.postgres else signal.SIGTERM)
         self.redis = self.postgres = None
         shutil.rmtree(self._pg_dir, ignore_errors=True)
+        shutil.rmtree(self.installation.folder, ignore_errors=True)
         left = procs.processes_with_env("SYNCSWITCH_DEPLOYMENT", str(self.root))
         if left:
             raise RuntimeError(f"processes of the deployment in {self.root} survived: {left}")
@@ -382,7 +444,9 @@ class CeleryDeployment:
         if host is not None:
             self.worker_hosts[index] = host
         host = self.worker_hosts[index]
-        hidden = [self.root] if not str(self.root).startswith("/tmp/") else []
+        # The checkout too: the worker runs the installed packages, and fails loudly if it reached for
+        # anything of the checkout's.
+        hidden = [PROJECT_DIR, *([self.root] if not str(self.root).startswith("/tmp/") else [])]
         setup = [
             f"hostname {shlex.quote(host.name)}",
             # Its own /tmp (and the deployment's folder hidden): nothing of the scheduler's or of
@@ -397,7 +461,7 @@ class CeleryDeployment:
             "exec "
             + shlex.join(
                 [
-                    str(Path(sys.executable).parent / "airflow"),
+                    str(self.installation.python.parent / "airflow"),
                     *("celery", "worker", "--queues", f"w{index},default"),
                     *("--celery-hostname", f"w{index}@{host.name}"),
                     *("--concurrency", str(WORKER_CONCURRENCY), "--without-gossip", "--without-mingle"),
@@ -505,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         tb.Testbed.remove_leftovers(args.name)
         for pg in glob.glob(f"/var/tmp/syncswitch-pg-{root.name}-*"):
             shutil.rmtree(pg, ignore_errors=True)
+        shutil.rmtree(INSTALL_ROOT / f"syncswitch-celery-{root.name}", ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
         log(f"removed what deployment {args.name} left")
         return 0

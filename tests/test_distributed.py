@@ -30,7 +30,7 @@ from airflow_runs import (
     segment_starts,
     wait_for_restart,
 )
-from celery_deployment import CeleryDeployment, missing_prerequisites
+from celery_deployment import PROJECT_DIR, CeleryDeployment, missing_prerequisites
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
     BUCKET_CONN_ENV,
@@ -42,12 +42,13 @@ from conftest import (
     storage_on_gateway,
 )
 from fake_compute import FakeComputeEngine
-from syncswitch import storage
+from syncswitch import procs, storage
 from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.local import deployment_refusal
 from syncswitch_airflow.tools.airflow_api import AirflowError, AirflowUnavailable
+from syncswitch_airflow.tools.instance import INSTANCE_ENV
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster, pytest.mark.airflow]
 
@@ -368,3 +369,33 @@ def test_the_deployment_shares_one_fernet_key_and_one_api_secret_key(deployment:
     for name in ("AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API__SECRET_KEY"):
         keys = {deployment.airflow.env()[name]} | {deployment.worker_env(i)[name] for i in deployment.workers}
         assert len(keys) == 1 and keys != {""}, name
+
+
+def test_every_component_runs_the_installed_packages_and_no_worker_sees_the_checkout(
+    deployment: CeleryDeployment,
+) -> None:
+    """The runtime and the provider come from their wheels, as a deployment installs them: the DAG is
+    the installed provider's file, every Airflow process (scheduler side and workers) loads its
+    libraries from the installation's virtualenv, and a worker's view of the machine has no checkout
+    in it, so no task of the runs above can have used one."""
+    installation = deployment.installation
+    dag = deployment.airflow.api.get_json("/api/v2/dags/sync_switch/details")
+    assert Path(dag["fileloc"]).parent == installation.dags_folder
+    for index in deployment.workers:
+        assert not deployment.worker_file(index, str(PROJECT_DIR / "README.md")).exists(), index
+        assert deployment.worker_file(index, str(installation.dags_folder / "sync_switch.py")).exists()
+    marker = deployment.airflow.env()[INSTANCE_ENV]
+    processes = procs.processes_with_env(INSTANCE_ENV, marker)
+    environments = {p.pid: _environments_mapped(p.pid) for p in processes}
+    assert len(environments) >= 4 + len(deployment.workers), environments  # components and workers
+    assert {env for found in environments.values() for env in found} == {str(installation.venv)}, environments
+
+
+def _environments_mapped(pid: int) -> set[str]:
+    """The Python environments whose site-packages a process has shared libraries mapped from."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    paths = [line.split()[-1] for line in maps.splitlines() if "/site-packages/" in line]
+    return {path.split("/lib/python")[0] for path in paths}

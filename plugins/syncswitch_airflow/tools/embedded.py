@@ -74,14 +74,17 @@ class EmbeddedAirflow:
         home: str | os.PathLike[str] | None = None,
         port: int | None = None,
         settings: dict[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
         """``port``: the API port for a new instance; None = 8080 when free, else any; 0 = any free.
-        ``settings``: ``SECTION__KEY`` -> value, over ours (benchmarks compare settings with it)."""
+        ``settings``: ``SECTION__KEY`` -> value, over ours (benchmarks compare settings with it).
+        ``python``: the interpreter of another environment to run Airflow from (default: this one)."""
         self.project_dir = Path(project_dir).resolve()
         self.requested_port = port
         self.settings_overrides = dict(settings or {})
         self.home = Path(home).resolve() if home is not None else self.project_dir / ".airflow"
-        self.files = InstanceHome(self.home, self.project_dir)
+        self.python = python or sys.executable
+        self.files = InstanceHome(self.home, self.project_dir, self.python)
         self.dags_folder = self.files.dags_folder
         self.log_path = self.home / "embedded.log"
         self.pid_file = self.home / "embedded.json"
@@ -148,7 +151,7 @@ class EmbeddedAirflow:
             # Own session: stop() can wait for (and at worst SIGKILL) the whole process group, and a
             # Ctrl-C in the terminal reaches only the CLI, which then stops Airflow in order.
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "syncswitch_airflow.tools.airflow_supervisor"],
+                [self.python, "-m", "syncswitch_airflow.tools.airflow_supervisor"],
                 cwd=self.project_dir,
                 env=self.env(record),
                 stdin=subprocess.DEVNULL,
@@ -373,7 +376,7 @@ class EmbeddedAirflow:
     def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """An ``airflow`` CLI command against this instance (its home, database and settings)."""
         return subprocess.run(
-            [str(Path(sys.executable).parent / "airflow"), *args],
+            [str(Path(self.python).parent / "airflow"), *args],
             cwd=self.project_dir,
             env=self.env(),
             stdin=subprocess.DEVNULL,

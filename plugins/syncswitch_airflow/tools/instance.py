@@ -48,10 +48,12 @@ class InstanceRecord:
 
 @dataclass(frozen=True)
 class InstanceHome:
-    """An instance's AIRFLOW_HOME and the project it serves."""
+    """An instance's AIRFLOW_HOME, the project it serves, and the interpreter whose ``airflow`` runs it
+    (another environment's: a deployment that installed the packages from their wheels)."""
 
     home: Path
     project_dir: Path
+    python: str = sys.executable
 
     @property
     def dags_folder(self) -> Path:
@@ -71,7 +73,7 @@ class InstanceHome:
         """The environment every Airflow process of the instance ``record`` runs with; ``overrides``
         (``SECTION__KEY`` -> value) go over ours."""
         base_url = f"http://127.0.0.1:{record.port}"
-        bin_dir = str(Path(sys.executable).parent)
+        bin_dir = str(Path(self.python).parent)
         settings = {
             "CORE__DAGS_FOLDER": str(self.dags_folder),
             "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
