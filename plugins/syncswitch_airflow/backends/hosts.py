@@ -432,15 +432,17 @@ class HostsBackend:
             ]
         )
         done = ssh.json(f"cd / && {command}", "installing the runtime", timeout=INSTALL_TIMEOUT_S)
-        if done["installed"]:
-            log.info(
-                "run %s: runtime %s installed on %s with %s in %.1fs",
-                handle["run"],
-                runtime.id,
-                host["name"],
-                done["installer"],
-                done["seconds"],
-            )
+        if not done["installed"]:  # another install made it meanwhile (a host on the same disk)
+            log.info("run %s: runtime %s found made on %s", handle["run"], runtime.id, host["name"])
+            return
+        log.info(
+            "run %s: runtime %s installed on %s with %s in %.1fs",
+            handle["run"],
+            runtime.id,
+            host["name"],
+            done["installer"],
+            done["seconds"],
+        )
 
     @staticmethod
     def _server_ready(ssh: SshSession, server_dir: str) -> str:
