@@ -315,7 +315,7 @@ def test_airflow_dockerfile(config: dict[str, Any]) -> None:
     env = " ".join(_args(instructions, "ENV"))
     assert "AIRFLOW_HOME=/opt/airflow" in env
     compose_env = config["services"]["scheduler"]["environment"]
-    # the compose settings point at the folders this image copies the sources to
+    # the compose settings point at the installed provider's DAG files and the image's empty plugins
     assert f"AIRFLOW__CORE__DAGS_FOLDER={compose_env['AIRFLOW__CORE__DAGS_FOLDER']}" in env
     assert f"AIRFLOW__CORE__PLUGINS_FOLDER={compose_env['AIRFLOW__CORE__PLUGINS_FOLDER']}" in env
     assert _args(instructions, "EXPOSE") == ["8080"]
