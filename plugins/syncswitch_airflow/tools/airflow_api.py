@@ -16,6 +16,8 @@ from typing import Any
 
 TERMINAL_RUN_STATES = ("success", "failed")
 _HTTP_TIMEOUT_S = 30.0
+BACKFILL_ATTEMPTS = 4
+BACKFILL_RETRY_SECONDS = 5.0
 # An api-server may not answer for a while (a supervisor restarting it); waits tolerate this long.
 _API_UNAVAILABLE_GRACE_S = 120.0
 
@@ -124,18 +126,28 @@ class AirflowApi:
         reprocess_behavior: str = "none",
         max_active_runs: int = 10,
     ) -> dict[str, Any]:
-        """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to]."""
-        status, body = self.request(
-            "POST",
-            "/api/v2/backfills",
-            {
-                "dag_id": dag_id,
-                "from_date": from_date,
-                "to_date": to_date,
-                "reprocess_behavior": reprocess_behavior,
-                "max_active_runs": max_active_runs,
-            },
-        )
+        """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to].
+
+        On SQLite (the embedded Airflow) a write that meets the scheduler's is refused with 503
+        "Database is locked"; Airflow then deletes the partial backfill "so the user can retry"
+        (models/backfill.py), which this does, a few times, while no unfinished backfill of the DAG
+        is listed (one that got in after all would make a retry a second one)."""
+        request = {
+            "dag_id": dag_id,
+            "from_date": from_date,
+            "to_date": to_date,
+            "reprocess_behavior": reprocess_behavior,
+            "max_active_runs": max_active_runs,
+        }
+        for attempt in range(1, BACKFILL_ATTEMPTS + 1):
+            status, body = self.request("POST", "/api/v2/backfills", request)
+            locked = status == 503 and "locked" in _error_text(body).lower()
+            if not locked or attempt == BACKFILL_ATTEMPTS:
+                break
+            if any(not backfill.get("completed_at") for backfill in self.backfills(dag_id)):
+                break
+            self._log.info("creating a backfill of %s met a locked database; again (%d)", dag_id, attempt)
+            time.sleep(BACKFILL_RETRY_SECONDS)
         if status != 200:
             raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
         self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
