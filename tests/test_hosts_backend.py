@@ -15,8 +15,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,6 +242,72 @@ def test_hosts_named_by_ssh_connections_log_in_with_the_connections_key_and_host
         # The ledger holds the connections' addresses: no other cluster may take these hosts.
         lease = storage.read_json(backend.capacity().ledger)["leases"]["ssh-connections"]
         assert lease["hosts"] == [bed.hosts[0].address, bed.hosts[1].address]
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+    assert backend.capacity().holders() == []
+
+
+# Run as a separate process by the test below: provisioning as an Airflow worker's task runs it.
+_PROVISION = """
+import json, sys
+from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
+from syncswitch_airflow.backends.hosts import HostsBackend
+HostsBackend().provision(JobSpec.from_params(json.loads(sys.argv[1])), RunLayout(sys.argv[2]))
+"""
+
+
+def test_provisioning_killed_midway_is_taken_over_by_its_retry_and_leaves_nothing(
+    bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """A Celery worker lost while it provisions: the task's retry (on another worker; here another
+    process) provisions the same run again. The ledger gives it the hosts the lost one had claimed;
+    fork servers that are up are reused (same processes), and one that the lost task had started but
+    that does not listen yet (held stopped here until the retry has looked) is waited for, not
+    started twice; teardown leaves nothing."""
+    layout = RunLayout.for_run(bucket, "hosts", "killed-provisioning")
+    params = {
+        "job_name": "hosts",
+        "cluster_backend": "hosts",
+        "bucket_dir": bucket,
+        "hosts": host_params(bed),
+    }
+    params.update(num_workers=3, num_ps=1)
+    slow = bed.hosts[-1]
+    slow_server = Path(DEFAULT_WORK_ROOT) / f"hosts-killed-provisioning@{slow.name}" / "forkserver"
+    lost = subprocess.Popen([sys.executable, "-c", _PROVISION, json.dumps(params), layout.root])
+    wait_for(lambda: (slow_server / "starting.pid").exists(), timeout=120, what="the last host's start")
+    lost.kill()
+    lost.wait()
+    starting = int((slow_server / "starting.pid").read_text())
+    os.kill(starting, signal.SIGSTOP)  # still importing TensorFlow when the retry comes
+    assert not (slow_server / "forkserver.json").exists()
+    backend = HostsBackend()
+    assert backend.capacity().holders() == ["killed-provisioning"]  # the lost task's claim stands
+
+    retried: dict[str, Any] = {}
+
+    def retry_provisioning() -> None:
+        try:
+            retried["handle"] = backend.provision(job(bed, bucket), layout)
+        except BaseException as exc:  # shown by the assertion below
+            retried["error"] = exc
+
+    retry = threading.Thread(target=retry_provisioning)
+    retry.start()
+    time.sleep(8.0)  # the retry has logged in to every host and found the stopped one starting
+    os.kill(starting, signal.SIGCONT)
+    retry.join(timeout=300)
+    assert "handle" in retried, f"the retry did not provision: {retried.get('error', 'still running')}"
+    handle = retried["handle"]
+    try:
+        assert [h["address"] for h in handle["hosts"]] == [h.address for h in bed.hosts]
+        assert all(h["forkserver"] for h in handle["hosts"])
+        assert json.loads((slow_server / "forkserver.json").read_text())["pid"] == starting
+        for host in bed.hosts:
+            servers = [c for c in host_processes(bed, host).values() if "syncswitch.forkserver" in c]
+            assert len(servers) == 1, f"{host.name}: {servers}"
     finally:
         backend.teardown(handle)
     assert_hosts_clean(bed)

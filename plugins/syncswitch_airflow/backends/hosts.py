@@ -7,6 +7,7 @@ role). The bucket (``gs://``) is the only thing the hosts share. On each host, i
     token                         the cluster's fork-server token (0600; never in a log, XCom or state;
                                   its source is the run's bucket folder: RunLayout.cluster_secrets)
     forkserver/                   the host's fork server, listening on the host's address only
+                                  (starting.pid from its start, forkserver.json once it listens)
     segments/seg-<ii>/            on the chief host: spec.json, cluster.json, process.json,
                                   launcher.log, exitcode (``syncswitch.supervise``); on the others:
                                   the nodes' logs and staged data
@@ -351,7 +352,8 @@ class HostsBackend:
             host["forkserver"] = address
 
     def _start_host(self, handle: Handle, host: dict[str, Any], token: str) -> str:
-        """Start the host's fork server unless it runs already; returns its TCP address."""
+        """Start the host's fork server unless it runs already, or is starting (a provisioning task
+        lost midway started it, and its retry is here); returns its TCP address."""
         work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
         with SshSession(host) as ssh:
             ssh.check(
@@ -361,28 +363,8 @@ class HostsBackend:
             ready = self._server_ready(ssh, server_dir)
             if ready:
                 return ready
-            if host.get("install_from"):
-                self._install_runtime(ssh, handle, host)
-            # Workers on other TensorFlow or Keras versions than the chief's would not load each
-            # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
-            ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
-            env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
-            command = _python(
-                host,
-                "syncswitch.forkserver",
-                server_dir,
-                "--listen",
-                host["address"],
-                "--token-file",
-                posixpath.join(work, "token"),
-            )
-            assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-            log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
-            ssh.check(
-                # Backgrounded alone, with every stream redirected, so the SSH channel closes now.
-                f"cd / && (env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null &)",
-                "starting the fork server",
-            )
+            if not self._server_starting(ssh, server_dir):
+                self._launch_server(ssh, handle, host, server_dir)
             deadline = time.monotonic() + FORKSERVER_READY_S
             while time.monotonic() < deadline:
                 ready = self._server_ready(ssh, server_dir)
@@ -390,10 +372,38 @@ class HostsBackend:
                     log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
                     return ready
                 time.sleep(1.0)
-            tail = ssh.run(f"tail -n 20 {log_file}")[1]
+            tail = ssh.run(f"tail -n 20 {shlex.quote(posixpath.join(server_dir, 'forkserver.log'))}")[1]
         raise ClusterError(
             f"{ssh.where}: its fork server did not listen within {FORKSERVER_READY_S:.0f}s; log:\n{tail}"
         )
+
+    def _launch_server(self, ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
+        """The runtime checked (installed first where the deployment says so), then the fork server
+        started detached; its pid goes to ``starting.pid`` until it writes ``forkserver.json``."""
+        work = host["work_dir"]
+        if host.get("install_from"):
+            self._install_runtime(ssh, handle, host)
+        # Workers on other TensorFlow or Keras versions than the chief's would not load each
+        # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
+        ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
+        env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        token_file = posixpath.join(work, "token")
+        command = _python(
+            host, "syncswitch.forkserver", server_dir, "--listen", host["address"], "--token-file", token_file
+        )
+        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
+        pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
+        # Backgrounded alone, with every stream redirected, so the SSH channel closes now; env and
+        # setsid exec in place, so $! is the fork server's pid.
+        detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
+        ssh.check(f"cd / && ({detached} & echo $! > {pid_file})", "starting the fork server")
+
+    @staticmethod
+    def _server_starting(ssh: SshSession, server_dir: str) -> bool:
+        """Whether a fork server started for this folder is still alive (not listening yet)."""
+        pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
+        return ssh.run(f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null')[0] == 0
 
     @staticmethod
     def _install_runtime(ssh: SshSession, handle: Handle, host: dict[str, Any]) -> None:
