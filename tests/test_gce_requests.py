@@ -5,8 +5,14 @@ REST client sends is checked field by field (spot, GPUs, labels, network, time l
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
+import tarfile
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 from google.cloud import compute_v1
@@ -179,21 +185,70 @@ def test_shrinking_keeps_the_global_batch_so_steps_and_the_learning_rate_stay() 
 
 
 def test_the_vms_install_the_runtimes_locked_versions() -> None:
-    """The metadata carries the runtime's requirements.txt (the lock's pins), and the startup script
-    installs from it, never a bare package name."""
+    """The metadata carries the runtime's requirements.txt (the lock's pins) and the installer that
+    the hosts backend runs on its hosts (node_install.py), and the startup script runs that installer
+    on them, never pip on a bare package name."""
     from syncswitch.layout import RunLayout
     from syncswitch.requirements import locked_versions, requirements_text
     from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, _metadata
+    from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT
 
     spec = job()
     metadata = _metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k")
     assert metadata["syncswitch-requirements"] == requirements_text()
+    assert metadata["syncswitch-install"] == NODE_INSTALL_SCRIPT.read_text()
     assert ("tensorflow-cpu", "2.21.0", False) in locked_versions()
-    assert len(metadata["syncswitch-requirements"].encode()) < 256 * 1024  # a metadata value's limit
+    assert max(len(value.encode()) for value in metadata.values()) < 256 * 1024  # a value's limit
+    assert sum(len(value.encode()) for value in metadata.values()) < 512 * 1024  # all of them
     script = STARTUP_SCRIPT.read_text()
-    installs = [line.strip() for line in script.splitlines() if 'pip" install' in line]
-    assert installs == ['"$VENV/bin/pip" install -q -r /tmp/syncswitch-requirements.txt'], installs
-    assert "attribute syncswitch-requirements > /tmp/syncswitch-requirements.txt" in script
+    assert not [line for line in script.splitlines() if "pip install" in line or "pip3 install" in line]
+    assert 'attribute syncswitch-install > "$STAGE/node_install.py"' in script
+    assert 'attribute syncswitch-requirements > "$STAGE/requirements.txt"' in script
+    assert '--requirements "$STAGE/requirements.txt" --runtime "$(attribute syncswitch-runtime)"' in script
+
+
+def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_are_in(
+    gcs_bucket: str, tmp_path: Path
+) -> None:
+    """node_install.py on a fixed venv path (a VM's ``python``, an image), with the runtime from the
+    bucket as the VMs fetch it: the first call makes the venv; a call with another runtime replaces
+    only the runtime package (TensorFlow's files untouched); the same call again does nothing."""
+    from syncswitch import storage
+    from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, RuntimeBundle
+
+    bundle = RuntimeBundle.current()
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(bundle.requirements)
+    venv = tmp_path / "opt" / "venv"
+
+    def install(tarball: bytes) -> dict[str, Any]:
+        uri = f"{gcs_bucket}/runs/job/r-{len(tarball)}/cluster/syncswitch.tar.gz"
+        storage.write_bytes(uri, tarball)
+        argv = [sys.executable, str(NODE_INSTALL_SCRIPT), str(venv), "--requirements", str(requirements)]
+        done = subprocess.run([*argv, "--runtime", uri], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert install(bundle.tarball)["installed"] == "all"
+    site = next(venv.glob("lib/python3*/site-packages"))
+    tensorflow = (site / "tensorflow" / "__init__.py").stat()
+    assert not (site / "syncswitch" / "marker.txt").exists()
+
+    changed = io.BytesIO()  # this runtime with one file more: another version of it
+    with (
+        tarfile.open(fileobj=io.BytesIO(bundle.tarball)) as old,
+        tarfile.open(fileobj=changed, mode="w:gz") as new,
+    ):
+        for member in old.getmembers():
+            new.addfile(member, old.extractfile(member) if member.isfile() else None)
+        extra = b"another runtime\n"
+        info = tarfile.TarInfo("syncswitch/marker.txt")
+        info.size = len(extra)
+        new.addfile(info, io.BytesIO(extra))
+    assert install(changed.getvalue())["installed"] == "runtime"
+    assert (site / "syncswitch" / "marker.txt").read_bytes() == b"another runtime\n"
+    assert (site / "tensorflow" / "__init__.py").stat().st_ino == tensorflow.st_ino
+    assert install(changed.getvalue())["installed"] == ""
 
 
 def test_a_gpu_nodes_cuda_tensorflow_at_the_locks_version_satisfies_the_cpu_pin() -> None:

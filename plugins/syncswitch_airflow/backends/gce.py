@@ -64,7 +64,7 @@ from syncswitch_airflow.backends.base import (
     run_cluster_gone,
 )
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
-from syncswitch_airflow.backends.node_runtime import runtime_tarball
+from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_tarball
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 CAPACITY_SETTING = "gce_clusters"
@@ -602,8 +602,10 @@ def _metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str
         "startup-script": STARTUP_SCRIPT.read_text(),
         "syncswitch-runtime": layout.cluster_runtime,
         "syncswitch-python": gce.python,
-        # The runtime's dependencies at the lock's versions (70 lines: well under metadata's 256 KB).
+        # The runtime's dependencies at the lock's versions (70 lines: well under metadata's 256 KB),
+        # and the installer the hosts backend runs on its hosts too.
         "syncswitch-requirements": requirements_text(),
+        "syncswitch-install": NODE_INSTALL_SCRIPT.read_text(),
     }
 
 

@@ -1,26 +1,32 @@
 """Install the training runtime on a cluster node: run there, by any Python 3, with the standard library.
 
-    python3 node_install.py VENV --requirements requirements.txt --runtime syncswitch.tar.gz
+    python3 node_install.py VENV --requirements requirements.txt --runtime syncswitch.tar.gz|gs://...
 
 makes ``VENV`` a virtual environment with the lock's versions of the runtime's dependencies
-(``requirements.txt``: exact pins) and the runtime package (a tarball of ``syncswitch/``), checks it
-against the lock (``python -m syncswitch.requirements --check``), and prints one JSON line:
-``{"python": "VENV/bin/python", "installed": true, "installer": "uv", "seconds": 4.2}``.
+(``requirements.txt``: exact pins) and the runtime package (a tarball of ``syncswitch/``; from a
+bucket, it is fetched with the venv's own google-cloud-storage once the dependencies are in), checks
+it against the lock (``python -m syncswitch.requirements --check``), and prints one JSON line:
+``{"python": "VENV/bin/python", "installed": "all", "installer": "uv", "seconds": 4.2}``.
 
-``VENV`` is named by the content (the hosts backend names it by a hash of both files), so a finished
-one is never changed: a second call finds its marker and returns at once (``"installed": false``).
-Calls for the same ``VENV`` at once (runs that share a host, hosts that share a filesystem) take turns
-on a lock file; a half-made one (a call killed midway) is removed and made again.
+The marker it writes last records digests of both. A later call with the same two finds it and
+returns at once (``"installed": ""``); with the same requirements and another runtime it replaces the
+runtime package only (``"installed": "runtime"``: a Compute Engine VM's fixed venv, or an image made
+with this script, gets each run's runtime without reinstalling TensorFlow); with other requirements,
+or no marker (a call killed midway), it makes the venv again. The hosts backend names ``VENV`` by both
+digests, so there a finished venv is never changed. Calls for one ``VENV`` at once (runs that share a
+host, hosts that share a filesystem) take turns on a lock file.
 
 The installer is ``uv`` where it is on PATH (fast: it links from its cache; ``UV_OFFLINE=1`` for a host
 without a route to the registry), else the venv's ``pip``. Both install exactly the pins; neither
-resolves anything else.
+resolves anything else. On a GPU node (``nvidia-smi`` on PATH) TensorFlow's CUDA build at the lock's
+version takes the CPU build's place.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -65,9 +71,11 @@ def install(python: str, requirements: str, uv: str | None) -> None:
 
 
 def unpack_runtime(python: str, tarball: str) -> None:
-    """The runtime package into the venv's site-packages (pure Python: no build step)."""
+    """The runtime package into the venv's site-packages (pure Python: no build step), replacing one
+    that is there."""
     probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    shutil.rmtree(os.path.join(site, "syncswitch"), ignore_errors=True)
     with tarfile.open(tarball) as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(site, filter="data")
@@ -79,34 +87,68 @@ def unpack_runtime(python: str, tarball: str) -> None:
             tar.extractall(site)
 
 
+def fetch_runtime(python: str, uri: str, into: str) -> str:
+    """A ``gs://`` runtime as a local file, through the venv's google-cloud-storage (the node's
+    credentials); a local path as it is."""
+    if not uri.startswith("gs://"):
+        return uri
+    path = os.path.join(into, "syncswitch-runtime.tar.gz")
+    download = (
+        "import sys; from google.cloud import storage; "
+        "bucket, _, key = sys.argv[1].removeprefix('gs://').partition('/'); "
+        "storage.Client().bucket(bucket).blob(key).download_to_filename(sys.argv[2])"
+    )
+    run([python, "-c", download, uri, path])
+    return path
+
+
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_marker(venv: str) -> dict[str, str]:
+    try:
+        with open(os.path.join(venv, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("venv")
     parser.add_argument("--requirements", required=True)
-    parser.add_argument("--runtime", required=True, help="tarball of the syncswitch package")
+    parser.add_argument(
+        "--runtime", required=True, help="tarball of the syncswitch package, or its gs:// URI"
+    )
     args = parser.parse_args(argv)
     venv = os.path.abspath(args.venv)
     python = os.path.join(venv, "bin", "python")
     os.makedirs(os.path.dirname(venv), exist_ok=True)
-    started = time.monotonic()
+    started, uv = time.monotonic(), shutil.which("uv")
     with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(os.path.join(venv, MARKER)):
-            print(json.dumps({"python": python, "installed": False}))
+        marker = read_marker(venv)
+        installed = "runtime"
+        if marker.get("requirements") != digest(args.requirements):
+            installed = "all"
+            shutil.rmtree(venv, ignore_errors=True)  # another version's, or a half-made one
+            make_venv(venv, uv)
+            install(python, args.requirements, uv)
+        tarball = fetch_runtime(python, args.runtime, os.path.dirname(os.path.abspath(args.requirements)))
+        if installed == "runtime" and marker.get("runtime") == digest(tarball):
+            print(json.dumps({"python": python, "installed": ""}))
             return 0
-        shutil.rmtree(venv, ignore_errors=True)  # a half-made one
-        uv = shutil.which("uv")
-        make_venv(venv, uv)
-        install(python, args.requirements, uv)
-        unpack_runtime(python, args.runtime)
+        unpack_runtime(python, tarball)
         run([python, "-m", "syncswitch.requirements", "--check"])
-        with open(os.path.join(venv, MARKER), "w") as marker:
-            marker.write(f"installed at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        with open(os.path.join(venv, MARKER), "w") as f:
+            json.dump({"requirements": digest(args.requirements), "runtime": digest(tarball)}, f)
     seconds = round(time.monotonic() - started, 1)
     installer = "uv" if uv else "pip"
-    print(json.dumps({"python": python, "installed": True, "installer": installer, "seconds": seconds}))
+    print(json.dumps({"python": python, "installed": installed, "installer": installer, "seconds": seconds}))
     return 0
 
 
