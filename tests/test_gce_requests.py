@@ -251,6 +251,16 @@ def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_ar
     assert install(changed.getvalue())["installed"] == ""
 
 
+def test_the_installers_python_is_the_locks() -> None:
+    """node_install.py makes venvs of the Python the lock was resolved for (its wheels are for it)."""
+    import tomllib
+
+    from syncswitch_airflow.backends import node_install
+
+    workspace = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert workspace["project"]["requires-python"] == f">={node_install.PYTHON_VERSION},<3.12"
+
+
 def test_a_gpu_nodes_cuda_tensorflow_at_the_locks_version_satisfies_the_cpu_pin() -> None:
     """GPU VMs (and GPU hosts that the hosts backend installs) take ``tensorflow[and-cuda]`` where the
     lock has ``tensorflow-cpu``: the version check accepts it at the same version, and only then."""

@@ -36,6 +36,7 @@ import tarfile
 import time
 
 MARKER = ".syncswitch-runtime"
+PYTHON_VERSION = "3.11"  # the lock's (requires-python of the workspace): its wheels are for this one
 
 
 def run(command: list[str]) -> None:
@@ -47,9 +48,26 @@ def run(command: list[str]) -> None:
 
 
 def make_venv(venv: str, uv: str | None) -> str:
+    """A venv of the lock's Python: this interpreter's where it is that version; else uv finds (or
+    downloads) one; without uv another version is refused, naming both."""
     python = os.path.join(venv, "bin", "python")
+    this = f"{sys.version_info.major}.{sys.version_info.minor}"
     if uv:
-        run([uv, "venv", "--quiet", "--python", sys.executable, venv])
+        run(
+            [
+                uv,
+                "venv",
+                "--quiet",
+                "--python",
+                sys.executable if this == PYTHON_VERSION else PYTHON_VERSION,
+                venv,
+            ]
+        )
+    elif this != PYTHON_VERSION:
+        sys.exit(
+            f"{sys.executable} is Python {this}; the runtime's lock is for Python {PYTHON_VERSION}: "
+            f"name a Python {PYTHON_VERSION} interpreter (python=), or put uv on PATH"
+        )
     else:  # Debian's python3 needs its python3-venv package for this
         run([sys.executable, "-m", "venv", venv])
     return python
