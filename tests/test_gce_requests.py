@@ -147,6 +147,8 @@ def test_the_firewall_opens_the_training_ports_to_the_runs_own_vms_only() -> Non
         ("project=sync-proj-1;zones=us-central1-a;max_run_seconds=10", "gce.max_run_seconds", ["600"]),
         ("project=sync-proj-1;zones=mars-1a", "gce.zones", ["us-central1-a"]),
         ("zones=us-central1-a", "gce.project", ["required"]),
+        ("project=sync-proj-1;zones=us-central1-a;python=/usr/bin/python", "gce.python", ["virtualenv"]),
+        ("project=sync-proj-1;zones=us-central1-a;python=/opt/env/python", "gce.python", ["/bin/python"]),
         ("project=sync-proj-1;zones=us-central1-a;colour=blue", "gce.colour", ["accepted", "zones"]),
     ],
 )
@@ -249,6 +251,16 @@ def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_ar
     assert (site / "syncswitch" / "marker.txt").read_bytes() == b"another runtime\n"
     assert (site / "tensorflow" / "__init__.py").stat().st_ino == tensorflow.st_ino
     assert install(changed.getvalue())["installed"] == ""
+
+    # A folder that is not a virtualenv is never replaced (a VM's python= mistyped as a system one).
+    system = tmp_path / "usr"
+    (system / "bin").mkdir(parents=True)
+    argv = [sys.executable, str(NODE_INSTALL_SCRIPT), str(system), "--requirements", str(requirements)]
+    refused = subprocess.run(
+        [*argv, "--runtime", str(tmp_path / "none.tar.gz")], capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "is not a virtualenv: refusing to replace it" in refused.stderr
+    assert (system / "bin").is_dir()
 
 
 def test_the_installers_python_is_the_locks() -> None:

@@ -15,7 +15,8 @@ The ``gce`` param (a dict, or ``key=value`` text separated by ``;``)::
     spot              roles on spot VMs: "worker" (default), "ps", or "none"; never "chief"
     network, subnetwork   the VPC (default "default"); VMs get internal addresses only
     image             boot image (default projects/debian-cloud/global/images/family/debian-12)
-    python            the interpreter with the training runtime on the VMs (backends/gce-startup.sh)
+    python            <venv>/bin/python on the VMs: the virtualenv the startup script makes with the
+                      runtime (backends/gce-startup.sh, node_install.py)
     ssh_user          the login the backend's per-run key is installed for (default syncswitch)
     max_run_seconds   the VMs' server-side time limit (maxRunDuration): a run whose teardown never
                       comes still ends (default 86400)
@@ -155,6 +156,14 @@ class GceSpec:
                 raise SpecError(f"{FIELD}.{name}", f"{value!r} is not a resource name or path")
         if not self.python.startswith("/") or any(c in self.python for c in " '\"$`\\\n"):
             raise SpecError(f"{FIELD}.python", "must be an absolute path without quotes or spaces")
+        # The VMs' startup script makes (and may replace) the virtualenv this interpreter is in.
+        venv, _, name = self.python.rpartition("/bin/")
+        if name not in ("python", "python3") or venv.count("/") < 2:
+            raise SpecError(
+                f"{FIELD}.python",
+                f"{self.python!r} must be a virtualenv's interpreter, /<folder>/<venv>/bin/python, "
+                "which the VMs' startup script makes",
+            )
         if not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", self.ssh_user):
             raise SpecError(f"{FIELD}.ssh_user", f"{self.ssh_user!r} is not a valid user name")
         low, high = MAX_RUN_SECONDS

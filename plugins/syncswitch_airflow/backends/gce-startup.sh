@@ -24,6 +24,6 @@ if ! command -v uv >/dev/null 2>&1 && ! python3 -c "import ensurepip" 2>/dev/nul
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv
 fi
-python3 "$STAGE/node_install.py" "${PYTHON%/bin/python}" \
+python3 "$STAGE/node_install.py" "${PYTHON%/bin/python*}" \
     --requirements "$STAGE/requirements.txt" --runtime "$(attribute syncswitch-runtime)"
 echo "sync-switch runtime ready: $PYTHON"

@@ -120,6 +120,15 @@ def fetch_runtime(python: str, uri: str, into: str) -> str:
     return path
 
 
+def refuse_to_replace(venv: str) -> None:
+    """Only a virtualenv (or nothing, or an empty folder) is ever replaced: a misnamed ``VENV``
+    (a system prefix such as /usr) must fail, not be deleted."""
+    if not os.path.lexists(venv) or (os.path.isdir(venv) and not os.listdir(venv)):
+        return
+    if not os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        sys.exit(f"{venv} exists and is not a virtualenv: refusing to replace it")
+
+
 def digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         installed = "runtime"
         if marker.get("requirements") != digest(args.requirements):
             installed = "all"
+            refuse_to_replace(venv)
             shutil.rmtree(venv, ignore_errors=True)  # another version's, or a half-made one
             make_venv(venv, uv)
             install(python, args.requirements, uv)
