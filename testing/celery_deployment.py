@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import testbed as tb
+import wheels
 from gcs_emulator import GcsEmulator, free_port
 from syncswitch import procs
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
@@ -176,31 +177,14 @@ class Installation:
         """Build both wheels, install them with the lock's versions of everything they need (from
         uv's cache, which the lock's sync filled: seconds)."""
         started = time.monotonic()
-        uv = shutil.which("uv")
-        if uv is None:
-            raise RuntimeError("uv is not on PATH (scripts/_uv.sh installs it)")
         shutil.rmtree(self.folder, ignore_errors=True)
-        dist = self.folder / "dist"
-        for package in ("syncswitch", "airflow-provider-syncswitch"):
-            _check([uv, "build", "--quiet", "--package", package, "--wheel", "--out-dir", str(dist)])
-        constraints = self.folder / "constraints.txt"
-        lock = ["export", "--frozen", "--all-packages", "--no-dev", "--no-emit-workspace", "--no-hashes"]
-        _check([uv, *lock, "--quiet", "-o", str(constraints)])
-        runtime, provider = (
-            next(dist.glob(f"{name}-*.whl")) for name in ("syncswitch", "airflow_provider_syncswitch")
-        )
-        _check([uv, "venv", "--quiet", "--python", sys.executable, str(self.venv)])
-        install = ["pip", "install", "--quiet", "--python", str(self.python), "-c", str(constraints)]
-        _check([uv, *install, str(runtime), f"{provider}[celery]", *DEPLOY_REQUIREMENTS])
+        built = wheels.build_wheels(self.folder / "dist")
+        constraints = wheels.lock_constraints(self.folder / "constraints.txt")
+        runtime, provider = built[wheels.RUNTIME], built[wheels.PROVIDER]
+        wheels.fresh_venv(self.venv, constraints, runtime, f"{provider}[celery]", *DEPLOY_REQUIREMENTS)
         self.plugins_folder.mkdir()
         took = time.monotonic() - started
         log(f"installed {runtime.name} and {provider.name} into {self.venv} in {took:.1f} s")
-
-
-def _check(argv: list[str]) -> None:
-    done = subprocess.run(argv, cwd=PROJECT_DIR, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{argv[0]} {argv[1]} failed: {(done.stderr or done.stdout)[-2000:]}")
 
 
 class CeleryDeployment:

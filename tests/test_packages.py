@@ -15,23 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from wheels import PROVIDER, RUNTIME, build_wheels, fresh_venv, lock_constraints, uv
 
 REPO = Path(__file__).resolve().parents[1]
-RUNTIME, PROVIDER = "syncswitch", "airflow-provider-syncswitch"
-
 pytestmark = pytest.mark.packages
-
-
-def _uv() -> str:
-    found = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
-    assert Path(found).exists(), "uv is not on PATH (scripts/test.sh puts it there)"
-    return found
 
 
 def _run(argv: list[str | Path], *, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess[str]:  # noqa: ANN003
@@ -49,31 +40,14 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("dist")
-    for package in (RUNTIME, PROVIDER):  # not the workspace's test infrastructure (testing/)
-        _run([_uv(), "build", "--package", package, "--wheel", "--out-dir", out], cwd=REPO)
-    built = {path.name.split("-")[0].replace("_", "-"): path for path in out.glob("*.whl")}
+    built = build_wheels(tmp_path_factory.mktemp("dist"))  # not the test infrastructure's (testing/)
     assert set(built) == {RUNTIME, PROVIDER}, sorted(built)
     return built
 
 
 @pytest.fixture(scope="module")
 def constraints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("lock") / "constraints.txt"
-    _run(
-        [_uv(), "export", "--frozen", "--all-packages", "--no-dev", "--no-emit-workspace", "--no-hashes"]
-        + ["--quiet", "-o", path],
-        cwd=REPO,
-    )
-    return path
-
-
-def fresh_venv(folder: Path, constraints: Path, *wheels: Path) -> Path:
-    """A new virtualenv with the wheels and the lock's versions of their dependencies; its bin/."""
-    _run([_uv(), "venv", "--quiet", "--python", sys.executable, folder])
-    python = folder / "bin" / "python"
-    _run([_uv(), "pip", "install", "--quiet", "--python", python, "-c", constraints, *wheels], cwd=folder)
-    return folder / "bin"
+    return lock_constraints(tmp_path_factory.mktemp("lock") / "constraints.txt")
 
 
 # How training/syncswitch/requirements.txt is made from the lock (rerun it after `uv lock`).
@@ -87,7 +61,7 @@ EXPORT_RUNTIME = ["export", "--frozen", "--package", RUNTIME, "--no-dev", "--no-
 
 def test_the_runtimes_requirements_are_the_lock(tmp_path: Path) -> None:
     exported = tmp_path / "requirements.txt"
-    _run([_uv(), *EXPORT_RUNTIME, "-o", exported], cwd=REPO)
+    _run([uv(), *EXPORT_RUNTIME, "-o", exported], cwd=REPO)
     shipped = REPO / "training" / "syncswitch" / "requirements.txt"
     assert shipped.read_text() == exported.read_text(), (
         f"{shipped} is out of date: uv {' '.join(EXPORT_RUNTIME)} -o {shipped.relative_to(REPO)}"

@@ -330,7 +330,7 @@ class HostsBackend:
             "processes": 1 + job.num_workers + job.num_ps,
         }
         try:
-            self._start_servers(handle, cluster_token(layout))
+            self._start_servers(handle, cluster_token(layout), runtime)
         except BaseException:
             self._teardown_hosts(handle)
             raise
@@ -341,17 +341,21 @@ class HostsBackend:
         )
         return handle
 
-    def _start_servers(self, handle: Handle, token: str) -> None:
+    def _start_servers(self, handle: Handle, token: str, runtime: RuntimeBundle | None = None) -> None:
         """Every host's fork server up (started where it is not), its address in the handle; a
         ClusterError names each host that failed and why."""
-        results = on_hosts(handle["hosts"], lambda host: self._start_host(handle, host, token))
+        if runtime is None and any(host.get("install_from") for host in handle["hosts"]):
+            runtime = RuntimeBundle.current()  # a host lost and back may need it again
+        results = on_hosts(handle["hosts"], lambda host: self._start_host(handle, host, token, runtime))
         failures = [str(r) for r in results if isinstance(r, ClusterError)]
         if failures:
             raise ClusterError("; ".join(failures))
         for host, address in zip(handle["hosts"], results, strict=True):
             host["forkserver"] = address
 
-    def _start_host(self, handle: Handle, host: dict[str, Any], token: str) -> str:
+    def _start_host(
+        self, handle: Handle, host: dict[str, Any], token: str, runtime: RuntimeBundle | None
+    ) -> str:
         """Start the host's fork server unless it runs already, or is starting (a provisioning task
         lost midway started it, and its retry is here); returns its TCP address."""
         work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
@@ -364,7 +368,7 @@ class HostsBackend:
             if ready:
                 return ready
             if not self._server_starting(ssh, server_dir):
-                self._launch_server(ssh, handle, host, server_dir)
+                self._launch_server(ssh, handle, host, server_dir, runtime)
             deadline = time.monotonic() + FORKSERVER_READY_S
             while time.monotonic() < deadline:
                 ready = self._server_ready(ssh, server_dir)
@@ -377,12 +381,19 @@ class HostsBackend:
             f"{ssh.where}: its fork server did not listen within {FORKSERVER_READY_S:.0f}s; log:\n{tail}"
         )
 
-    def _launch_server(self, ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
+    def _launch_server(
+        self,
+        ssh: SshSession,
+        handle: Handle,
+        host: dict[str, Any],
+        server_dir: str,
+        runtime: RuntimeBundle | None,
+    ) -> None:
         """The runtime checked (installed first where the deployment says so), then the fork server
         started detached; its pid goes to ``starting.pid`` until it writes ``forkserver.json``."""
         work = host["work_dir"]
-        if host.get("install_from"):
-            self._install_runtime(ssh, handle, host)
+        if runtime is not None and host.get("install_from"):
+            self._install_runtime(ssh, handle, host, runtime)
         # Workers on other TensorFlow or Keras versions than the chief's would not load each
         # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
         ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
@@ -406,13 +417,14 @@ class HostsBackend:
         return ssh.run(f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null')[0] == 0
 
     @staticmethod
-    def _install_runtime(ssh: SshSession, handle: Handle, host: dict[str, Any]) -> None:
+    def _install_runtime(
+        ssh: SshSession, handle: Handle, host: dict[str, Any], runtime: RuntimeBundle
+    ) -> None:
         """The host's runtime venv (``host["python"]``'s), installed unless it is there: the runtime
         and the lock's pins, through node_install.py run by the host's own interpreter."""
-        venv = posixpath.dirname(posixpath.dirname(host["python"]))
+        venv = _runtime_venv(host)
         if ssh.run(f"test -f {shlex.quote(posixpath.join(venv, MARKER))}")[0] == 0:
             return
-        runtime = RuntimeBundle.current()
         if runtime.venv(posixpath.dirname(host["work_dir"])) != venv:
             raise ClusterError(
                 f"{ssh.where}: the runtime was upgraded since this cluster was provisioned, and {venv} "
@@ -506,7 +518,7 @@ class HostsBackend:
             command = stop_processes
             if host.get("install_from"):
                 # A runtime that failed to install ran nothing, and cannot run the stop either.
-                marker = posixpath.join(posixpath.dirname(posixpath.dirname(host["python"])), MARKER)
+                marker = posixpath.join(_runtime_venv(host), MARKER)
                 nothing = json.dumps({"stopped": [], "leftovers": []})
                 command = (
                     f"if [ -f {shlex.quote(marker)} ]; then {stop_processes}; "
@@ -626,6 +638,11 @@ class HostsBackend:
                 f"{outcome['leftovers']}"
             )
         return outcome["stopped"]
+
+
+def _runtime_venv(host: dict[str, Any]) -> str:
+    """The venv of a host record's interpreter (``<venv>/bin/python``)."""
+    return posixpath.dirname(posixpath.dirname(host["python"]))
 
 
 def _by_address(hosts: tuple[HostSpec, ...], addresses: tuple[str, ...]) -> tuple[HostSpec, ...]:

@@ -159,21 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = read_marker(venv)
+        wanted = {"requirements": digest(args.requirements)}
         installed = "runtime"
-        if marker.get("requirements") != digest(args.requirements):
+        if marker.get("requirements") != wanted["requirements"]:
             installed = "all"
             refuse_to_replace(venv)
             shutil.rmtree(venv, ignore_errors=True)  # another version's, or a half-made one
             make_venv(venv, uv)
             install(python, args.requirements, uv)
         tarball = fetch_runtime(python, args.runtime, os.path.dirname(os.path.abspath(args.requirements)))
-        if installed == "runtime" and marker.get("runtime") == digest(tarball):
+        wanted["runtime"] = digest(tarball)
+        if marker == wanted:
             print(json.dumps({"python": python, "installed": ""}))
             return 0
         unpack_runtime(python, tarball)
         run([python, "-m", "syncswitch.requirements", "--check"])
         with open(os.path.join(venv, MARKER), "w") as f:
-            json.dump({"requirements": digest(args.requirements), "runtime": digest(tarball)}, f)
+            json.dump(wanted, f)
     seconds = round(time.monotonic() - started, 1)
     installer = "uv" if uv else "pip"
     print(json.dumps({"python": python, "installed": installed, "installer": installer, "seconds": seconds}))

@@ -2,11 +2,12 @@
 
 Two things make a node's runtime: the runtime package as the Airflow side has it installed (a tarball
 of its folder, so an installed provider ships what it runs, not a checkout) and its dependencies at
-the lock's versions (``syncswitch/requirements.txt``). The gce backend's VMs install both at boot
-(``gce-startup.sh``, from the run's bucket folder). With ``[syncswitch] hosts_runtime = install`` the
-hosts backend installs them on each host over SSH (``node_install.py``) into
-``<work_root>/runtime/<id>``: ``id`` is a hash of both, so a host keeps one venv per version of the
-runtime, which every later run of that version reuses, and an upgrade gets a new one beside it.
+the lock's versions (``syncswitch/requirements.txt``). One installer puts them on a node,
+``node_install.py``: the gce backend's VMs run it at boot (``gce-startup.sh``, the runtime from the
+run's bucket folder); with ``[syncswitch] hosts_runtime = install`` the hosts backend runs it on each
+host over SSH, into ``<work_root>/runtime/<id>``: ``id`` is a hash of both, so a host keeps one venv
+per version of the runtime, which every later run of that version reuses, and an upgrade gets a new
+one beside it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import syncswitch
 from syncswitch.requirements import requirements_text
 
 from syncswitch_airflow import settings
+from syncswitch_airflow.backends.node_install import MARKER
+
+__all__ = ["MARKER", "NODE_INSTALL_SCRIPT", "RuntimeBundle", "hosts_install_runtime", "runtime_tarball"]
 
 RUNTIME_PACKAGE = Path(syncswitch.__file__).resolve().parent
 NODE_INSTALL_SCRIPT = Path(__file__).resolve().with_name("node_install.py")
-MARKER = ".syncswitch-runtime"  # node_install.py's: written last, when the venv is complete
 
 RUNTIME_SETTING = "hosts_runtime"
 INSTALLED, INSTALL = "installed", "install"  # the hosts have it (checked) / the backend installs it
