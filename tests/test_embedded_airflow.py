@@ -12,11 +12,14 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from airflow_runs import segment_starts, state_of
 from proc_utils import ProgressStraggler, assert_no_processes, environ, wait_for
+from syncswitch.layout import RunLayout
 from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.airflow_api import TriggerRejected
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
@@ -117,6 +120,7 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     assert 0.5 < summary["final_accuracy"] <= 1.0
     assert summary["total_seconds"] > 0 and summary["online_switches"] == []
     assert Path(summary["report"]).is_file()
+    assert_segment_1_was_launched_ahead_of_its_task(airflow, summary)
     # Progress was shown (task states; each segment's training steps, up to its last one), then the
     # report's summary lines. Airflow's and our own event logs went to stderr.
     assert any("segment_0.bsp" in line and line.endswith(": success") for line in lines)
@@ -139,6 +143,19 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     # --keep-ui: Airflow is still up and the URL and login were printed.
     assert airflow.is_running() and summary["airflow_url"] == airflow.url
     assert any(airflow.url in line and "password" in line for line in lines)
+
+
+def assert_segment_1_was_launched_ahead_of_its_task(airflow: EmbeddedAirflow, summary: dict) -> None:
+    """Segment 0's trigger launched segment 1 before segment 1's task started; the task followed it
+    (each segment started once)."""
+    layout = RunLayout(summary["run_dir"])
+    launched_at = state_of(layout)["segments"]["1"]["started_at"]
+    task = airflow.api.get_json(
+        f"/api/v2/dags/sync_switch/dagRuns/{quote(summary['run_id'])}/taskInstances/segment_1.asp"
+    )
+    task_started = datetime.fromisoformat(task["start_date"]).timestamp()
+    assert launched_at < task_started, (launched_at, task["start_date"])
+    assert segment_starts(layout) == {0: 1, 1: 1}
 
 
 def assert_the_new_model_ran_the_downstream_dag(airflow: EmbeddedAirflow, summary: dict) -> None:

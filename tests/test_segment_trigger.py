@@ -9,6 +9,7 @@ under asyncio.run; no Airflow database is needed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import sys
 import threading
@@ -22,9 +23,10 @@ from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEven
 from syncswitch import storage
 from syncswitch.events import EventWriter
 from syncswitch.layout import RunLayout
-from syncswitch.state import read_state
+from syncswitch.spec import JobSpec
+from syncswitch.state import new_state, read_state, record_cluster, update_state
 from syncswitch_airflow.backends.local import LocalBackend
-from syncswitch_airflow.triggers.segment import SegmentTrigger
+from syncswitch_airflow.triggers.segment import SegmentTrigger, launch_next
 
 CHIEF = {"bsp": ("worker", 0), "asp": ("chief", 0)}
 
@@ -141,3 +143,43 @@ def test_a_segment_whose_steps_stop_is_failed_after_the_limit(
     assert re.search(r"failed: no new step for \d+ s \(at step 5", logged.out + logged.err)
     # Nothing of the segment is left running, so that the retry starts cleanly.
     assert LocalBackend(launcher["work_dir"]).segment_status(launcher, 0).state == "exited"
+
+
+def run_with_next_entry(layout: RunLayout, handle: dict[str, Any]) -> None:
+    """A run whose plan has segment 1 after segment 0, on the cluster ``handle``."""
+    plan = [
+        {"index": 0, "protocol": "bsp", "until_step": 100, "origin": "plan"},
+        {"index": 1, "protocol": "asp", "until_step": 400, "origin": "plan"},
+    ]
+    update_state(layout, lambda s: s.update(new_state(layout, "r", JobSpec().to_params()), plan=plan))
+    record_cluster(layout, handle)
+
+
+def test_the_next_segment_is_not_launched_ahead_after_a_lost_node_or_twice(
+    layout: RunLayout, launcher: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """launch_next leaves segment 1 to its task when segment 0 lost a node (the launch may have to
+    repair the cluster first), and never starts a segment that runs or ended already."""
+    backend, log = LocalBackend(launcher["work_dir"]), logging.getLogger("test.launch_next")
+    run_with_next_entry(layout, launcher)
+    stream = layout.segment_events(0, "bsp", "launcher", 0)
+    for part in range(2):  # a retried launcher writes on in a new part
+        with EventWriter(stream, run_id="r", segment=0, protocol="bsp", role="launcher", task=0) as events:
+            events.emit("segment_start" if part == 0 else "node_lost", node="worker-1", exit_code=-9)
+    with caplog.at_level(logging.INFO, logger="test.launch_next"):
+        launch_next(layout.root, 0, "bsp", log)
+    assert "segment 0 lost a node; its task launches segment 1" in caplog.text
+    assert backend.segment_status(launcher, 1).state == "unknown"
+
+    storage.write_json(layout.segment_result(1, "asp"), {"index": 1, "end_step": 400})
+    launch_next(layout.root, 0, "asp", log)  # no lost node in this stream; segment 1 has ended
+    assert backend.segment_status(launcher, 1).state == "unknown"
+
+    storage.delete(layout.segment_result(1, "asp"))
+    backend.launch_command(launcher, 1, [sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        running = backend.segment_status(launcher, 1)
+        launch_next(layout.root, 0, "asp", log)
+        assert backend.segment_status(launcher, 1).pid == running.pid
+    finally:
+        backend.stop_segment(launcher, 1, grace_seconds=2)

@@ -21,7 +21,7 @@ from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
-from syncswitch.state import new_state, read_state, update_state
+from syncswitch.state import new_state, read_state, record_segment, update_state
 from syncswitch_airflow.sensors.straggler import DEFAULT_SWITCH_GAP_SECONDS, StragglerSensor, apply_switch
 from syncswitch_airflow.triggers import straggler as straggler_trigger
 from syncswitch_airflow.triggers.straggler import StragglerTrigger
@@ -351,6 +351,20 @@ def test_a_retried_switch_is_not_inserted_twice(layout: RunLayout) -> None:
     state = apply_switch(layout, item, record)
     assert len(state["plan"]) == 3
     assert [d["plan_changed"] for d in state["decisions"]] == [True, False]
+
+
+def test_a_switch_that_comes_after_the_segments_result_changes_nothing(layout: RunLayout) -> None:
+    """The result's trigger may have launched the next entry already: the plan stands and nothing is
+    stopped (the sensor then records a stay)."""
+    start_run(layout, "greedy")
+    record_segment(layout, 0, {"index": 0, "protocol": "bsp", "end_step": 100.0, "stopped_early": False})
+    item = {"index": 0, "protocol": "bsp", "until_step": 100, "origin": "plan"}
+    before = read_state(layout)
+    assert apply_switch(layout, item, {"segment": 0, "action": "switch", "reason": "test"}) is None
+    after = read_state(layout)
+    assert after is not None and before is not None
+    assert after["plan"] == before["plan"] and not after.get("decisions")
+    assert not storage.exists(layout.stop_request(0))
 
 
 def test_policy_none_records_the_detection_and_keeps_watching(layout: RunLayout) -> None:

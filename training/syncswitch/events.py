@@ -88,17 +88,33 @@ def part_uri(uri: str, part: int) -> str:
     return f"{base}.part{part:04d}{ext}"
 
 
-def _next_part(uri: str) -> int:
-    """The first part number of stream ``uri`` that no file holds yet."""
+def _parts(uri: str) -> list[int]:
+    """The part numbers of stream ``uri`` that files hold, in order."""
     folder, name = uri.rsplit("/", 1)
     stem = re.escape(os.path.splitext(name)[0])
     pattern = re.compile(rf"{stem}(?:\.part(\d{{4}}))?\.jsonl")
-    parts = [
+    return sorted(
         int(match.group(1) or 0)
         for path in storage.list_files(folder, ".jsonl")
         if path.rsplit("/", 1)[0] == folder and (match := pattern.fullmatch(path.rsplit("/", 1)[1]))
+    )
+
+
+def _next_part(uri: str) -> int:
+    """The first part number of stream ``uri`` that no file holds yet."""
+    parts = _parts(uri)
+    return parts[-1] + 1 if parts else 0
+
+
+def read_stream(uri: str, *, event: str | None = None) -> list[dict[str, Any]]:
+    """The events of one process's stream ``uri``, every part of it (a retried launcher writes on in
+    a new part), in the order written."""
+    return [
+        record
+        for part in _parts(uri)
+        for record in parse_lines(storage.read_text(part_uri(uri, part), default=""))
+        if event is None or record.get("event") == event
     ]
-    return max(parts) + 1 if parts else 0
 
 
 class EventWriter:

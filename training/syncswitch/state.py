@@ -138,11 +138,16 @@ def record_decision(layout: RunLayout, decision: dict[str, Any]) -> State:
 
 def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
     """Record an online switch decision and rewrite the plan in one update: the entry after ``item``
-    runs the other protocol to the same target. Repeating it does not insert the switch twice."""
+    runs the other protocol to the same target. Repeating it does not insert the switch twice.
+
+    Once the segment's result is recorded the plan stands (the next entry may be launched already)
+    and nothing changes: the returned state then holds ``segments[index]``."""
     index = item["index"]
     new_protocol = plans.other_protocol(item["protocol"])
 
     def mutate(state: State) -> None:
+        if str(index) in state.get("segments", {}):
+            return
         current = state.get("plan", [])
         following = plans.entry(current, index + 1)
         already = (

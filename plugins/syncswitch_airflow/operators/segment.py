@@ -2,7 +2,9 @@
 
 Slot ``i`` of the DAG has one SegmentOperator per protocol (``segment_<i>_bsp``, ``segment_<i>_asp``).
 The one whose protocol matches ``state["plan"]`` entry ``i`` launches the segment on the cluster and
-defers to SegmentTrigger; the other skips, and so do both when the plan has no entry ``i``.
+defers to SegmentTrigger; the other skips, and so do both when the plan has no entry ``i``. Mostly the
+segment is running already: the trigger of segment ``i - 1`` launches entry ``i`` as soon as it has
+recorded its own result (``triggers.segment.launch_next``), and the task follows it.
 
 The task ends on the triggerer (``end_from_trigger``): when the segment ends, the trigger records its
 result in state.json and finishes the task itself, so no worker process is started just to close it,
@@ -17,7 +19,6 @@ does not launch again.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,13 +28,20 @@ from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
-from syncswitch.state import State, straggler_reference_time
+from syncswitch.state import State
 
 from syncswitch_airflow.backends import ClusterError, get_backend
 from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import require_state
-from syncswitch_airflow.triggers.segment import SegmentTrigger, is_finished, read_result, record_result
+from syncswitch_airflow.triggers.segment import (
+    SegmentTrigger,
+    is_finished,
+    launch_entry,
+    launch_next,
+    read_result,
+    record_result,
+)
 
 PROTOCOL_COLORS = {"bsp": "#cfe2f3", "asp": "#fde5cc"}
 
@@ -50,7 +58,7 @@ class SegmentOperator(BaseOperator):
         slot: int,
         protocol: str,
         run_dir: Any,
-        poll_seconds: float = 0.5,
+        poll_seconds: float = 0.25,
         log_seconds: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -85,11 +93,11 @@ class SegmentOperator(BaseOperator):
                 "run %s: segment %d already ended; not launching it again", state["run_id"], self.slot
             )
             return self._record(result)
-        backend = get_backend(handle["backend"])
-        if backend.segment_status(handle, self.slot).running:
-            self.log.info("run %s: segment %d is still running; waiting for it", state["run_id"], self.slot)
+        if get_backend(handle["backend"]).segment_status(handle, self.slot).running:
+            # Launched by the trigger of the segment before, or by an earlier try of this task.
+            self.log.info("run %s: segment %d is running; following it", state["run_id"], self.slot)
         else:
-            self._launch(backend, state, job, entry, stale_result=result is not None)
+            self._launch(state, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
                 run_dir=self.run_dir,
@@ -104,33 +112,14 @@ class SegmentOperator(BaseOperator):
             method_name="execute_complete",
         )
 
-    def _launch(
-        self, backend: Any, state: State, job: JobSpec, entry: dict[str, Any], stale_result: bool
-    ) -> None:
+    def _launch(self, state: State, entry: dict[str, Any], stale_result: bool) -> None:
         if stale_result:
             # The trigger must not mistake an earlier attempt's result for this one's.
             storage.delete(self.layout.segment_result(self.slot, self.protocol))
-        reference = straggler_reference_time(self.layout, self.protocol, time.time())
-        spec = job.segment_spec(entry, state["run_id"], state["run_dir"])
-        user_code = state.get("user_code") or {}
-        spec = spec.replace(
-            straggler_reference_time=reference,
-            usr_code_uri=user_code.get("uri", ""),
-            usr_code_digest=user_code.get("digest", ""),
-        )
         try:
-            record = backend.launch_segment(state["cluster"], spec)
+            launch_entry(self.run_dir, state, entry, self.log)
         except ClusterError as err:
             raise AirflowException(f"cannot launch segment {self.slot}: {err}") from None
-        self.log.info(
-            "run %s: segment %d (%s) launched to step %s (pid %s, log %s)",
-            state["run_id"],
-            self.slot,
-            self.protocol,
-            entry["until_step"],
-            record.get("pid"),
-            record.get("log"),
-        )
 
     @with_bucket_credentials
     def execute_complete(self, context: Context, event: Any) -> dict[str, Any]:
@@ -143,6 +132,10 @@ class SegmentOperator(BaseOperator):
 
     def _record(self, result: dict[str, Any]) -> dict[str, Any]:
         try:
-            return record_result(self.run_dir, self.slot, result, self.log)
+            summary = record_result(self.run_dir, self.slot, result, self.log)
         except plans.PlanError as err:
             raise AirflowException(f"segment {self.slot} ended at an impossible step: {err}") from None
+        # As the trigger does: a short segment may end before its trigger starts (1-3 s of triggerer
+        # loops); nothing then launched the next one yet.
+        launch_next(self.run_dir, self.slot, self.protocol, self.log)
+        return summary

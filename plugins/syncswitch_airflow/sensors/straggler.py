@@ -269,9 +269,12 @@ def decision_record(
     }
 
 
-def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
-    """Record the decision and rewrite the plan in one state update, then request the graceful stop."""
+def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State | None:
+    """Record the decision and rewrite the plan in one state update, then request the graceful stop.
+    None, and nothing done, where the segment's result was recorded first (the plan then stands)."""
     state = switch_plan(layout, item, record)
+    if str(item["index"]) in state.get("segments", {}):
+        return None
     storage.write_text(layout.stop_request(item["index"]), f"{record['action']}: {record['reason']}\n")
     return state
 

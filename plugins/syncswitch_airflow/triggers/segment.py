@@ -4,8 +4,8 @@ It polls the run folder (``result.json``; the chief's ``step`` events through th
 ``syncswitch.events.EventTail``) and the cluster backend (is the launcher still alive?), and ends the
 segment task itself (``end_from_trigger``):
 
-    success   record the SegmentResult in state.json (record_result), then TaskSuccessEvent with the
-              task's XCom (the segment summary)
+    success   record the SegmentResult in state.json (record_result), launch the plan's next
+              entry (launch_next), then TaskSuccessEvent with the task's XCom (the segment summary)
     failure   log the reason and the launcher's log tail, stop whatever of the segment still runs (so
               that a retry starts cleanly from the latest checkpoint), then TaskFailedEvent (Airflow
               turns it into up_for_retry while retries are left)
@@ -14,6 +14,13 @@ Storage and ``/proc`` reads run in a thread, with the bucket connection's creden
 (``BucketHook.in_thread``), so the triggerer's event loop is never blocked. Progress goes to the task
 log every ``log_seconds``. A segment whose step stops moving is failed by the rule of
 ``syncswitch.stall`` (the launcher applies it first; the trigger only when the launcher itself hangs).
+
+The next segment starts here, not in its own task: between the two segment tasks Airflow needs the
+triggerer's next loop (up to 1 s, 3.3 s seen), the scheduler's next loop and a task start, 2-4 s of
+every switch gap on the demo job. Its task finds the segment running and follows it (as a retry
+does), and launches it itself where this launch failed. The plan cannot move under the launch: an
+online switch is refused once the segment's result is recorded (``syncswitch.state.apply_switch``),
+and the next entry is read after that record.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
+from syncswitch import plan as plans
 from syncswitch import storage
-from syncswitch.events import EventTail
+from syncswitch.events import EventTail, read_stream
 from syncswitch.layout import RunLayout
+from syncswitch.spec import JobSpec
 from syncswitch.stall import DEFAULT_STALL_SECONDS, TRIGGER_GRACE_SECONDS, StallWatch
-from syncswitch.state import record_segment
+from syncswitch.state import State, read_state, record_segment, straggler_reference_time
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
@@ -91,6 +100,63 @@ def record_result(run_dir: str, index: int, result: dict[str, Any], log: Any) ->
     }
 
 
+def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Launch plan ``entry`` of the run on its cluster; the backend's launch record. The segment's
+    spec comes from the job and the entry alone, whoever launches it (its task or the trigger of the
+    segment before). Raises ``ClusterError``."""
+    protocol = entry["protocol"]
+    reference = straggler_reference_time(RunLayout(run_dir), protocol, time.time())
+    user_code = state.get("user_code") or {}
+    spec = JobSpec.from_params(state["job"]).segment_spec(entry, state["run_id"], state["run_dir"])
+    spec = spec.replace(
+        straggler_reference_time=reference,
+        usr_code_uri=user_code.get("uri", ""),
+        usr_code_digest=user_code.get("digest", ""),
+    )
+    record = get_backend(state["cluster"]["backend"]).launch_segment(state["cluster"], spec)
+    log.info(
+        "run %s: segment %d (%s) launched to step %s (pid %s, log %s)",
+        state["run_id"],
+        entry["index"],
+        protocol,
+        entry["until_step"],
+        record.get("pid"),
+        record.get("log"),
+    )
+    return record
+
+
+def launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
+    """Launch the plan entry after segment ``index`` (whose result is recorded), unless there is
+    none or it is already running or ended. A failure is only logged: its task launches it then.
+
+    A segment that lost a node leaves the next launch to its task: that launch may first repair the
+    cluster (a lost host's fork server, a preempted VM's replacement: minutes), or shrink it, and
+    this segment's task would wait for it."""
+    layout = RunLayout(run_dir)
+    state = read_state(layout) or {}
+    entry = plans.entry(state.get("plan", []), index + 1)
+    if entry is None or not state.get("cluster"):
+        return
+    if read_stream(layout.segment_events(index, protocol, "launcher", 0), event="node_lost"):
+        run_id = state.get("run_id")
+        log.info("run %s: segment %d lost a node; its task launches segment %d", run_id, index, index + 1)
+        return
+    try:
+        if get_backend(state["cluster"]["backend"]).segment_status(state["cluster"], index + 1).running:
+            return
+        if read_result(run_dir, index + 1, entry["protocol"]) is not None:
+            return
+        launch_entry(run_dir, state, entry, log)
+    except Exception as exc:  # noqa: BLE001 - the next segment's task launches it instead
+        log.warning(
+            "run %s: segment %d not launched ahead of its task (%s); the task will launch it",
+            state.get("run_id"),
+            index + 1,
+            exc,
+        )
+
+
 class SegmentTrigger(BaseTrigger):
     """Fires when segment ``index`` of the run in ``run_dir`` ends, fails, or stalls."""
 
@@ -103,7 +169,7 @@ class SegmentTrigger(BaseTrigger):
         handle: Handle,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
         stall_grace_seconds: float = TRIGGER_GRACE_SECONDS,
-        poll_seconds: float = 0.5,
+        poll_seconds: float = 0.25,
         progress_seconds: float = 2.0,
         log_seconds: float = 30.0,
     ) -> None:
@@ -198,6 +264,7 @@ class SegmentTrigger(BaseTrigger):
         except Exception as exc:  # noqa: BLE001 - the task must end either way, with the reason logged
             self.log.error("%s: cannot record its result: %s", self.label, exc)
             return TaskFailedEvent()
+        await self.bucket.in_thread(launch_next, self.run_dir, self.index, self.protocol, self.log)
         return TaskSuccessEvent(xcoms={"return_value": summary})
 
     async def _launcher_gone(self, backend: Any, exit_code: int | None) -> TriggerEvent:
