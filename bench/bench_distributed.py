@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/bench_distributed.py                    # ~20 minutes on 2 cores
     sudo .venv/bin/python bench/bench_distributed.py --only-concurrent  # part 2 alone
+    sudo .venv/bin/python bench/bench_distributed.py --only-side-by-side  # part 1 alone
 
 Side by side in one run, on one testbed and one GCS emulator:
 
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-segment-steps", type=int, default=2000)
     p.add_argument("--sample-seconds", type=float, default=20.0)
     p.add_argument("--concurrent-steps", type=int, default=200)
-    p.add_argument("--only-concurrent", action="store_true", help="skip part 1 (the side-by-side job)")
+    parts = p.add_mutually_exclusive_group()
+    parts.add_argument("--only-concurrent", action="store_true", help="skip part 1 (the side-by-side job)")
+    parts.add_argument("--only-side-by-side", action="store_true", help="skip part 2 (the concurrent runs)")
     args = p.parse_args(argv)
     reason = missing_prerequisites()
     if reason:
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
     os.environ["SYNCSWITCH_SSH_KNOWN_HOSTS"] = bed.known_hosts_path
     results: dict[str, dict[str, Any]] = {}
+    concurrent = None
     try:
         bucket = "gs://bench-distributed"
         storage.gcs_client().create_bucket(bucket.removeprefix("gs://"))
@@ -245,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.sample_seconds,
                     str(deployment.root),
                 )
-            log("Celery deployment: four runs of one job at once, a pool of six hosts, room for two clusters")
-            concurrent = concurrent_runs(deployment, bucket, set_a + set_b, args.concurrent_steps)
+            if not args.only_side_by_side:
+                log("Celery deployment: four runs of one job at once, six hosts, room for two clusters")
+                concurrent = concurrent_runs(deployment, bucket, set_a + set_b, args.concurrent_steps)
     except BenchError as exc:
         print(f"bench_distributed: {exc}", file=sys.stderr)
         return 1
@@ -285,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             f"mean switch gap x{fmt(mean_gap[celery] / mean_gap[base], 2)}"
         )
         print()
+    if concurrent is None:
+        return 0
     runs, shared_hosts, most = concurrent
     print(
         markdown_table(
