@@ -234,9 +234,10 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
 
     1. worker 0 is lost while segment 0's task waits deferred (the segment trains on the hosts): the
        segment goes on untouched; the worker comes back as a new machine, with an empty disk;
-    2. worker 1 is lost while it launches the online ASP segment (the task runs): Airflow fails that
-       try once its heartbeat is missed, and the retry runs on a replacement worker on another
-       machine, which finds the segment running (or launches it) and follows it; a task the lost worker
+    2. worker 1 is lost while it runs the online ASP segment's task (which follows the segment that
+       segment 0's trigger launched, or launches it): Airflow fails that try once its heartbeat is
+       missed, and the retry runs on a replacement worker on another machine, which finds the
+       segment running (or ended) and follows it (or records it); a task the lost worker
        had received but not started (the segment's watcher, at times) is requeued by the scheduler;
     3. PostgreSQL is restarted while that happens;
     4. the scheduler is killed while segment 2 trains (its supervisor starts it again).
