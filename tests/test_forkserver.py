@@ -99,6 +99,28 @@ def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
     assert forkserver.status(str(server_dir)) == forkserver.ABSENT
 
 
+def test_a_server_whose_folder_goes_while_it_starts_never_serves(tmp_path: Path) -> None:
+    """A teardown right after provisioning may not see the server it just started (Popen returns
+    before the child's environment shows in /proc). Its folder removed while it imports, the server
+    exits by itself and does not make the folder again; ``kill_started`` stops it sooner."""
+    late, killed = tmp_path / "late", tmp_path / "killed"
+    process = forkserver.start(str(late), die_with_parent=True)
+    other = forkserver.start(str(killed), die_with_parent=True)
+    try:
+        for path in late.iterdir():
+            path.unlink()
+        late.rmdir()
+        assert process.wait(timeout=READY_TIMEOUT) == 0
+        assert not late.exists()
+        assert forkserver.kill_started(str(killed)) == other.pid
+        assert other.wait(timeout=10) == -signal.SIGKILL
+        assert forkserver.kill_started(str(killed)) is None  # that process is gone: nothing to do
+    finally:
+        for proc in (process, other):
+            if proc.poll() is None:
+                proc.kill()
+
+
 def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None:
     node, _ = fork_ps(server, tmp_path)
     assert Path(f"/proc/{node.pid}/comm").read_text().strip() == "ss-ps-0"

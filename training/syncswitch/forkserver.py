@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import storage
-from syncswitch.procs import is_alive
+from syncswitch.procs import is_alive, read_stat, signal_pid
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -181,6 +181,9 @@ class ForkServer:
     def serve(self) -> int:
         started = time.monotonic()
         preload()  # SIGTERM still kills at once here: nothing to clean up yet
+        if not os.path.isdir(self.server_dir):
+            log(f"pid {os.getpid()}: {self.server_dir} is gone (torn down while it imported); not serving")
+            return 0
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -195,15 +198,16 @@ class ForkServer:
             remote.bind((self.tcp_host, port))
             self._add_listener(remote)
             tcp = f"{self.tcp_host}:{remote.getsockname()[1]}"
-        storage.write_json(
-            os.path.join(self.server_dir, READY_FILE),
-            {
-                "pid": os.getpid(),
-                "address": address_for(self.server_dir).replace("\0", "@"),
-                "tcp": tcp,
-                "preload_seconds": round(time.monotonic() - started, 2),
-            },
-        )
+        ready = {
+            "pid": os.getpid(),
+            "address": address_for(self.server_dir).replace("\0", "@"),
+            "tcp": tcp,
+            "preload_seconds": round(time.monotonic() - started, 2),
+        }
+        if not write_in_own_folder(os.path.join(self.server_dir, READY_FILE), ready):
+            log(f"pid {os.getpid()}: {self.server_dir} is gone (torn down while it started); not serving")
+            self._shutdown()
+            return 0
         log(f"pid {os.getpid()} ready in {time.monotonic() - started:.1f}s" + (f", tcp {tcp}" if tcp else ""))
         while not self.stopping and os.path.isdir(self.server_dir):
             for key, _ in self.selector.select(TICK_SECONDS):
@@ -411,9 +415,24 @@ def main(argv: list[str] | None = None) -> int:
             token = f.read().strip()
         if len(token) < 16:
             parser.error(f"--token-file {args.token_file}: the token is shorter than 16 characters")
-    os.makedirs(args.server_dir, exist_ok=True)
-    storage.write_json(os.path.join(args.server_dir, PID_FILE), {"pid": os.getpid()})
+    if not write_in_own_folder(os.path.join(args.server_dir, PID_FILE), pid_record(os.getpid())):
+        log(f"pid {os.getpid()}: {args.server_dir} is gone (torn down before it started); not serving")
+        return 0
     return ForkServer(args.server_dir, args.listen, token).serve()
+
+
+def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:
+    """Write ``record`` to ``path`` atomically unless its folder is gone (False). Whoever starts the
+    server makes its folder and a teardown removes it; a server that made it again (storage's writes
+    do) would serve in it with no one left to stop it."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(temp, path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # ---- client -------------------------------------------------------------------------------------
@@ -437,8 +456,29 @@ def start(
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - only prctl
         )
     # Written here too, so that wait_ready sees the server starting from this moment on.
-    storage.write_json(os.path.join(server_dir, PID_FILE), {"pid": proc.pid})
+    storage.write_json(os.path.join(server_dir, PID_FILE), pid_record(proc.pid))
     return proc
+
+
+def pid_record(pid: int) -> dict[str, Any]:
+    """``{"pid", "start_ticks"}``: the start time tells the server from a later process of that pid."""
+    stat = read_stat(pid)
+    return {"pid": pid, "start_ticks": stat.start_ticks if stat else None}
+
+
+def kill_started(server_dir: str, timeout: float = 10.0) -> int | None:
+    """SIGKILL the server recorded in ``server_dir`` if that very process still runs, and wait for it
+    to go; its pid, or None. A teardown's scan of /proc by environment misses a server started a few
+    milliseconds before: Popen returns while the child's exec has not yet set up its environment."""
+    record = storage.read_json(os.path.join(server_dir, PID_FILE), default=None) or {}
+    pid, ticks = record.get("pid"), record.get("start_ticks")
+    if pid is None or ticks is None or not is_alive(pid, ticks):
+        return None
+    signal_pid(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while is_alive(pid, ticks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pid
 
 
 READY, STARTING, ABSENT = "ready", "starting", "absent"

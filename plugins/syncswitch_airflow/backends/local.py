@@ -145,7 +145,9 @@ class LocalBackend:
         outcome = supervise.ProcessScope(records, CLUSTER_ENV, work_dir).stop(TEARDOWN_GRACE_S)
         if outcome["leftovers"]:
             raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {outcome['leftovers']}")
-        terminated = outcome["stopped"]
+        # A fork server started a moment ago may not show its environment to that scan yet.
+        late_server = forkserver.kill_started(handle["forkserver_dir"])
+        terminated = outcome["stopped"] + ([late_server] if late_server is not None else [])
         shutil.rmtree(work_dir, ignore_errors=True)
         self.capacity().release(handle.get("run", ""))
         log.info(
