@@ -159,7 +159,7 @@ def test_the_next_segment_is_not_launched_ahead_after_a_lost_node_or_twice(
     layout: RunLayout, launcher: dict, caplog: pytest.LogCaptureFixture
 ) -> None:
     """launch_next leaves segment 1 to its task when segment 0 lost a node (the launch may have to
-    repair the cluster first), and never starts a segment that runs or ended already."""
+    repair the cluster first), never starts a segment that runs or ended already, and never raises."""
     backend, log = LocalBackend(launcher["work_dir"]), logging.getLogger("test.launch_next")
     run_with_next_entry(layout, launcher)
     stream = layout.segment_events(0, "bsp", "launcher", 0)
@@ -183,3 +183,9 @@ def test_the_next_segment_is_not_launched_ahead_after_a_lost_node_or_twice(
         assert backend.segment_status(launcher, 1).pid == running.pid
     finally:
         backend.stop_segment(launcher, 1, grace_seconds=2)
+
+    # Whatever goes wrong is logged, never raised: the segment's task must end either way.
+    record_cluster(layout, {**launcher, "backend": "no-such-backend"})
+    with caplog.at_level(logging.INFO, logger="test.launch_next"):
+        launch_next(layout.root, 0, "asp", log)
+    assert "run r: segment 1 not launched ahead of its task" in caplog.text

@@ -31,11 +31,14 @@ next segment's task started 0.8-1.9 s after the previous one ended, in every swi
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from airflow.executors.local_executor import LocalExecutor
+
+log = logging.getLogger(__name__)
 
 # Longest an executor heartbeat waits for a worker's result; with the embedded Airflow's idle sleep
 # (tools/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop.
@@ -88,13 +91,19 @@ class WarmLocalExecutor(LocalExecutor):
 
 
 def deferred_count() -> int:
-    """How many task instances are deferred now."""
+    """How many task instances are deferred now; 0 where the database does not answer (the wait is
+    then the plain one: this is only a shortcut, and must never stop the scheduler)."""
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from airflow.utils.state import TaskInstanceState
 
-    with create_session() as session:
-        return session.query(TaskInstance).filter(TaskInstance.state == TaskInstanceState.DEFERRED).count()
+    try:
+        with create_session() as session:
+            query = session.query(TaskInstance).filter(TaskInstance.state == TaskInstanceState.DEFERRED)
+            return query.count()
+    except Exception as exc:  # noqa: BLE001 - e.g. a locked or restarting database
+        log.debug("cannot count the deferred tasks: %s", exc)
+        return 0
 
 
 def wait_for_an_end(

@@ -128,11 +128,20 @@ def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) ->
 
 def launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
     """Launch the plan entry after segment ``index`` (whose result is recorded), unless there is
-    none or it is already running or ended. A failure is only logged: its task launches it then.
+    none or it is already running or ended. Never raises: a failure is logged, and the next
+    segment's task launches it then.
 
     A segment that lost a node leaves the next launch to its task: that launch may first repair the
     cluster (a lost host's fork server, a preempted VM's replacement: minutes), or shrink it, and
     this segment's task would wait for it."""
+    try:
+        _launch_next(run_dir, index, protocol, log)
+    except Exception as exc:  # noqa: BLE001 - the next segment's task launches it instead
+        run = run_dir.rstrip("/").rsplit("/", 1)[-1]  # the run folder is named after the run
+        log.warning("run %s: segment %d not launched ahead of its task (%s); it will be", run, index + 1, exc)
+
+
+def _launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
     layout = RunLayout(run_dir)
     state = read_state(layout) or {}
     entry = plans.entry(state.get("plan", []), index + 1)
@@ -142,19 +151,10 @@ def launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
         run_id = state.get("run_id")
         log.info("run %s: segment %d lost a node; its task launches segment %d", run_id, index, index + 1)
         return
-    try:
-        if get_backend(state["cluster"]["backend"]).segment_status(state["cluster"], index + 1).running:
-            return
-        if read_result(run_dir, index + 1, entry["protocol"]) is not None:
-            return
+    if get_backend(state["cluster"]["backend"]).segment_status(state["cluster"], index + 1).running:
+        return
+    if read_result(run_dir, index + 1, entry["protocol"]) is None:
         launch_entry(run_dir, state, entry, log)
-    except Exception as exc:  # noqa: BLE001 - the next segment's task launches it instead
-        log.warning(
-            "run %s: segment %d not launched ahead of its task (%s); the task will launch it",
-            state.get("run_id"),
-            index + 1,
-            exc,
-        )
 
 
 class SegmentTrigger(BaseTrigger):
