@@ -4,11 +4,13 @@ triggers on their own (first_event)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent
 from proc_utils import wait_for
@@ -16,6 +18,7 @@ from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
+from syncswitch_airflow.tools.airflow_api import AirflowApi
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 DAG_ID = "sync_switch"
@@ -189,3 +192,12 @@ def first_event(trigger: BaseTrigger, timeout: float = 30.0) -> dict[str, Any]:
         raise AssertionError("the trigger ended without an event")
 
     return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def task_log(api: AirflowApi, run_id: str, task_id: str, try_number: int = 1) -> str:
+    """A sync_switch task's log as the UI shows it (the api-server fetches it from where it ran)."""
+    body = api.get_json(
+        f"/api/v2/dags/sync_switch/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/{try_number}"
+        "?full_content=true"
+    )
+    return "\n".join(json.dumps(item) if isinstance(item, dict) else str(item) for item in body["content"])

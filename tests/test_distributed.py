@@ -9,7 +9,6 @@ task that needed something an earlier task left on its worker's disk would fail 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 import testbed as tb
@@ -28,6 +26,7 @@ from airflow_runs import (
     checkpoint_step,
     component_pid,
     segment_starts,
+    task_log,
     wait_for_restart,
 )
 from celery_deployment import PROJECT_DIR, CeleryDeployment, missing_prerequisites
@@ -173,15 +172,6 @@ def task_instances(deployment: CeleryDeployment, run_id: str) -> dict[str, dict[
         f"/api/v2/dags/sync_switch/dagRuns/{run_id}/taskInstances?limit=100"
     )
     return {ti["task_id"]: ti for ti in body["task_instances"]}
-
-
-def task_log(deployment: CeleryDeployment, run_id: str, task_id: str, try_number: int = 1) -> str:
-    """A task's log as the UI shows it: the api-server fetches it from the worker's log server."""
-    body = deployment.airflow.api.get_json(
-        f"/api/v2/dags/sync_switch/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/{try_number}"
-        "?full_content=true"
-    )
-    return "\n".join(json.dumps(item) if isinstance(item, dict) else str(item) for item in body["content"])
 
 
 def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines() -> None:
@@ -362,7 +352,7 @@ def test_101_on_compute_engine_vms_with_every_task_on_another_worker_than_the_on
     assert run_state["cost"]["total"] > 0  # the ledger of VMs that other workers created
     # The api-server reads a task's log from the log server of the worker that ran it (one API
     # secret key for all: otherwise a 403 and Airflow's "same secret_key" hint instead of the log).
-    log = task_log(deployment, run_id, "provision_cluster")
+    log = task_log(deployment.airflow.api, run_id, "provision_cluster")
     assert "secret_key" not in log and f"run {run_id}" in log, log[-2000:]
 
 
