@@ -230,7 +230,8 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
        segment running (or ended) and follows it (or records it); a task the lost worker
        had received but not started (the segment's watcher, at times) is requeued by the scheduler;
     3. PostgreSQL is restarted while that happens;
-    4. the scheduler is killed while segment 2 trains (its supervisor starts it again).
+    4. the scheduler is killed once the online segment's task is done, while segments 2 and 3 are
+       to run (its supervisor starts it again).
     The run succeeds, each segment is started once (no training lost or repeated), and nothing of
     the cluster is left."""
     conf = {
@@ -279,7 +280,8 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
         deployment.restart_postgres(down_seconds=5.0)
         deployment.start_worker(1, host=spare)
         restarted.join()
-        run.wait(lambda: task_state("segment_2.asp") == "deferred", "segment 2 deferred")
+        # Segment 2 may have been launched by segment 1's trigger and ended before its own task ran.
+        run.wait(lambda: task_state("segment_1.asp") == "success", "the online segment's task done")
         scheduler = component_pid(deployment.airflow, "scheduler")
         os.kill(scheduler, signal.SIGKILL)
         wait_for_restart(deployment.airflow, "scheduler", scheduler)
