@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import storage
-from syncswitch.procs import is_alive, read_stat, signal_pid
+from syncswitch.procs import is_alive, read_stat, signal_pid, wait_until
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -181,9 +181,6 @@ class ForkServer:
     def serve(self) -> int:
         started = time.monotonic()
         preload()  # SIGTERM still kills at once here: nothing to clean up yet
-        if not os.path.isdir(self.server_dir):
-            log(f"pid {os.getpid()}: {self.server_dir} is gone (torn down while it imported); not serving")
-            return 0
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -475,9 +472,7 @@ def kill_started(server_dir: str, timeout: float = 10.0) -> int | None:
     if pid is None or ticks is None or not is_alive(pid, ticks):
         return None
     signal_pid(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while is_alive(pid, ticks) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not is_alive(pid, ticks), timeout, poll=0.05)
     return pid
 
 

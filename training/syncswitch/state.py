@@ -136,6 +136,11 @@ def record_decision(layout: RunLayout, decision: dict[str, Any]) -> State:
     return update_state(layout, lambda s: s.setdefault("decisions", []).append(decision))
 
 
+def segment_recorded(state: State, index: int) -> bool:
+    """Whether segment ``index``'s result is in the run's state (record_segment)."""
+    return str(index) in state.get("segments", {})
+
+
 def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
     """Record an online switch decision and rewrite the plan in one update: the entry after ``item``
     runs the other protocol to the same target. Repeating it does not insert the switch twice.
@@ -146,7 +151,7 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
     new_protocol = plans.other_protocol(item["protocol"])
 
     def mutate(state: State) -> None:
-        if str(index) in state.get("segments", {}):
+        if segment_recorded(state, index):
             return
         current = state.get("plan", [])
         following = plans.entry(current, index + 1)

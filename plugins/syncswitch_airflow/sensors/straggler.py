@@ -26,7 +26,7 @@ from airflow.sdk.exceptions import AirflowSkipException, DownstreamTasksSkipped
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
-from syncswitch.state import State, read_state, record_decision
+from syncswitch.state import State, read_state, record_decision, segment_recorded
 from syncswitch.state import apply_switch as switch_plan
 
 from syncswitch_airflow.detector import DetectorConfig, Verdict
@@ -159,7 +159,7 @@ class StragglerSensor(BaseSensorOperator):
 
     @staticmethod
     def _segment_ended(layout: RunLayout, state: State, item: dict[str, Any]) -> bool:
-        return str(item["index"]) in state.get("segments", {}) or storage.exists(
+        return segment_recorded(state, item["index"]) or storage.exists(
             layout.segment_result(item["index"], item["protocol"])
         )
 
@@ -273,7 +273,7 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
     """Record the decision and rewrite the plan in one state update, then request the graceful stop.
     None, and nothing done, where the segment's result was recorded first (the plan then stands)."""
     state = switch_plan(layout, item, record)
-    if str(item["index"]) in state.get("segments", {}):
+    if segment_recorded(state, item["index"]):
         return None
     storage.write_text(layout.stop_request(item["index"]), f"{record['action']}: {record['reason']}\n")
     return state
