@@ -42,11 +42,11 @@ def airflow(embedded_airflow: EmbeddedAirflow) -> EmbeddedAirflow:
 
 
 def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAirflow) -> None:
-    health = airflow.health()
+    health = airflow.api.health()
     for component in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
         assert health[component]["status"] == "healthy", health
     assert airflow.url.startswith("http://127.0.0.1:")
-    assert airflow.import_errors() == []
+    assert airflow.api.import_errors() == []
     assert airflow.api.token()  # the fixed admin password from the password file logs in
     assert airflow.is_running() and airflow.started_here
 

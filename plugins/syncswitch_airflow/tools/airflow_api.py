@@ -75,6 +75,14 @@ class AirflowApi:
             self._token = body["access_token"]
         return self._token
 
+    def health(self) -> dict[str, Any]:
+        """Every component's status (``/api/v2/monitor/health``; no login needed)."""
+        return self.get_json("/api/v2/monitor/health", auth=False)
+
+    def import_errors(self) -> list[dict[str, Any]]:
+        """The DAG files that do not import, with their tracebacks."""
+        return self.get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
+
     def unpause(self, dag_id: str) -> None:
         self.set_paused(dag_id, False)
 

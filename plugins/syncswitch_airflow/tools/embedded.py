@@ -9,9 +9,10 @@
 The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
 ``dags/`` and ``plugins/``, sized for a 2-core machine. Its components (scheduler, dag-processor,
 triggerer, api-server) run under ``syncswitch_airflow.tools.airflow_supervisor``, which restarts any that
-dies and says so in ``embedded.log``. Its files, ports and settings are ``instance.py``'s. This
-module talks to Airflow over HTTP and processes only; it never imports Airflow, so the CLI starts
-fast and bad flags fail before anything heavy is loaded.
+dies and says so in ``embedded.log``. Its files, ports and settings are ``instance.py``'s; waiting
+for it to serve is ``boot.py``'s; its REST client is ``airflow_api.py``'s. This module talks to
+Airflow over HTTP and processes only; it never imports Airflow, so the CLI starts fast and bad flags
+fail before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +33,8 @@ from typing import Any
 
 from syncswitch import procs
 
-from syncswitch_airflow.tools.airflow_api import (
-    AirflowApi,
-    AirflowError,
-    quote,
-)
+from syncswitch_airflow.tools import boot
+from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError
 from syncswitch_airflow.tools.airflow_supervisor import read_status
 from syncswitch_airflow.tools.instance import (
     ADMIN_PASSWORD,
@@ -49,16 +46,6 @@ from syncswitch_airflow.tools.instance import (
     instance_marker,
     pick_port,
 )
-
-BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
-# Booting takes 25-50 s on an idle 2-core machine and several minutes on a loaded one; the limit only
-# guards against waiting forever, and is configurable.
-DEFAULT_BOOT_TIMEOUT_S = 1800.0
-_BOOT_PROGRESS_EVERY_S = 15.0
-
-
-class DagImportError(AirflowError):
-    """A DAG file in the project's dags folder does not import; the message holds the traceback."""
 
 
 class AirflowGone(AirflowError):
@@ -99,7 +86,7 @@ class EmbeddedAirflow:
 
     @property
     def port(self) -> int:
-        return self._require_record().port
+        return self.record().port
 
     @property
     def url(self) -> str:
@@ -107,7 +94,7 @@ class EmbeddedAirflow:
 
     def env(self, record: InstanceRecord | None = None) -> dict[str, str]:
         """The environment every Airflow process of this instance runs with (``instance.InstanceHome``)."""
-        return self.files.env(record or self._require_record(), self.settings_overrides)
+        return self.files.env(record or self.record(), self.settings_overrides)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -117,7 +104,7 @@ class EmbeddedAirflow:
         ``timeout`` (default ``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT`` or 30 minutes) bounds the whole boot;
         a progress line every 15 s says what it is still waiting for."""
         self.home.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + (timeout if timeout is not None else boot_timeout())
+        deadline = time.monotonic() + (timeout if timeout is not None else boot.boot_timeout())
         with self._start_lock():
             record = self.running_instance()
             if record is not None:
@@ -125,21 +112,8 @@ class EmbeddedAirflow:
                 self._log.info("reusing embedded Airflow pid %d at %s", record.pid, self.url)
             else:
                 self._spawn()
-            self._wait_healthy(deadline)
-        # The api-server builds the execution API (the one tasks call) on its first request: ~7 s here,
-        # which the first task of the first run would wait for. Build it while the DAGs parse.
-        warm_up = threading.Thread(target=self._warm_execution_api, name="warm-execution-api", daemon=True)
-        warm_up.start()
-        self.reserialize(deadline)
-        for dag_id in wait_for_dags:
-            self.wait_for_dag(dag_id, deadline)
-        warm_up.join(max(deadline - time.monotonic(), 0.0))
-
-    def _warm_execution_api(self) -> None:
-        try:
-            self.api.request("GET", "/execution/health", auth=False)
-        except (OSError, AirflowError) as exc:  # only a warm-up: the first task pays for it instead
-            self._log.debug("execution API warm-up failed: %s", exc)
+            boot.wait_healthy(self, deadline)
+        boot.wait_for_dags(self, wait_for_dags, deadline)
 
     def _spawn(self) -> None:
         api_port = pick_port(self.requested_port)
@@ -188,7 +162,8 @@ class EmbeddedAirflow:
     def is_running(self) -> bool:
         return self.running_instance() is not None
 
-    def _require_record(self) -> InstanceRecord:
+    def record(self) -> InstanceRecord:
+        """The running instance's record (following one that another process restarted), or raise."""
         if self._record is None or not procs.is_alive(self._record.pid):
             self._adopt(self.running_instance())
         if self._record is None:
@@ -205,50 +180,6 @@ class EmbeddedAirflow:
                 self._process.poll()  # reap it if it was ours
                 self._process = None
 
-    def health(self) -> dict[str, Any]:
-        return self.api.get_json("/api/v2/monitor/health", auth=False)
-
-    def _wait_healthy(self, deadline: float) -> None:
-        started = time.monotonic()
-        next_report = started + _BOOT_PROGRESS_EVERY_S
-        waiting_for = "no answer yet"
-        while True:
-            self._check_alive()
-            try:
-                health = self.health()
-            except (OSError, AirflowError):
-                waiting_for = "the api-server to answer"
-            else:
-                unhealthy = sorted(
-                    name
-                    for name in ("metadatabase", "scheduler", "triggerer", "dag_processor")
-                    if (health.get(name) or {}).get("status") != "healthy"
-                )
-                if not unhealthy:
-                    self._check_port_is_ours()
-                    self._log.info("embedded Airflow healthy at %s", self.url)
-                    return
-                waiting_for = f"{', '.join(unhealthy)} to report healthy"
-            now = time.monotonic()
-            if now >= deadline:
-                raise AirflowError(
-                    f"Airflow not healthy after {now - started:.0f} s: waiting for {waiting_for} "
-                    f"(raise ${BOOT_TIMEOUT_ENV} on a busy machine); see {self.log_path}"
-                )
-            if now >= next_report:
-                next_report = now + _BOOT_PROGRESS_EVERY_S
-                self._log.info(
-                    "embedded Airflow booting for %.0f s (%s): waiting for %s",
-                    now - started,
-                    self.supervisor_phase(),
-                    waiting_for,
-                )
-            time.sleep(1.0)
-
-    def supervisor_phase(self) -> str:
-        status = read_status(self.home)
-        return status.get("phase", "starting") if status else "starting"
-
     def component_restarts(self) -> dict[str, dict[str, Any]]:
         """name -> {restarts, last_exit} of every component the supervisor restarted."""
         status = read_status(self.home) or {}
@@ -258,18 +189,8 @@ class EmbeddedAirflow:
             if c.get("restarts")
         }
 
-    def _check_port_is_ours(self) -> None:
-        """A healthy answer on our port could come from another Airflow that took the port between
-        pick_port() and our api-server's bind; then everything we do would go to the wrong instance."""
-        record = self._require_record()
-        owners = procs.listening_pids(record.port)
-        if owners is not None and not owners & set(procs.processes_in_group(record.pid)):
-            raise AirflowError(
-                f"port {record.port} is served by process(es) {sorted(owners)}, not by this Airflow in "
-                f"{self.home}; our api-server could not bind it (see {self.log_path}). Run again."
-            )
-
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise AirflowGone when no supervisor of this home runs any more (waits poll it)."""
         if self._process is not None and self._process.poll() is not None:
             code = self._process.returncode
             self._adopt(self.running_instance())  # someone else may have started it again
@@ -283,38 +204,6 @@ class EmbeddedAirflow:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return f"(no {self.log_path.name})"
-
-    def reserialize(self, deadline: float) -> None:
-        """Parse the dags folder now instead of waiting for the dag-processor's next refresh."""
-        self._log.info("reserializing DAGs from %s", self.dags_folder)
-        try:
-            result = self.command("dags", "reserialize", timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired:
-            raise AirflowError("`airflow dags reserialize` did not finish in time") from None
-        if result.returncode != 0:
-            raise AirflowError(
-                f"`airflow dags reserialize` failed:\n{(result.stderr or result.stdout)[-3000:]}"
-            )
-
-    def import_errors(self) -> list[dict[str, Any]]:
-        return self.api.get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
-
-    def wait_for_dag(self, dag_id: str, deadline: float) -> None:
-        """Wait until ``dag_id`` is serialized, active and free of import errors."""
-        while time.monotonic() < deadline:
-            self._check_alive()
-            errors = self.import_errors()
-            if errors:
-                raise DagImportError(
-                    "DAG import errors in the dags folder:\n"
-                    + "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '').rstrip()}" for e in errors)
-                )
-            status, dag = self.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
-            if status == 200 and not dag.get("is_stale", False):
-                self._log.info("DAG %s is ready", dag_id)
-                return
-            time.sleep(1.0)
-        raise AirflowError(f"DAG {dag_id!r} did not appear in {self.dags_folder}; see {self.log_path}")
 
     def stop(self, timeout: float = 45.0) -> None:
         """SIGTERM the instance's supervisor, wait (it gives its components 30 s), SIGKILL what is
@@ -371,7 +260,7 @@ class EmbeddedAirflow:
 
         return procs.wait_until(gone, timeout)
 
-    # ---- REST ------------------------------------------------------------------------------
+    # ---- clients -----------------------------------------------------------------------------
 
     def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
         """An ``airflow`` CLI command against this instance (its home, database and settings)."""
@@ -390,19 +279,5 @@ class EmbeddedAirflow:
         """The REST client of the running instance (its URL; log in as the admin user)."""
         if self._api is None:
             # The URL as a callable: a client handed out before a restart follows the new instance.
-            self._api = AirflowApi(
-                lambda: self.url, ADMIN_USER, ADMIN_PASSWORD, check_alive=self._check_alive
-            )
+            self._api = AirflowApi(lambda: self.url, ADMIN_USER, ADMIN_PASSWORD, check_alive=self.check_alive)
         return self._api
-
-
-# ---- helpers ------------------------------------------------------------------------------------
-
-
-def boot_timeout() -> float:
-    """``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT`` seconds, or 30 minutes."""
-    raw = os.environ.get(BOOT_TIMEOUT_ENV)
-    try:
-        return float(raw) if raw else DEFAULT_BOOT_TIMEOUT_S
-    except ValueError:
-        raise AirflowError(f"{BOOT_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
