@@ -83,6 +83,22 @@ def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = No
         server.stop()
 
 
+def offline_uv_env(tmp_path: Path) -> dict[str, str]:
+    """PATH with uv, and uv offline on this machine's cache: how a testbed host (no route to a
+    registry) installs the runtime. Every pin of the lock is put in the cache first (a no-op where the
+    test command's ``uv sync`` filled it); skips where uv is not on PATH."""
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH (scripts/test.sh puts it there)")
+    requirements = Path(storage.__file__).with_name("requirements.txt")
+    warm = tmp_path / "warm-cache"
+    subprocess.run([uv, "venv", "-q", str(warm)], check=True)
+    subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), "-r", str(requirements)], check=True)
+    cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    path = f"{os.path.dirname(uv)}:/usr/local/bin:/usr/bin:/bin"
+    return {"PATH": path, "UV_OFFLINE": "1", "UV_CACHE_DIR": cache}
+
+
 # The tests on the session's embedded Airflow (conftest ``embedded_airflow``), by test id prefix: under
 # ``pytest -n N --dist loadgroup`` (scripts/test.sh) they all go to one xdist worker, so that one
 # Airflow serves them. Collection fails on a test that uses the fixture and is not listed here.

@@ -9,9 +9,13 @@ above the HTTP boundary is the code users run: the backend, the hosts backend, t
 
 from __future__ import annotations
 
+import http.server
+import importlib.metadata
 import os
 import shutil
+import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +24,13 @@ from typing import Any
 import pytest
 import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
-from conftest import ANONYMOUS_GOOGLE_CONNECTION, new_bucket, running_testbed, storage_on_gateway
+from conftest import (
+    ANONYMOUS_GOOGLE_CONNECTION,
+    new_bucket,
+    offline_uv_env,
+    running_testbed,
+    storage_on_gateway,
+)
 from fake_compute import FakeComputeEngine
 from google.cloud import compute_v1
 from proc_utils import wait_for
@@ -32,7 +42,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
-from syncswitch_airflow.backends.gce import GceBackend
+from syncswitch_airflow.backends.gce import GceBackend, vm_metadata
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
@@ -173,6 +183,86 @@ def test_the_reaper_deletes_the_vms_of_a_run_whose_teardown_never_came(
     assert sorted(reaped) == sorted(h["name"] for h in handle["hosts"])
     assert_nothing_left(fake, bed)
     backend.capacity().release(handle["run"])
+
+
+# ---- a VM's boot ----------------------------------------------------------------------------------
+
+
+class MetadataServer(http.server.ThreadingHTTPServer):
+    """Compute Engine's metadata server for one VM: its custom attributes at
+    ``/computeMetadata/v1/instance/attributes/<key>``, only to requests with ``Metadata-Flavor: Google``
+    (as the real one). ``served`` lists the keys it answered."""
+
+    PREFIX = "/computeMetadata/v1/instance/attributes/"
+
+    def __init__(self, address: str, attributes: dict[str, str]) -> None:
+        self.attributes, self.served = attributes, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                key = self.path.removeprefix(MetadataServer.PREFIX)
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    self.send_error(403, "Missing Metadata-Flavor:Google header")
+                elif not self.path.startswith(MetadataServer.PREFIX) or key not in server.attributes:
+                    self.send_error(404)
+                else:
+                    body = server.attributes[key].encode()
+                    server.served.append(key)
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # noqa: ANN401 - quiet
+                pass
+
+        super().__init__((address, 80), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_the_startup_script_installs_the_runtime_on_a_vm_from_its_metadata(
+    bed: tb.Testbed, fake: FakeComputeEngine, bucket: str, tmp_path: Path
+) -> None:
+    """What a VM runs at boot (backends/gce-startup.sh), every line, on a testbed host (the fake
+    Compute API runs no startup scripts): its attributes, the metadata the backend gives its VMs,
+    from a metadata server at ``metadata.google.internal`` (the host's own /etc/hosts, which
+    ``ip netns exec`` mounts from /etc/netns); the runtime's wheel from the run's bucket folder as the
+    backend uploads it, fetched by the node's storage client; the venv where ``python`` says. The
+    host has no route to a registry: uv installs offline from this machine's cache."""
+    layout = RunLayout.for_run(bucket, "gce", "boot")
+    GceBackend._upload_runtime(layout)
+    python = tmp_path / "opt" / "syncswitch" / ".venv" / "bin" / "python"
+    gce = JobSpec.from_params(conf(bucket, gce=gce_param(python=str(python)))).gce
+    attributes = vm_metadata(gce, layout, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBoot boot@test")
+    host = bed.add_host()
+    etc = Path("/etc/netns") / host.name
+    env = {**offline_uv_env(tmp_path), "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"]}
+    script = tmp_path / "startup-script"
+    script.write_text(attributes["startup-script"])
+    try:
+        etc.mkdir(parents=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{bed.gateway} metadata.google.internal\n")
+        server = MetadataServer(bed.gateway, attributes)
+        try:
+            boot = bed.exec(host, ["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+        finally:
+            server.shutdown()
+            server.server_close()
+    finally:
+        shutil.rmtree(etc, ignore_errors=True)
+        bed.remove_host(host)
+    assert boot.returncode == 0, boot.stdout[-2000:] + boot.stderr[-3000:]
+    assert boot.stdout.strip().splitlines()[-1] == f"sync-switch runtime ready: {python}"
+    wanted = {"syncswitch-python", "syncswitch-install", "syncswitch-requirements", "syncswitch-runtime"}
+    assert set(server.served) == wanted
+    # What the backend then waits for over SSH, and the runtime as a distribution at the lock's pins.
+    subprocess.run([str(python), "-c", "import syncswitch.forkserver"], check=True, timeout=120)
+    subprocess.run([str(python), "-m", "syncswitch.requirements", "--check"], check=True, timeout=120)
+    probe = "import importlib.metadata as m; print(m.version('syncswitch'))"
+    shown = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == importlib.metadata.version("syncswitch")
+    assert not bed.hosts
 
 
 # ---- end to end through the DAG -------------------------------------------------------------------

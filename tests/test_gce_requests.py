@@ -5,11 +5,12 @@ REST client sends is checked field by field (spot, GPUs, labels, network, time l
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import subprocess
 import sys
-import tarfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,10 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
 def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_are_in(
     gcs_bucket: str, tmp_path: Path
 ) -> None:
-    """node_install.py on a fixed venv path (a VM's ``python``, an image), with the runtime from the
-    bucket as the VMs fetch it: the first call makes the venv; a call with another runtime replaces
-    only the runtime package (TensorFlow's files untouched); the same call again does nothing."""
+    """node_install.py on a fixed venv path (a VM's ``python``, an image), with the runtime's wheel
+    from the bucket as the VMs fetch it: the first call makes the venv and installs the runtime as a
+    distribution; a call with another build of it (same version) reinstalls only the runtime
+    (TensorFlow's files untouched); the same call again does nothing."""
     from syncswitch import storage
     from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, RuntimeBundle
 
@@ -223,30 +225,35 @@ def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_ar
     requirements.write_text(bundle.requirements)
     venv = tmp_path / "opt" / "venv"
 
-    def install(tarball: bytes) -> dict[str, Any]:
-        uri = f"{gcs_bucket}/runs/job/r-{len(tarball)}/cluster/syncswitch.tar.gz"
-        storage.write_bytes(uri, tarball)
+    def install(wheel: bytes) -> dict[str, Any]:
+        uri = f"{gcs_bucket}/runs/job/r-{len(wheel)}/cluster/syncswitch-runtime.whl"  # the run layout's name
+        storage.write_bytes(uri, wheel)
         argv = [sys.executable, str(NODE_INSTALL_SCRIPT), str(venv), "--requirements", str(requirements)]
         done = subprocess.run([*argv, "--runtime", uri], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    assert install(bundle.tarball)["installed"] == "all"
+    assert install(bundle.wheel.content)["installed"] == "all"
     site = next(venv.glob("lib/python3*/site-packages"))
     tensorflow = (site / "tensorflow" / "__init__.py").stat()
     assert not (site / "syncswitch" / "marker.txt").exists()
+    python = str(venv / "bin" / "python")
+    probe = "import importlib.metadata as m; print(m.version('syncswitch'), len(m.files('syncswitch')))"
+    version, files = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    # An installed distribution (its metadata and RECORD), not loose files in site-packages.
+    assert version == importlib.metadata.version("syncswitch") and int(files) > 10
+    assert (venv / "bin" / "syncswitch").is_file()  # with its console script
 
-    changed = io.BytesIO()  # this runtime with one file more: another version of it
-    with (
-        tarfile.open(fileobj=io.BytesIO(bundle.tarball)) as old,
-        tarfile.open(fileobj=changed, mode="w:gz") as new,
-    ):
-        for member in old.getmembers():
-            new.addfile(member, old.extractfile(member) if member.isfile() else None)
-        extra = b"another runtime\n"
-        info = tarfile.TarInfo("syncswitch/marker.txt")
-        info.size = len(extra)
-        new.addfile(info, io.BytesIO(extra))
+    changed = io.BytesIO()  # this runtime with one file more: another build of the same version
+    with zipfile.ZipFile(io.BytesIO(bundle.wheel.content)) as old, zipfile.ZipFile(changed, "w") as new:
+        for entry in old.infolist():
+            data = old.read(entry)
+            if entry.filename.endswith(".dist-info/RECORD"):
+                data += b"syncswitch/marker.txt,,\n"
+            new.writestr(entry, data)
+        new.writestr("syncswitch/marker.txt", b"another runtime\n")
     assert install(changed.getvalue())["installed"] == "runtime"
     assert (site / "syncswitch" / "marker.txt").read_bytes() == b"another runtime\n"
     assert (site / "tensorflow" / "__init__.py").stat().st_ino == tensorflow.st_ino
@@ -256,11 +263,68 @@ def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_ar
     system = tmp_path / "usr"
     (system / "bin").mkdir(parents=True)
     argv = [sys.executable, str(NODE_INSTALL_SCRIPT), str(system), "--requirements", str(requirements)]
-    refused = subprocess.run(
-        [*argv, "--runtime", str(tmp_path / "none.tar.gz")], capture_output=True, text=True
-    )
+    refused = subprocess.run([*argv, "--runtime", str(tmp_path / "none.whl")], capture_output=True, text=True)
     assert refused.returncode != 0 and "is not a virtualenv: refusing to replace it" in refused.stderr
     assert (system / "bin").is_dir()
+
+
+def test_without_uv_the_runtime_wheel_is_installed_by_the_venvs_pip(tmp_path: Path) -> None:
+    """An image without uv: the runtime's wheel goes in with the venv's own pip, under the file name
+    pip requires (the bucket's is fixed); installed again at the same version, it is reinstalled.
+    (The dependencies' pip install needs the registry and ~600 MB of TensorFlow: not run here.)"""
+    from syncswitch_airflow.backends import node_install
+    from syncswitch_airflow.backends.node_runtime import runtime_wheel
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    fetched = tmp_path / "syncswitch-runtime.whl"  # as fetch_runtime saves it from the bucket
+    fetched.write_bytes(runtime_wheel().content)
+    for attempt in (1, 2):
+        node_install.install_runtime(python, node_install.wheel_named(str(fetched), str(tmp_path)), uv=None)
+        listed = subprocess.run(
+            [python, "-m", "pip", "show", "--files", "syncswitch"], capture_output=True, text=True, check=True
+        ).stdout
+        assert f"Version: {importlib.metadata.version('syncswitch')}" in listed, (attempt, listed)
+        assert "syncswitch/forkserver.py" in listed
+    assert (tmp_path / f"syncswitch-{importlib.metadata.version('syncswitch')}-py3-none-any.whl").is_file()
+
+
+def test_the_runtime_wheel_is_reproducible_and_installable_as_a_distribution(tmp_path: Path) -> None:
+    """The wheel the backends ship: the same files give the same bytes (its hash names the venv), every
+    file of the installed package is in it with its RECORD hash, and its name is the installers'."""
+    import base64
+    import hashlib
+
+    from syncswitch_airflow.backends.node_runtime import RUNTIME_PACKAGE, runtime_wheel
+
+    wheel = runtime_wheel()
+    assert runtime_wheel() == wheel
+    version = importlib.metadata.version("syncswitch")
+    assert wheel.filename == f"syncswitch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(io.BytesIO(wheel.content)) as archive:
+        names = archive.namelist()
+        info = f"syncswitch-{version}.dist-info"
+        record = archive.read(f"{info}/RECORD").decode().splitlines()
+        for line in record:
+            name, hashed, size = line.rsplit(",", 2)
+            if name == f"{info}/RECORD":
+                continue
+            data = archive.read(name)
+            assert (
+                hashed
+                == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            )
+            assert int(size) == len(data)
+        assert "syncswitch = syncswitch.cli:main" in archive.read(f"{info}/entry_points.txt").decode()
+        assert "Name: syncswitch" in archive.read(f"{info}/METADATA").decode()
+    package = {
+        f"syncswitch/{p.relative_to(RUNTIME_PACKAGE).as_posix()}"
+        for p in RUNTIME_PACKAGE.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert package and package == {n for n in names if n.startswith("syncswitch/")}
+    assert len(record) == len(names)
 
 
 def test_the_installers_python_is_the_locks() -> None:

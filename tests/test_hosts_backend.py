@@ -10,11 +10,11 @@ testbed); skipped otherwise with ensure_prerequisites()'s reason.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +28,14 @@ import pytest
 import syncswitch
 import testbed as tb
 from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
-from conftest import GcsEmulator, new_bucket, running_testbed, ssh_connection, storage_on_gateway
+from conftest import (
+    GcsEmulator,
+    new_bucket,
+    offline_uv_env,
+    running_testbed,
+    ssh_connection,
+    storage_on_gateway,
+)
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
@@ -328,17 +335,8 @@ def test_hosts_runtime_install_puts_the_locks_versions_on_the_hosts_once_per_ver
     it; teardown leaves it for the next run, which installs nothing. The testbed's hosts have no route
     to a registry: uv installs from this machine's cache (which the test command's ``uv sync`` filled),
     offline, through ``hosts_env``."""
-    uv = shutil.which("uv")
-    if uv is None:
-        pytest.skip("uv is not on PATH (scripts/test.sh puts it there)")
-    requirements = Path(syncswitch.__file__).with_name("requirements.txt")
-    # Every pin's index entry and wheel in uv's cache: a no-op where the lock was synced from it.
-    warm = tmp_path / "warm-cache"
-    subprocess.run([uv, "venv", "-q", str(warm)], check=True)
-    subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), "-r", str(requirements)], check=True)
-    cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
-    path = f"{os.path.dirname(uv)}:/usr/local/bin:/usr/bin:/bin"
-    monkeypatch.setenv("SYNCSWITCH_HOSTS_ENV", f"PATH={path};UV_OFFLINE=1;UV_CACHE_DIR={cache}")
+    hosts_env = ";".join(f"{name}={value}" for name, value in offline_uv_env(tmp_path).items())
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_ENV", hosts_env)
     root = tmp_path / "hosts-root"
     hosts = [f"{h},work_root={root}" for h in host_params(bed)[:2]]
     backend = HostsBackend()
@@ -385,13 +383,17 @@ def test_hosts_runtime_install_puts_the_locks_versions_on_the_hosts_once_per_ver
     python = str(venv / "bin" / "python")
     subprocess.run([python, "-m", "syncswitch.requirements", "--check"], check=True)
     probe = (
-        "import syncswitch, importlib.metadata as m; print(syncswitch.__file__, m.version('tensorflow-cpu'))"
+        "import syncswitch, importlib.metadata as m; "
+        "print(syncswitch.__file__, m.version('tensorflow-cpu'), m.version('syncswitch'))"
     )
-    where, version = subprocess.run(
+    where, version, runtime_version = subprocess.run(
         [python, "-c", probe], capture_output=True, text=True, check=True
     ).stdout.split()
     assert where.startswith(str(venv))
     assert version == {name: pin for name, pin, _ in locked_versions()}["tensorflow-cpu"]
+    # The runtime as a distribution (installed from its wheel), with its console script.
+    assert runtime_version == importlib.metadata.version("syncswitch")
+    assert (venv / "bin" / "syncswitch").is_file()
 
     # The next run finds it: nothing installed, the venv untouched.
     marker = venv / MARKER

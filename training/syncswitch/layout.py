@@ -12,7 +12,7 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     tensorboard/                        scalars of the whole logical run, keyed by global step
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
     report/                             summary.json, index.html, *.png
-    cluster/syncswitch-runtime.tar.gz   gce clusters: the runtime the VMs' startup script installs
+    cluster/syncswitch-runtime.whl      gce clusters: the runtime's wheel the VMs' startup script installs
     cluster/usercode-<digest>.tar.gz    hosts and gce clusters: the job's usr_dir, as every node imports it
     cluster/secrets/token               hosts and gce clusters: the fork servers' token; made once, private
     cluster/secrets/ssh_key             gce clusters: the run's SSH key (OpenSSH PEM); both gone at teardown
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 _CKPT_RE = re.compile(r"ckpt-(\d{12})$")
 
 
-CLUSTER_RUNTIME = "cluster/syncswitch-runtime.tar.gz"
+CLUSTER_RUNTIME = "cluster/syncswitch-runtime.whl"
 
 
 def join(*parts: str) -> str:

@@ -64,7 +64,7 @@ from syncswitch_airflow.backends.base import (
     run_cluster_gone,
 )
 from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
-from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_tarball
+from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_wheel
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 CAPACITY_SETTING = "gce_clusters"
@@ -193,7 +193,7 @@ class GceBackend:
             public_key = _ensure_key(cloud["key"])
             self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
             self._upload_runtime(layout)
-            self._create_vms(layout, cloud, plan, gce, _metadata(gce, layout, public_key))
+            self._create_vms(layout, cloud, plan, gce, vm_metadata(gce, layout, public_key))
             hosts = _host_specs(cloud, _active_vms(layout, cloud))
             _wait_for_ssh(hosts)
             handle = self.hosts.start_cluster(job, hosts, layout)
@@ -211,7 +211,7 @@ class GceBackend:
     @staticmethod
     def _upload_runtime(layout: RunLayout) -> None:
         """What the VMs' startup script installs (backends/gce-startup.sh): this runtime, as it is here."""
-        storage.write_bytes(layout.cluster_runtime, runtime_tarball())
+        storage.write_bytes(layout.cluster_runtime, runtime_wheel().content)
 
     def _create_vms(
         self,
@@ -312,7 +312,7 @@ class GceBackend:
         attempt = int(vm.get("attempt", 0)) + 1
         new = _vm_from_record(vm).replacement(attempt)
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
-        metadata = _metadata(gce, layout, _ensure_key(cloud["key"]))
+        metadata = vm_metadata(gce, layout, _ensure_key(cloud["key"]))
         body = instance_body(new, gce, labels, cloud["tag"], metadata)
         state.record_vm(
             layout,
@@ -594,7 +594,7 @@ def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostS
     )
 
 
-def _metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
+def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
     """The per-run login, and what the startup script installs the runtime from."""
     return {
         "ssh-keys": f"{gce.ssh_user}:{public_key}",

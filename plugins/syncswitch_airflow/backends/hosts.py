@@ -435,7 +435,7 @@ class HostsBackend:
         files = {
             "node_install.py": NODE_INSTALL_SCRIPT.read_text(),
             "requirements.txt": runtime.requirements,
-            "syncswitch.tar.gz": runtime.tarball,
+            runtime.wheel.filename: runtime.wheel.content,
         }
         for name, content in files.items():
             ssh.write_file(posixpath.join(staging, name), content)
@@ -450,7 +450,7 @@ class HostsBackend:
                 "--requirements",
                 posixpath.join(staging, "requirements.txt"),
                 "--runtime",
-                posixpath.join(staging, "syncswitch.tar.gz"),
+                posixpath.join(staging, runtime.wheel.filename),
             ]
         )
         done = ssh.json(f"cd / && {command}", "installing the runtime", timeout=INSTALL_TIMEOUT_S)

@@ -1,16 +1,16 @@
 """Install the training runtime on a cluster node: run there, by any Python 3, with the standard library.
 
-    python3 node_install.py VENV --requirements requirements.txt --runtime syncswitch.tar.gz|gs://...
+    python3 node_install.py VENV --requirements requirements.txt --runtime syncswitch-*.whl|gs://...
 
 makes ``VENV`` a virtual environment with the lock's versions of the runtime's dependencies
-(``requirements.txt``: exact pins) and the runtime package (a tarball of ``syncswitch/``; from a
-bucket, it is fetched with the venv's own google-cloud-storage once the dependencies are in), checks
-it against the lock (``python -m syncswitch.requirements --check``), and prints one JSON line:
+(``requirements.txt``: exact pins) and the runtime distribution (its wheel, under any file name;
+from a bucket, it is fetched with the venv's own google-cloud-storage once the dependencies are in),
+checks it against the lock (``python -m syncswitch.requirements --check``), and prints one JSON line:
 ``{"python": "VENV/bin/python", "installed": "all", "installer": "uv", "seconds": 4.2}``.
 
 The marker it writes last records digests of both. A later call with the same two finds it and
-returns at once (``"installed": ""``); with the same requirements and another runtime it replaces the
-runtime package only (``"installed": "runtime"``: a Compute Engine VM's fixed venv, or an image made
+returns at once (``"installed": ""``); with the same requirements and another runtime it reinstalls the
+runtime's wheel only (``"installed": "runtime"``: a Compute Engine VM's fixed venv, or an image made
 with this script, gets each run's runtime without reinstalling TensorFlow); with other requirements,
 or no marker (a call killed midway), it makes the venv again. The hosts backend names ``VENV`` by both
 digests, so there a finished venv is never changed. Calls for one ``VENV`` at once (runs that share a
@@ -32,8 +32,8 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
+import zipfile
 
 MARKER = ".syncswitch-runtime"
 PYTHON_VERSION = "3.11"  # the lock's (requires-python of the workspace): its wheels are for this one
@@ -88,21 +88,36 @@ def install(python: str, requirements: str, uv: str | None) -> None:
         run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r", requirements])
 
 
-def unpack_runtime(python: str, tarball: str) -> None:
-    """The runtime package into the venv's site-packages (pure Python: no build step), replacing one
-    that is there."""
-    probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
-    shutil.rmtree(os.path.join(site, "syncswitch"), ignore_errors=True)
-    with tarfile.open(tarball) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(site, filter="data")
-        else:  # Python before 3.11.4 (Debian 12's 3.11.2): the same refusals, by hand
-            for member in tar.getmembers():
-                parts = member.name.split("/")
-                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
-                    sys.exit(f"{tarball}: refusing member {member.name!r}")
-            tar.extractall(site)
+def install_runtime(python: str, wheel: str, uv: str | None) -> None:
+    """The runtime's wheel into the venv without its dependencies (the pins are in), replacing the
+    one there even at the same version (another build of it)."""
+    # No cache: another build of the runtime has the same file name.
+    if uv:
+        options = ["--no-deps", "--reinstall", "--no-cache"]
+        run([uv, "pip", "install", "--quiet", "--python", python, *options, wheel])
+    else:
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        run([*pip, "--no-deps", "--force-reinstall", "--no-cache-dir", wheel])
+
+
+def wheel_named(path: str, into: str) -> str:
+    """``path`` under its wheel's own file name (installers require ``name-version-tags.whl``; the
+    bucket keeps it under a fixed one), read from the ``.dist-info`` folder inside it."""
+    try:
+        with zipfile.ZipFile(path) as wheel:
+            infos = {
+                n.split("/", 1)[0] for n in wheel.namelist() if n.split("/", 1)[0].endswith(".dist-info")
+            }
+    except (OSError, zipfile.BadZipFile) as exc:
+        sys.exit(f"{path}: not a wheel ({exc})")
+    if len(infos) != 1:
+        sys.exit(f"{path}: not a wheel (no single .dist-info folder: {sorted(infos)})")
+    name = infos.pop().removesuffix(".dist-info") + "-py3-none-any.whl"
+    if os.path.basename(path) == name:
+        return path
+    named = os.path.join(into, name)
+    shutil.copyfile(path, named)
+    return named
 
 
 def fetch_runtime(python: str, uri: str, into: str) -> str:
@@ -110,7 +125,7 @@ def fetch_runtime(python: str, uri: str, into: str) -> str:
     credentials); a local path as it is."""
     if not uri.startswith("gs://"):
         return uri
-    path = os.path.join(into, "syncswitch-runtime.tar.gz")
+    path = os.path.join(into, "syncswitch-runtime.whl")
     download = (
         "import sys; from google.cloud import storage; "
         "bucket, _, key = sys.argv[1].removeprefix('gs://').partition('/'); "
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("venv")
     parser.add_argument("--requirements", required=True)
     parser.add_argument(
-        "--runtime", required=True, help="tarball of the syncswitch package, or its gs:// URI"
+        "--runtime", required=True, help="the syncswitch wheel (any file name), or its gs:// URI"
     )
     args = parser.parse_args(argv)
     venv = os.path.abspath(args.venv)
@@ -167,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(venv, ignore_errors=True)  # another version's, or a half-made one
             make_venv(venv, uv)
             install(python, args.requirements, uv)
-        tarball = fetch_runtime(python, args.runtime, os.path.dirname(os.path.abspath(args.requirements)))
-        wanted["runtime"] = digest(tarball)
+        staging = os.path.dirname(os.path.abspath(args.requirements))
+        wheel = fetch_runtime(python, args.runtime, staging)
+        wanted["runtime"] = digest(wheel)
         if marker == wanted:
             print(json.dumps({"python": python, "installed": ""}))
             return 0
-        unpack_runtime(python, tarball)
+        install_runtime(python, wheel_named(wheel, staging), uv)
         run([python, "-m", "syncswitch.requirements", "--check"])
         with open(os.path.join(venv, MARKER), "w") as f:
             json.dump(wanted, f)
