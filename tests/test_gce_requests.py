@@ -193,11 +193,11 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     on them, never pip on a bare package name."""
     from syncswitch.layout import RunLayout
     from syncswitch.requirements import locked_versions, requirements_text
-    from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, _metadata
+    from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, vm_metadata
     from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT
 
     spec = job()
-    metadata = _metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k")
+    metadata = vm_metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k")
     assert metadata["syncswitch-requirements"] == requirements_text()
     assert metadata["syncswitch-install"] == NODE_INSTALL_SCRIPT.read_text()
     assert ("tensorflow-cpu", "2.21.0", False) in locked_versions()
