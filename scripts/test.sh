@@ -16,8 +16,8 @@ uv run --frozen deptry plugins dags --config plugins/pyproject.toml
 uv run --frozen deptry testing --config testing/pyproject.toml
 # Two xdist workers by default, for CI's 2 cores (--dist loadgroup: tests/conftest.py keeps each file
 # on one worker and every test of the session's embedded Airflow on one, and queues the longest groups
-# first): 34-38 min from a clean clone here, where one process took 73 before the last cuts
-# (docs/benchmarks.md, "The whole suite again").
+# first): about 20 min from a clean clone on a quiet machine here, 23.5 on CI (docs/benchmarks.md,
+# "The test suite").
 # SYNCSWITCH_TEST_WORKERS=0 runs it in one process, in the files' order.
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
 exec uv run --frozen pytest -q -p no:cacheprovider -n "${SYNCSWITCH_TEST_WORKERS:-2}" --dist loadgroup \
