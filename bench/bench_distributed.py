@@ -110,46 +110,6 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
     }
 
 
-class LedgerWatch:
-    """Polls the deployment's capacity ledger (a bucket object) from a thread: for each run, when its
-    lease was first and last seen and the hosts it named, and every moment two leases named one host.
-    The clusters' real holding times, not inferred from task dates (provision_cluster runs beside
-    plan, so the run's state is created before its cluster is held)."""
-
-    def __init__(self, ledger: str, poll_seconds: float = 0.5) -> None:
-        import threading
-
-        self.ledger, self.poll_seconds = ledger, poll_seconds
-        self.held: dict[str, dict[str, Any]] = {}
-        self.shared: list[tuple[str, str, str]] = []  # (host, run, run) seen in one snapshot
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> LedgerWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _watch(self) -> None:
-        from syncswitch import storage
-
-        while not self._stop.is_set():
-            now = time.time()
-            leases = (storage.read_json(self.ledger, default=None) or {}).get("leases", {})
-            owners: dict[str, str] = {}
-            for run, lease in leases.items():
-                seen = self.held.setdefault(run, {"from": now, "hosts": set(lease.get("hosts", []))})
-                seen["to"] = now
-                for host in lease.get("hosts", []):
-                    if host in owners:
-                        self.shared.append((host, owners[host], run))
-                    owners[host] = run
-            self._stop.wait(self.poll_seconds)
-
-
 def concurrent_runs(
     deployment: Any, bucket: str, pool: list[str], steps: int
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]:
@@ -157,6 +117,7 @@ def concurrent_runs(
     with room for two clusters: each run's wait from its trigger to its cluster's lease; every host
     the ledger ever showed in two leases at once; the most leases held at once (2 when the ledger is
     what queues the runs)."""
+    from celery_deployment import LedgerWatch
     from syncswitch.layout import safe_run_id
 
     api = deployment.airflow.api
@@ -180,9 +141,7 @@ def concurrent_runs(
                 "held": held["to"] - held["from"] if held else float("nan"),
             }
         )
-    windows = [(h["from"], h["to"]) for h in watch.held.values()]
-    most = max((sum(1 for a, b in windows if a <= t <= b) for t, _ in windows), default=0)
-    return rows, watch.shared, most
+    return rows, watch.shared, watch.most_at_once()
 
 
 def main(argv: list[str] | None = None) -> int:

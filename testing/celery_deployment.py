@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +53,7 @@ from typing import Any
 import testbed as tb
 import wheels
 from gcs_emulator import GcsEmulator, free_port
-from syncswitch import procs
+from syncswitch import procs, storage
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent  # the checkout: its dags/ and plugins/
@@ -496,6 +497,47 @@ class CeleryDeployment:
     def worker_file(self, index: int, path: str) -> Path:
         """``path`` as worker ``index`` sees it (its private tmpfs, through /proc/<pid>/root)."""
         return Path(f"/proc/{self.workers[index].process.pid}/root") / path.lstrip("/")
+
+
+class LedgerWatch:
+    """Polls the deployment's capacity ledger (a bucket object) from a thread: for each run, when its
+    lease was first and last seen and the hosts it named, and every moment two leases named one host.
+    The clusters' real holding times, not inferred from task dates (provision_cluster runs beside
+    plan, so the run's state is created before its cluster is held)."""
+
+    def __init__(self, ledger: str, poll_seconds: float = 0.5) -> None:
+        self.ledger, self.poll_seconds = ledger, poll_seconds
+        self.held: dict[str, dict[str, Any]] = {}
+        self.shared: list[tuple[str, str, str]] = []  # (host, run, run) seen in one snapshot
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LedgerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            leases = (storage.read_json(self.ledger, default=None) or {}).get("leases", {})
+            owners: dict[str, str] = {}
+            for run, lease in leases.items():
+                seen = self.held.setdefault(run, {"from": now, "hosts": set(lease.get("hosts", []))})
+                seen["to"] = now
+                for host in lease.get("hosts", []):
+                    if host in owners:
+                        self.shared.append((host, owners[host], run))
+                    owners[host] = run
+            self._stop.wait(self.poll_seconds)
+
+    def most_at_once(self) -> int:
+        """The most leases held at one moment (each lease from its first to its last sighting)."""
+        windows = [(h["from"], h["to"]) for h in self.held.values()]
+        return max((sum(1 for a, b in windows if a <= t <= b) for t, _ in windows), default=0)
 
 
 def _fernet_key() -> str:

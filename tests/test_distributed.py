@@ -29,7 +29,7 @@ from airflow_runs import (
     task_log,
     wait_for_restart,
 )
-from celery_deployment import PROJECT_DIR, CeleryDeployment, missing_prerequisites
+from celery_deployment import PROJECT_DIR, CeleryDeployment, LedgerWatch, missing_prerequisites
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
     BUCKET_CONN_ENV,
@@ -43,7 +43,7 @@ from conftest import (
 from fake_compute import FakeComputeEngine
 from syncswitch import procs, storage
 from syncswitch.hosts import DEFAULT_WORK_ROOT
-from syncswitch.layout import RunLayout
+from syncswitch.layout import RunLayout, safe_run_id
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.local import deployment_refusal
 from syncswitch_airflow.tools.airflow_api import AirflowError, AirflowUnavailable
@@ -82,8 +82,10 @@ def expected_worker(task_id: str) -> int:
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[tb.Testbed]:
-    # Two Celery workers, the training hosts, and a spare machine for a replacement worker.
-    with running_testbed(f"sdi{_RUN_ID}", 2 + len(TRAINING_ROLES) + 1, missing_prerequisites) as testbed:
+    # Two Celery workers, the training hosts, a spare machine for a replacement worker, and one more
+    # host for the pool of hosts that two runs share.
+    hosts = 2 + len(TRAINING_ROLES) + 1 + 1
+    with running_testbed(f"sdi{_RUN_ID}", hosts, missing_prerequisites) as testbed:
         yield testbed
 
 
@@ -132,6 +134,8 @@ def deployment(
         "SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases",
         "SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID,
         "SYNCSWITCH__SSH_KNOWN_HOSTS": bed.known_hosts_path,
+        # Room for two clusters of hosts at once (the pool test's two runs).
+        "SYNCSWITCH__HOSTS_CLUSTERS": "2",
         # A task whose worker was lost is failed (and retried) this long after its last heartbeat.
         "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
         "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
@@ -196,9 +200,12 @@ def test_only_the_warm_executor_shortens_the_schedulers_idle_sleep(tmp_path: Pat
     assert files.env(record, {"SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "1.0"})[sleep] == "1.0"
 
 
-def assert_cluster_gone(bed: tb.Testbed, bucket: str, layout: RunLayout) -> None:
-    """No process of the cluster on the training hosts (their sshd aside), no lease, no secret."""
-    for host in training_testbed_hosts(bed):
+def assert_cluster_gone(
+    bed: tb.Testbed, bucket: str, layout: RunLayout, hosts: list[tb.TestHost] | None = None
+) -> None:
+    """No process of the cluster on its hosts (the training hosts by default; their sshd aside), no
+    lease, no secret."""
+    for host in training_testbed_hosts(bed) if hosts is None else hosts:
         left = {pid: _cmdline(pid) for pid in bed.processes(host)}
         assert not {p: c for p, c in left.items() if c and not c.startswith(("sshd", "/usr/sbin/sshd"))}
     assert storage.read_json(f"{bucket}/_leases/hosts.json", default={}).get("leases") == {}
@@ -356,6 +363,44 @@ def test_101_on_compute_engine_vms_with_every_task_on_another_worker_than_the_on
     # secret key for all: otherwise a 403 and Airflow's "same secret_key" hint instead of the log).
     log = task_log(deployment.airflow.api, run_id, "provision_cluster")
     assert "secret_key" not in log and f"run {run_id}" in log, log[-2000:]
+
+
+def test_two_runs_at_once_take_disjoint_hosts_of_a_pool_and_both_succeed(
+    deployment: CeleryDeployment, bed: tb.Testbed, bucket: str
+) -> None:
+    """Two runs of one job triggered together on a pool of four hosts, two per cluster
+    (``hosts_per_cluster``), with room for two clusters (``[syncswitch] hosts_clusters``): the
+    deployment's ledger (a bucket object, polled every 0.5 s) never names a host in two leases, the two
+    clusters are held at the same time, and both runs succeed, each on its own two hosts, with no
+    lease left."""
+    key = f"{bucket}/keys/training_hosts"
+    storage.write_bytes(key, Path(bed.key_path).read_bytes())
+    pool = training_testbed_hosts(bed) + [bed.hosts[2 + len(TRAINING_ROLES) + 1]]
+    conf = {
+        "job_name": "pooled",
+        "cluster_backend": "hosts",
+        "hosts": [f"address={h.address},key={key},name={h.name}" for h in pool],
+        "hosts_per_cluster": 2,
+        "bucket_dir": f"{bucket}/runs",
+        "switch_order": "10",
+        "train_steps": [60, 60],
+        "num_workers": 2,
+        "num_ps": 1,
+    }
+    api = deployment.airflow.api
+    with LedgerWatch(f"{bucket}/_leases/hosts.json") as ledger:
+        run_ids = [api.trigger("sync_switch", conf) for _ in range(2)]
+        states = {run_id: api.wait("sync_switch", run_id, timeout=900) for run_id in run_ids}
+    assert set(states.values()) == {"success"}, states
+    assert ledger.shared == [], f"a host in two leases at once: {ledger.shared}"
+    assert ledger.most_at_once() == 2, ledger.held
+    held = [ledger.held[safe_run_id(run_id)]["hosts"] for run_id in run_ids]
+    assert all(len(hosts) == 2 for hosts in held) and not held[0] & held[1], held
+    assert held[0] | held[1] <= {h.address for h in pool}
+    for run_id in run_ids:
+        layout = RunLayout.for_run(f"{bucket}/runs", "pooled", run_id)
+        assert [read_state(layout)["segments"][str(i)]["end_step"] for i in range(2)] == [60, 120]
+        assert_cluster_gone(bed, bucket, layout, pool)
 
 
 def test_the_deployment_shares_one_fernet_key_and_one_api_secret_key(deployment: CeleryDeployment) -> None:
