@@ -158,12 +158,19 @@ def training_testbed_hosts(bed: tb.Testbed) -> list[tb.TestHost]:
     return bed.hosts[2 : 2 + len(TRAINING_ROLES)]
 
 
-def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
-    """The training hosts, so that no worker has their SSH key on its disk: the first named by an
-    Airflow SSH connection (``training_host_0``), the others with their key a bucket object."""
+def bucket_key(bed: tb.Testbed, bucket: str) -> str:
+    """The testbed's SSH key as a bucket object (written once): what the hosts' ``key=`` names, so
+    that no worker has it on its disk."""
     key = f"{bucket}/keys/training_hosts"
     if not storage.exists(key):
         storage.write_bytes(key, Path(bed.key_path).read_bytes())
+    return key
+
+
+def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
+    """The training hosts, so that no worker has their SSH key on its disk: the first named by an
+    Airflow SSH connection (``training_host_0``), the others with their key a bucket object."""
+    key = bucket_key(bed, bucket)
     first, *others = zip(training_testbed_hosts(bed), TRAINING_ROLES, strict=True)
     return [
         f"conn=training_host_0,role={first[1]},name={first[0].name}",
@@ -373,8 +380,7 @@ def test_two_runs_at_once_take_disjoint_hosts_of_a_pool_and_both_succeed(
     deployment's ledger (a bucket object, polled every 0.5 s) never names a host in two leases, the two
     clusters are held at the same time, and both runs succeed, each on its own two hosts, with no
     lease left."""
-    key = f"{bucket}/keys/training_hosts"
-    storage.write_bytes(key, Path(bed.key_path).read_bytes())
+    key = bucket_key(bed, bucket)
     pool = training_testbed_hosts(bed) + [bed.hosts[2 + len(TRAINING_ROLES) + 1]]
     conf = {
         "job_name": "pooled",
