@@ -288,7 +288,7 @@ def stop_with_the_cli(home: Path) -> None:
     """Stop a kept UI as a user does, ``syncswitch run --stop-ui``, after the session's runs: every
     component stops without SIGKILL, the triggerer on one SIGTERM (a second one is its "force exit").
     Only what the logs gain during this stop counts: the session's fault tests kill components on
-    purpose, and the supervisor rightly SIGKILLs what those leave."""
+    purpose, and the supervisor rightly SIGKILLs what those leave when they die."""
     logs = [home / "embedded.log", home / "logs" / "components" / "triggerer.log"]
     sizes = [path.stat().st_size if path.exists() else 0 for path in logs]
     stop = subprocess.run(

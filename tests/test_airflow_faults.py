@@ -30,7 +30,7 @@ from airflow_runs import (
     wait_run,
 )
 from proc_utils import assert_no_processes, wait_for
-from syncswitch import storage
+from syncswitch import procs, storage
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
@@ -54,6 +54,22 @@ def job(tmp_path: Path, name: str, **conf: object) -> dict:
     }
 
 
+def kill_component(airflow: EmbeddedAirflow, name: str) -> None:
+    """SIGKILL one component and wait for its restart. What it had started (a scheduler's
+    LocalExecutor workers and log server, a triggerer's log server) must not outlive it: left alone
+    they would wait forever on a queue nobody writes, and a log server would keep its port."""
+    pid = component_pid(airflow, name)
+    children = [(child.pid, child.start_ticks) for child in procs.children_of(pid) if child.alive]
+    assert children, f"the {name} has no child processes to check"
+    os.kill(pid, signal.SIGKILL)
+    wait_for_restart(airflow, name, pid)
+    wait_for(
+        lambda: not any(procs.is_alive(child, ticks) for child, ticks in children),
+        timeout=10,
+        what=f"the killed {name}'s processes gone",
+    )
+
+
 def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retrain(
     embedded_airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:
@@ -62,9 +78,7 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 20)
 
-    triggerer = component_pid(airflow, "triggerer")
-    os.kill(triggerer, signal.SIGKILL)
-    wait_for_restart(airflow, "triggerer", triggerer)
+    kill_component(airflow, "triggerer")
     # Training goes on under the new triggerer, unless the segment's 800 steps were done already
     # (a fast machine runs them during the restart): the final step and segment starts below tell.
     before = latest_step(layout, 0, "bsp")
@@ -74,9 +88,7 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
         what=f"training goes on past step {before}",
     )
 
-    scheduler = component_pid(airflow, "scheduler")
-    os.kill(scheduler, signal.SIGKILL)
-    wait_for_restart(airflow, "scheduler", scheduler)
+    kill_component(airflow, "scheduler")
 
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
@@ -164,8 +176,8 @@ def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airfl
         if cli.poll() is None:
             cli.kill()
     assert stop.returncode == 0 and "embedded Airflow stopped" in stop.stderr, stop.stderr
-    # The supervisor ended the whole process group (after this session's killed components, the
-    # orphans they left may need its SIGKILL): stop() never had to kill the group itself.
+    # The supervisor ended the whole process group (what this session's killed components left it
+    # killed when they died): stop() never had to kill the group itself.
     assert "SIGKILL" not in stop.stderr, stop.stderr
     triggerer_log = (airflow.home / "logs" / "components" / "triggerer.log").read_text()
     assert "second exit signal" not in triggerer_log  # a signal reached it twice: "force exit"

@@ -14,9 +14,10 @@ run waiting until someone started one by hand. Here:
 - ``components.json`` in AIRFLOW_HOME says where each component stands (phase, pid, restarts, last
   exit), so ``syncswitch run`` can say what it is waiting for and report restarts;
 - the supervisor is a child subreaper: the Airflow processes a dead component leaves behind (the
-  LocalExecutor workers of a SIGKILLed scheduler) become its children and are killed, so nothing stale
-  lingers; detached training processes (no AIRFLOW_HOME in their environment) become its children too
-  once the task that started them exits, and are left alone (only reaped when they end);
+  LocalExecutor workers and log server of a SIGKILLed scheduler, which would otherwise wait forever
+  on a queue nobody writes) become its children and are killed before the component restarts, so
+  nothing stale lingers; detached training processes (in sessions of their own) become its children
+  too once the task that started them exits, and are left alone (only reaped when they end);
 - components run at a lower CPU priority than training (nice 10) and die with the supervisor
   (PR_SET_PDEATHSIG), and SIGTERM stops them all in order;
 - a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
@@ -186,13 +187,14 @@ class Supervisor:
         subreaper). Only those pids are waited for: a wait on any child would steal a component's
         exit status from its Popen."""
         components = {c.process.pid for c in self.components.values() if c.process is not None}
-        home = str(self.home)
+        group = os.getpgid(0)
         for child in procs.children_of(os.getpid()):
             if child.pid in components:
                 continue
             # Detached training processes (segment launchers) land here too once the task that
-            # started them exits: they carry no AIRFLOW_HOME and must live on.
-            if child.alive and procs.has_env(child.pid, "AIRFLOW_HOME", home):
+            # started them exits: they run in sessions of their own and must live on. (Not told by
+            # their environment: setproctitle writes an executor worker's title over its copy.)
+            if child.alive and child.pgid == group:
                 log(f"killing pid {child.pid}, left behind by a component that died")
                 procs.kill(child.pid)
             with contextlib.suppress(ChildProcessError):
