@@ -11,11 +11,13 @@ Side by side in one run, on one testbed and one GCS emulator:
    Redis, two Celery workers on their own hosts): the DAG run's fixed overhead (trigger to first step,
    last step to run end), its switch gaps, and the Airflow processes' CPU while the first segment
    trains (PostgreSQL and Redis counted on the Celery side);
-2. on the Celery deployment, four runs of one job triggered at once on a pool of six training hosts,
-   three per cluster (``hosts_per_cluster=3``), with room for two clusters (``hosts_clusters=2``):
-   each run's wait from its trigger to its cluster's lease, and, from the capacity ledger itself
+2. on the Celery deployment, a backfill of a recurring job over four dates, its four runs active
+   at once (the job file's ``max_active_runs: 4``), on a pool of six training hosts, three per
+   cluster (``hosts_per_cluster=3``), with room for two clusters (``hosts_clusters=2``): each run's
+   wait from the backfill's creation to its cluster's lease, and, from the capacity ledger itself
    (polled every 0.5 s), that no host was in two leases at once and how many clusters were held at
-   once.
+   once. The job file is in a folder every component sees (``[syncswitch] jobs_dir``), as a
+   deployment's DAG bundle would be.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -110,34 +113,63 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
     }
 
 
-def concurrent_runs(
-    deployment: Any, bucket: str, pool: list[str], steps: int
-) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]:
-    """Four runs of one job at once on a pool of six hosts, three per cluster (``hosts_per_cluster``),
-    with room for two clusters: each run's wait from its trigger to its cluster's lease; every host
-    the ledger ever showed in two leases at once; the most leases held at once (2 when the ledger is
-    what queues the runs)."""
+BACKFILL_DATES = ("2026-01-01", "2026-01-04")  # four daily runs
+POOLED_JOB = "pooled"
+POOLED_DAG = "job_pooled"
+
+
+def write_pooled_job(jobs_dir: Path, bucket: str, pool: list[str], steps: int) -> None:
+    """A daily job over the pool whose date range is over, so that unpausing it (for the backfill)
+    schedules no run of its own; four of its runs may be active at once."""
+    import yaml
+
+    params = conf(bucket, POOLED_JOB, pool, steps)
+    params.update(train_steps=[steps, 100, 100], hosts_per_cluster=len(ROLES))
+    job = {
+        "description": "bench_distributed: four backfilled runs on a pool with room for two clusters",
+        "schedule": "@daily",
+        "start_date": BACKFILL_DATES[0],
+        "end_date": "2026-01-31",
+        "max_active_runs": 4,
+        "params": params,
+    }
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    (jobs_dir / f"{POOLED_JOB}.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+
+
+Ledger = tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]
+
+
+def backfilled_runs(deployment: Any, bucket: str) -> Ledger:
+    """A backfill over BACKFILL_DATES (four runs at once): each run's wait from the backfill's
+    creation to its cluster's lease; every host the ledger ever showed in two leases at once; the
+    most leases held at once (2 when the ledger is what queues the runs)."""
     from celery_deployment import LedgerWatch
     from syncswitch.layout import safe_run_id
 
     api = deployment.airflow.api
-    runs, triggered = [], {}
+    deadline = time.monotonic() + 300
+    while not any(d["dag_id"] == POOLED_DAG for d in api.get_json("/api/v2/dags?limit=1000")["dags"]):
+        if time.monotonic() > deadline:
+            raise BenchError(f"{POOLED_DAG} was not parsed from the job file within 300 s")
+        time.sleep(2)
+    api.unpause(POOLED_DAG)
     with LedgerWatch(f"{bucket}/_leases/hosts.json") as watch:
-        for i in range(4):
-            job_conf = conf(bucket, "pooled", pool, steps)
-            job_conf.update(train_steps=[steps, 100, 100], hosts_per_cluster=len(ROLES))
-            triggered[i] = time.time()
-            runs.append((i, api.trigger("sync_switch", job_conf)))
-        states = {i: api.wait("sync_switch", run_id, timeout=3600) for i, run_id in runs}
+        created = time.time()
+        api.create_backfill(POOLED_DAG, *BACKFILL_DATES, max_active_runs=4)
+        while len(runs := api.dag_runs(POOLED_DAG)) < 4:
+            time.sleep(1)
+        states = {r["dag_run_id"]: api.wait(POOLED_DAG, r["dag_run_id"], timeout=3600) for r in runs}
     rows = []
-    for i, run_id in runs:
-        held = watch.held.get(safe_run_id(run_id))  # a lease is named by its run folder
+    for run in sorted(runs, key=lambda r: r["logical_date"]):
+        held = watch.held.get(safe_run_id(run["dag_run_id"]))  # a lease is named by its run folder
         rows.append(
             {
-                "run": i,
+                "run": run["logical_date"][:10],
+                "type": run["run_type"],
                 "hosts": ", ".join(sorted(held["hosts"])) if held else "",
-                "state": states[i],
-                "queued": held["from"] - triggered[i] if held else float("nan"),
+                "state": states[run["dag_run_id"]],
+                "queued": held["from"] - created if held else float("nan"),
                 "held": held["to"] - held["from"] if held else float("nan"),
             }
         )
@@ -172,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     gcs.start()
     os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
     os.environ["SYNCSWITCH_SSH_KNOWN_HOSTS"] = bed.known_hosts_path
+    # The job file where every component finds it (the workers see /var/tmp, not /tmp).
+    jobs_dir = Path(tempfile.mkdtemp(prefix="bench-distributed-jobs-", dir="/var/tmp"))
     results: dict[str, dict[str, Any]] = {}
     concurrent = None
     try:
@@ -181,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         storage.write_bytes(key, Path(bed.key_path).read_bytes())
         set_a = host_params(bed, bed.hosts[WORKER_HOSTS : WORKER_HOSTS + 3], key)
         set_b = host_params(bed, bed.hosts[WORKER_HOSTS + 3 :], key)
-        shared = {"SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases", "SYNCSWITCH__HOSTS_CLUSTERS": "2"}
+        write_pooled_job(jobs_dir, bucket, set_a + set_b, args.concurrent_steps)
+        shared = {
+            "SYNCSWITCH__LEASES_DIR": f"{bucket}/_leases",
+            "SYNCSWITCH__HOSTS_CLUSTERS": "2",
+            "SYNCSWITCH__JOBS_DIR": str(jobs_dir),
+        }
 
         if not args.only_concurrent:
             embedded = EmbeddedAirflow(PROJECT_DIR, home=work / "embedded", port=0, settings=shared)
@@ -209,14 +248,15 @@ def main(argv: list[str] | None = None) -> int:
                     str(deployment.root),
                 )
             if not args.only_side_by_side:
-                log("Celery deployment: four runs of one job at once, six hosts, room for two clusters")
-                concurrent = concurrent_runs(deployment, bucket, set_a + set_b, args.concurrent_steps)
+                log("Celery deployment: a backfill of four runs at once, six hosts, room for two clusters")
+                concurrent = backfilled_runs(deployment, bucket)
     except BenchError as exc:
         print(f"bench_distributed: {exc}", file=sys.stderr)
         return 1
     finally:
         gcs.stop()
         bed.down()
+        shutil.rmtree(jobs_dir, ignore_errors=True)
 
     print("# bench_distributed: the embedded Airflow against the Celery deployment, hosts backend, '101'")
     print(f"machine: {machine}")
@@ -254,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     runs, shared_hosts, most = concurrent
     print(
         markdown_table(
-            ["run", "hosts it took", "state", "waited for its cluster (s)", "held its cluster (s)"],
-            [[str(r["run"]), r["hosts"], r["state"], fmt(r["queued"], 1), fmt(r["held"], 1)] for r in runs],
+            ["date", "type", "hosts it took", "state", "waited for its cluster (s)", "held it (s)"],
+            [
+                [r["run"], r["type"], r["hosts"], r["state"], fmt(r["queued"], 1), fmt(r["held"], 1)]
+                for r in runs
+            ],
         )
     )
     print()
