@@ -7,6 +7,7 @@ asyncio.run; no Airflow database is needed.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,11 +16,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
+from airflow.sdk.exceptions import AirflowSkipException, DownstreamTasksSkipped, TaskDeferred
+from airflow.triggers.base import TaskSuccessEvent
 from airflow_runs import first_event
 from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
+from syncswitch.plan import MAX_SEGMENTS
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, record_segment, update_state
 from syncswitch_airflow.sensors.straggler import DEFAULT_SWITCH_GAP_SECONDS, StragglerSensor, apply_switch
@@ -94,9 +97,10 @@ def trigger_for(layout: RunLayout, protocol: str = "bsp", **kwargs: Any) -> Stra
         "poll_interval": 0.05,
         "task_check_seconds": 0.1,
         "detector": DETECTOR,
+        "index": 0,
         **kwargs,
     }
-    return StragglerTrigger(run_dir=layout.root, index=0, protocol=protocol, **settings)
+    return StragglerTrigger(run_dir=layout.root, protocol=protocol, **settings)
 
 
 def writer_for(layout: RunLayout, protocol: str, workers: int, slowdown: Slowdown) -> SegmentWriter:
@@ -153,6 +157,22 @@ def segment_task_states(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
 
     monkeypatch.setattr(straggler_trigger, "task_state", answer)
     return states
+
+
+def test_the_plan_s_last_segment_hands_its_end_back_to_the_sensor(layout: RunLayout) -> None:
+    """Entry 1 is the last of a "10" plan: its end resumes the sensor on a worker (a plain
+    TriggerEvent), which then skips the later slots' tasks; entry 0's end ends its watcher on the
+    triggerer (a TaskSuccessEvent), as above."""
+    start_run(layout, "greedy")
+    for index, protocol, ends_here, status in (
+        (0, "bsp", True, "segment_ended"),
+        (1, "asp", False, "plan_ended"),
+    ):
+        storage.write_json(layout.segment_result(index, protocol), {"index": index})
+        event = asyncio.run(anext(trigger_for(layout, protocol=protocol, index=index).run()))
+        assert isinstance(event, TaskSuccessEvent) == ends_here
+        payload = event.xcoms["return_value"] if ends_here else event.payload
+        assert payload == {"status": status, "index": index, "protocol": protocol}
 
 
 @pytest.mark.parametrize("final_state", ["failed", "skipped", "upstream_failed"])
@@ -422,3 +442,24 @@ def _no_stray_threads() -> Iterator[None]:
     yield
     leftover = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     assert not leftover, f"threads left running: {leftover}"
+
+
+@pytest.mark.airflow
+def test_the_plan_s_last_watcher_skips_every_later_slot_s_tasks(dag, layout: RunLayout) -> None:  # noqa: ANN001
+    """In the DAG: resumed at the end of the plan's last segment (entry 1 of "10"), the watcher skips
+    the tasks of slots 2 and after in one request, so that none of them starts."""
+    start_run(layout, "greedy")
+    storage.write_json(layout.segment_result(1, "asp"), {"index": 1})
+    watcher = dag.get_task("segment_1.watch_stragglers")
+    watcher.run_dir = layout.root  # rendered from the plan task's XCom in a run
+    with pytest.raises(DownstreamTasksSkipped) as skipped:
+        watcher.execute_complete(CONTEXT, {"status": "plan_ended", "index": 1, "protocol": "asp"})
+    names = ("bsp", "asp", "watch_stragglers")
+    assert sorted(skipped.value.tasks) == sorted(
+        f"segment_{slot}.{name}" for slot in range(2, MAX_SEGMENTS) for name in names
+    )
+    # Not the last: the watcher of entry 0 ends without skipping anything.
+    storage.write_json(layout.segment_result(0, "bsp"), {"index": 0})
+    first = dag.get_task("segment_0.watch_stragglers")
+    first.run_dir = layout.root
+    assert first.execute(CONTEXT)["status"] == "segment_ended"

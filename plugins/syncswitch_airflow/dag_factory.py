@@ -6,8 +6,8 @@
        segment_<N-1> -> teardown_cluster (teardown of provision_cluster) -------------+
 
 Each ``segment_<i>`` task group holds ``bsp`` and ``asp`` (the one matching plan entry ``i`` runs, the
-other skips) and ``watch_stragglers`` beside them; past the end of the plan, the first unused group's
-watcher skips every later group at once (its own segment tasks skip themselves).
+other skips) and ``watch_stragglers`` beside them; when the plan's last segment ends, its watcher
+skips every later group at once, so that no task of an unused group starts.
 
 The cluster starts as soon as the params are valid, beside the timing policy and the plan, because its
 nodes' start (importing TensorFlow) is the longest wait before the first step. It is torn down as soon

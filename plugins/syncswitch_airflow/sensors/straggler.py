@@ -1,13 +1,15 @@
 """StragglerSensor (``segment_<i>.watch_stragglers``): watches slot ``i`` and applies the online policy.
 
 execute()
-    reads state.json; no plan entry for the slot -> skips every later slot's tasks at once and ends
-    (the plan is final once its last segment has ended), or is skipped itself where no slot comes
-    later; the segment already ended -> returns at
-    once (the ``airflow dags test`` path, where the sensor runs after its segment task); else defers
-    to :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`.
+    reads state.json; the segment already ended -> returns at once (the ``airflow dags test`` path,
+    where the sensor runs after its segment task); else defers to
+    :class:`~syncswitch_airflow.triggers.straggler.StragglerTrigger`. No plan entry for the slot ->
+    skips every later slot's tasks at once and ends, or is skipped itself where no slot comes later.
 execute_complete()
-    (the segment's end, or its task's, ends the watcher on the triggerer: StragglerTrigger)
+    (the end of a segment or of its task ends the watcher on the triggerer, except the plan's last
+    segment's: StragglerTrigger hands that one back, ``plan_ended``)
+    plan ended -> skips every later slot's tasks at once (the plan is final once its last segment
+    has ended) and ends, so that no task of an unused slot starts only to skip itself;
     verdict -> asks the policy named by the job's ``online_policy``; records the decision in
     state.json. A switch rewrites the plan (plan.insert_switch) in the same state update that records
     the decision, and only then writes the graceful-stop request ``control/stop-seg-ii``, so the
@@ -87,7 +89,7 @@ class StragglerSensor(BaseSensorOperator):
         if item is None:
             self._skip_later_slots(state, slot)
         if self._segment_ended(layout, state, item):
-            return self._finish(state, item, WatchStatus.SEGMENT_ENDED)
+            return self._watch_over(state, item, WatchStatus.SEGMENT_ENDED)
         if _runs_tasks_one_at_a_time(context):
             # `airflow dags test` / dag.test() run one task at a time, inline: a deferred sensor would
             # block the segment it waits for (or its retry) from ever running.
@@ -103,13 +105,28 @@ class StragglerSensor(BaseSensorOperator):
             context, state, item, start_after=None, straggling_since=since, straggling_workers=workers
         )
 
+    def _watch_over(self, state: State, item: dict[str, Any], status: WatchStatus) -> dict[str, Any]:
+        """The watch of ``item`` has ended. Where it was the plan's last segment, the plan is final
+        (only this watcher switches online, and not once the segment's result is in): the later
+        slots' tasks are skipped now, so that none starts only to skip itself, while the teardown
+        waits for it."""
+        finished = self._finish(state, item, status)
+        if plans.entry(state.get("plan", []), item["index"] + 1) is None and self._later_slot_tasks():
+            self._skip_later_slots(state, int(self.slot))
+        return finished
+
+    def _later_slot_tasks(self) -> list[str]:
+        # Downstream tasks with a slot: the segment tasks and watchers (evaluate and the rest have none).
+        return sorted(t.task_id for t in self.get_flat_relatives(upstream=False) if hasattr(t, "slot"))
+
     def _skip_later_slots(self, state: State, slot: int) -> NoReturn:
         """Skip the tasks of every slot after this one in one go. Left to the scheduler, each slot is
         skipped one scheduling loop (~2 s) after the one before it, and evaluation waits for the last.
-        This watcher ends as a success (Airflow's short-circuit idiom); the slot's own segment tasks
-        skip themselves."""
-        # Downstream tasks with a slot: the segment tasks and watchers (evaluate and the rest have none).
-        later = sorted(t.task_id for t in self.get_flat_relatives(upstream=False) if hasattr(t, "slot"))
+        This watcher ends as a success (Airflow's short-circuit idiom). Normally the watcher of the
+        plan's last segment does this when that segment ends; the first unused slot's watcher does
+        it where that one could not (its trigger found the bucket away), and its slot's segment
+        tasks then skip themselves."""
+        later = self._later_slot_tasks()
         if not later:
             raise AirflowSkipException(f"slot {slot} is past the end of the plan")
         self.log.info(
@@ -192,6 +209,8 @@ class StragglerSensor(BaseSensorOperator):
         if event.get("protocol", item["protocol"]) != item["protocol"]:
             # The plan moved under this slot (a switch in an earlier slot): what it watched is gone.
             return self._finish(state, item, WatchStatus.PLAN_CHANGED)
+        if event["status"] == WatchStatus.PLAN_ENDED:
+            return self._watch_over(state, item, WatchStatus.PLAN_ENDED)
         verdict = Verdict.from_dict(event["verdict"])
         decision = self._decide(layout, state, item, verdict)
         record = decision_record(state, item, decision, event.get("change"))
@@ -210,7 +229,7 @@ class StragglerSensor(BaseSensorOperator):
             return record
         state = record_decision(layout, record)
         if decision.reason == SEGMENT_ENDED:
-            return self._finish(state, item, WatchStatus.SEGMENT_ENDED)
+            return self._watch_over(state, item, WatchStatus.SEGMENT_ENDED)
         self._defer(
             context,
             state,

@@ -11,6 +11,11 @@ next slot waits for it) with a TaskSuccessEvent whose XCom says why:
                                        the segment's own Airflow task finished without a result
                                        (failed for good, skipped, marked failed by hand)
 
+or hands the end back to the sensor on a worker when the segment was the plan's last one:
+
+    {"status": "plan_ended"}           the sensor skips every later slot's tasks in one request (they
+                                       would otherwise start, only to skip themselves)
+
 or hands a verdict back to the sensor, whose policy decides on the worker:
 
     {"status": "verdict", "change": "raised" | "cleared" | "ongoing", "verdict": Verdict.to_dict()}
@@ -33,9 +38,11 @@ from enum import StrEnum
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
+from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.events import EventTail
 from syncswitch.layout import RunLayout
+from syncswitch.state import read_state
 
 from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdict
 from syncswitch_airflow.hooks.bucket import BucketHook
@@ -49,6 +56,7 @@ class WatchStatus(StrEnum):
     """The ``status`` of what a watch hands back (the trigger's event, the sensor's XCom)."""
 
     SEGMENT_ENDED = "segment_ended"
+    PLAN_ENDED = "plan_ended"  # the segment ended, and it was the plan's last
     SEGMENT_TASK_ENDED = "segment_task_ended"
     VERDICT = "verdict"
     PLAN_CHANGED = "plan_changed"  # the sensor's: a switch in an earlier slot moved the plan
@@ -61,6 +69,13 @@ def task_state(dag_id: str, run_id: str, task_id: str) -> str | None:
 
     states = RuntimeTaskInstance.get_task_states(dag_id=dag_id, task_ids=[task_id], run_ids=[run_id])
     return (states.get(run_id) or {}).get(task_id)
+
+
+def is_last_entry(layout: RunLayout, index: int) -> bool:
+    """True if plan entry ``index`` is the plan's last. Once that segment has ended the plan is final:
+    only its own watcher switches online, and a switch after the segment's result is refused."""
+    state = read_state(layout) or {}
+    return bool(state.get("plan")) and plans.entry(state["plan"], index + 1) is None
 
 
 class StragglerTrigger(BaseTrigger):
@@ -145,7 +160,7 @@ class StragglerTrigger(BaseTrigger):
                 continue
             if ended:
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
-                yield self._end(WatchStatus.SEGMENT_ENDED)
+                yield await self._segment_end_event(layout)
                 return
             fired = self._judge(detector, records)
             if fired is not None:
@@ -176,6 +191,18 @@ class StragglerTrigger(BaseTrigger):
                     yield self._end(WatchStatus.SEGMENT_TASK_ENDED, task_state=state)
                     return
             await self._sleep_unless_ended(result_uri)
+
+    async def _segment_end_event(self, layout: RunLayout) -> TriggerEvent:
+        """The plan's last segment hands its end back to the sensor, which skips the later slots'
+        tasks; any other ends the watcher here. So does the last one where the bucket does not
+        answer: the first unused slot's watcher then skips the rest, as it always may."""
+        try:
+            last = await self.bucket.in_thread(is_last_entry, layout, self.index)
+        except storage.BucketUnavailable:
+            last = False
+        if last:
+            return TriggerEvent(self._payload(WatchStatus.PLAN_ENDED))
+        return self._end(WatchStatus.SEGMENT_ENDED)
 
     async def _segment_task_state(self) -> str | None:
         try:
