@@ -140,6 +140,14 @@ def write_pooled_job(jobs_dir: Path, bucket: str, pool: list[str], steps: int) -
 Ledger = tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]
 
 
+def wait_until(condition: Any, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise BenchError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(1)
+
+
 def backfilled_runs(deployment: Any, bucket: str) -> Ledger:
     """A backfill over BACKFILL_DATES (four runs at once): each run's wait from the backfill's
     creation to its cluster's lease; every host the ledger ever showed in two leases at once; the
@@ -148,17 +156,16 @@ def backfilled_runs(deployment: Any, bucket: str) -> Ledger:
     from syncswitch.layout import safe_run_id
 
     api = deployment.airflow.api
-    deadline = time.monotonic() + 300
-    while not any(d["dag_id"] == POOLED_DAG for d in api.get_json("/api/v2/dags?limit=1000")["dags"]):
-        if time.monotonic() > deadline:
-            raise BenchError(f"{POOLED_DAG} was not parsed from the job file within 300 s")
-        time.sleep(2)
+    wait_until(
+        lambda: any(d["dag_id"] == POOLED_DAG for d in api.get_json("/api/v2/dags?limit=1000")["dags"]),
+        f"{POOLED_DAG} parsed from its job file",
+    )
     api.unpause(POOLED_DAG)
     with LedgerWatch(f"{bucket}/_leases/hosts.json") as watch:
         created = time.time()
         api.create_backfill(POOLED_DAG, *BACKFILL_DATES, max_active_runs=4)
-        while len(runs := api.dag_runs(POOLED_DAG)) < 4:
-            time.sleep(1)
+        wait_until(lambda: len(api.dag_runs(POOLED_DAG)) == 4, "the backfill's four runs created")
+        runs = api.dag_runs(POOLED_DAG)
         states = {r["dag_run_id"]: api.wait(POOLED_DAG, r["dag_run_id"], timeout=3600) for r in runs}
     rows = []
     for run in sorted(runs, key=lambda r: r["logical_date"]):
