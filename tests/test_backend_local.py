@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, find_processes, wait_for
+from syncswitch import forkserver
 from syncswitch.errors import SpecError
 from syncswitch.layout import RunLayout
 from syncswitch.registry import Registry
@@ -184,6 +185,10 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
         family = find_processes(re.escape(tag))
         assert len(family) == 2 * 4
         assert len({os.getsid(p.pid) for p in family}) == 2 * 2
+
+        # The cluster's fork server done importing: while it imports TensorFlow, a short-lived child
+        # of it (a library lookup) may carry the cluster's marker too, and teardown stops that as well.
+        forkserver.wait_ready(handle["forkserver_dir"], timeout=300)
 
         released = backend.teardown(handle)
 

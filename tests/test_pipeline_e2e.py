@@ -167,10 +167,13 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
     states = task_states(dag_run)
     assert states["segment_0.bsp"] == "success" and states["segment_0.asp"] == "skipped"
     assert states["segment_1.asp"] == "success" and states["segment_1.bsp"] == "skipped"
-    # Past the plan: the last segment's watcher skipped every later slot's tasks in one go.
+    # Past the plan, every later slot's tasks were skipped in one go: by the last segment's watcher,
+    # or, where dag.test ran that watcher before its segment ended (one task at a time, in either
+    # order), by the first unused slot's watcher (test_straggler_trigger checks the first way).
     assert states["segment_1.watch_stragglers"] == "success"
     slot_of = {t: int(t.split(".")[0].removeprefix("segment_")) for t in states if t.startswith("segment_")}
     unused = {t: states[t] for t, slot in slot_of.items() if slot >= 2}
+    assert unused.pop("segment_2.watch_stragglers") in ("skipped", "success")
     assert set(unused.values()) == {"skipped"}, unused
     assert states["teardown_cluster"] == "success"
     layout = layout_of(bucket, dag_run)
