@@ -30,12 +30,12 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from _common import BenchError, fmt, log, machine_line, markdown_table
+from background import Poller
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 
@@ -55,34 +55,23 @@ def folder_bytes(path: Path, pattern: str = "**/*") -> int:
     return sum(p.stat().st_size for p in path.glob(pattern) if p.is_file()) if path.exists() else 0
 
 
-class Sampler:
+class Sampler(Poller):
     """Samples memory and disk in a thread until stopped."""
 
     def __init__(self, airflow: Any, runs_root: Path, every: float, out: Path | None = None) -> None:
         self.airflow, self.runs_root, self.every, self.out = airflow, runs_root, every, out
         self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(every=every, join_seconds=None)
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sample = self.sample()
-                self.samples.append(sample)
-                if self.out is not None:  # as it goes: a soak cut short still leaves its samples
-                    with self.out.open("a", encoding="utf-8") as f:
-                        f.write(json.dumps(sample) + "\n")
-            except Exception as exc:  # noqa: BLE001 - a sample lost is not the benchmark lost
-                log(f"sample failed: {exc}")
-            self._stop.wait(self.every)
+    def poll(self) -> None:
+        try:
+            sample = self.sample()
+            self.samples.append(sample)
+            if self.out is not None:  # as it goes: a soak cut short still leaves its samples
+                with self.out.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(sample) + "\n")
+        except Exception as exc:  # noqa: BLE001 - a sample lost is not the benchmark lost
+            log(f"sample failed: {exc}")
 
     def sample(self) -> dict[str, Any]:
         from syncswitch import procs

@@ -44,7 +44,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +51,7 @@ from typing import Any
 
 import testbed as tb
 import wheels
+from background import Poller
 from gcs_emulator import GcsEmulator, free_port
 from syncswitch import procs, storage
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
@@ -499,40 +499,29 @@ class CeleryDeployment:
         return Path(f"/proc/{self.workers[index].process.pid}/root") / path.lstrip("/")
 
 
-class LedgerWatch:
+class LedgerWatch(Poller):
     """Polls the deployment's capacity ledger (a bucket object) from a thread: for each run, when its
     lease was first and last seen and the hosts it named, and every moment two leases named one host.
     The clusters' real holding times, not inferred from task dates (provision_cluster runs beside
     plan, so the run's state is created before its cluster is held)."""
 
     def __init__(self, ledger: str, poll_seconds: float = 0.5) -> None:
-        self.ledger, self.poll_seconds = ledger, poll_seconds
+        self.ledger = ledger
         self.held: dict[str, dict[str, Any]] = {}
         self.shared: list[tuple[str, str, str]] = []  # (host, run, run) seen in one snapshot
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
+        super().__init__(every=poll_seconds)
 
-    def __enter__(self) -> LedgerWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            now = time.time()
-            leases = (storage.read_json(self.ledger, default=None) or {}).get("leases", {})
-            owners: dict[str, str] = {}
-            for run, lease in leases.items():
-                seen = self.held.setdefault(run, {"from": now, "hosts": set(lease.get("hosts", []))})
-                seen["to"] = now
-                for host in lease.get("hosts", []):
-                    if host in owners:
-                        self.shared.append((host, owners[host], run))
-                    owners[host] = run
-            self._stop.wait(self.poll_seconds)
+    def poll(self) -> None:
+        now = time.time()
+        leases = (storage.read_json(self.ledger, default=None) or {}).get("leases", {})
+        owners: dict[str, str] = {}
+        for run, lease in leases.items():
+            seen = self.held.setdefault(run, {"from": now, "hosts": set(lease.get("hosts", []))})
+            seen["to"] = now
+            for host in lease.get("hosts", []):
+                if host in owners:
+                    self.shared.append((host, owners[host], run))
+                owners[host] = run
 
     def most_at_once(self) -> int:
         """The most leases held at one moment (each lease from its first to its last sighting)."""

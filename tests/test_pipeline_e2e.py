@@ -16,12 +16,12 @@ import json
 import os
 import re
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from background import Poller
 from proc_utils import assert_no_processes
 from syncswitch import storage
 from syncswitch.layout import RunLayout, safe_run_id
@@ -91,7 +91,7 @@ def assert_exact_workload(state: dict[str, Any], workload: int) -> None:
     assert state["final"]["global_step"] == pytest.approx(workload)
 
 
-class LaunchKiller:
+class LaunchKiller(Poller):
     """Kills launches of one segment as the local backend records them, from a background thread.
 
     ``ready`` says when the current launch may be killed; ``group`` kills the launch's whole process
@@ -105,26 +105,17 @@ class LaunchKiller:
         self.pattern = str(work_root / "*" / "segments" / f"seg-{index:02d}" / "process.json")
         self.times, self.ready, self.group = times, ready, group
         self.killed: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
+        super().__init__(every=0.2)
 
-    def __enter__(self) -> LaunchKiller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _watch(self) -> None:
-        while len(self.killed) < self.times and not self._stop.wait(0.2):
-            for path in glob.glob(self.pattern):
-                try:
-                    record = json.loads(Path(path).read_text())
-                except (OSError, json.JSONDecodeError):
-                    continue
-                if record["pid"] not in self.killed and self.ready():
-                    self._kill(record)
+    def poll(self) -> bool:
+        for path in glob.glob(self.pattern):
+            try:
+                record = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if record["pid"] not in self.killed and self.ready():
+                self._kill(record)
+        return len(self.killed) >= self.times
 
     def _kill(self, record: dict[str, Any]) -> None:
         try:

@@ -19,6 +19,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowSkipException, DownstreamTasksSkipped, TaskDeferred
 from airflow.triggers.base import TaskSuccessEvent
 from airflow_runs import first_event
+from background import Poller
 from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
@@ -47,7 +48,7 @@ def worker_slow_after(worker: int, after: float, factor: float = 3.0) -> Slowdow
     return lambda w, t: factor if w == worker and t >= after else 1.0
 
 
-class SegmentWriter:
+class SegmentWriter(Poller):
     """Appends lockstep BSP (or free-running ASP) worker_step events for one segment, in real time."""
 
     def __init__(self, uri_of: Callable[[int], str], protocol: str, workers: int, slowdown: Slowdown) -> None:
@@ -58,35 +59,27 @@ class SegmentWriter:
             for w in range(workers)
         ]
         self.protocol, self.slowdown = protocol, slowdown
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._write, daemon=True)
+        self.started, self.step = time.monotonic(), 0
+        super().__init__(every=TICK, join_seconds=5)
 
-    def _write(self) -> None:
-        started, step = time.monotonic(), 0
-        while not self.stop.is_set():
-            t = time.monotonic() - started
-            computes = [0.02 * self.slowdown(w, t) for w in range(len(self.writers))]
-            step += 1
-            for w, (writer, compute) in enumerate(zip(self.writers, computes, strict=True)):
-                # BSP: everyone's step takes as long as the slowest compute; ASP: each its own.
-                step_time = (max(computes) if self.protocol == "bsp" else compute) + 0.005
-                writer.emit(
-                    "worker_step",
-                    worker=w,
-                    global_step=float(step),
-                    step_time=step_time,
-                    compute_time=compute,
-                    wait_time=step_time - compute,
-                )
-            self.stop.wait(TICK)
-
-    def __enter__(self) -> SegmentWriter:
-        self.thread.start()
-        return self
+    def poll(self) -> None:
+        t = time.monotonic() - self.started
+        computes = [0.02 * self.slowdown(w, t) for w in range(len(self.writers))]
+        self.step += 1
+        for w, (writer, compute) in enumerate(zip(self.writers, computes, strict=True)):
+            # BSP: everyone's step takes as long as the slowest compute; ASP: each its own.
+            step_time = (max(computes) if self.protocol == "bsp" else compute) + 0.005
+            writer.emit(
+                "worker_step",
+                worker=w,
+                global_step=float(self.step),
+                step_time=step_time,
+                compute_time=compute,
+                wait_time=step_time - compute,
+            )
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
+        super().__exit__(*exc)
         for writer in self.writers:
             writer.close()
 
