@@ -141,11 +141,10 @@ Ledger = tuple[list[dict[str, Any]], list[tuple[str, str, str]], int]
 
 
 def wait_until(condition: Any, what: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise BenchError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(1)
+    from syncswitch import procs
+
+    if not procs.wait_until(condition, timeout, poll=1.0):
+        raise BenchError(f"not within {timeout:.0f} s: {what}")
 
 
 def backfilled_runs(deployment: Any, bucket: str) -> Ledger:
