@@ -85,35 +85,42 @@ def environ(pid: int) -> dict[str, str]:
     return {key: value for key, _sep, value in pairs}
 
 
-class ProgressStraggler(threading.Thread):
-    """A CPU straggler tied to a run's progress rather than to the clock: it runs the process that
-    ``find_pid`` names at 1/``slowdown`` speed (SIGSTOP/SIGCONT over 0.2 s cycles, as the launcher's
-    injector does) from the moment it appears until ``cleared()`` is true. A clock-timed episode means
-    something else on a machine twice as slow (it can end before the first training step)."""
+class ProgressThrottle(threading.Thread):
+    """CPU slowness tied to a run's progress rather than to the clock: it runs the processes that
+    ``find_pids`` names at 1/``slowdown`` speed (SIGSTOP/SIGCONT over 0.2 s cycles, as the launcher's
+    injector does) from the moment they appear until ``cleared()`` is true. One pid makes a straggler;
+    all of a segment's nodes, stopped and continued together, make the whole segment slower without
+    making any worker look slower than the others. A clock-timed episode means something else on a
+    machine twice as slow (it can end before the first training step)."""
 
     CYCLE_SECONDS = 0.2
 
     def __init__(
-        self, find_pid: Callable[[], int | None], cleared: Callable[[], bool], slowdown: float = 4.0
+        self, find_pids: Callable[[], list[int]], cleared: Callable[[], bool], slowdown: float = 4.0
     ) -> None:
-        super().__init__(name="progress-straggler", daemon=True)
-        self.find_pid, self.cleared, self.slowdown = find_pid, cleared, slowdown
+        super().__init__(name="progress-throttle", daemon=True)
+        self.find_pids, self.cleared, self.slowdown = find_pids, cleared, slowdown
         self.slowed: set[int] = set()
         self._done = threading.Event()
 
     def run(self) -> None:
         run_for = self.CYCLE_SECONDS / self.slowdown
         while not self._done.is_set() and not self.cleared():
-            pid = self.find_pid()
-            if pid is None:
+            pids = self.find_pids()
+            if not pids:
                 self._done.wait(0.5)
                 continue
-            self.slowed.add(pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-                self._done.wait(self.CYCLE_SECONDS - run_for)
-                os.kill(pid, signal.SIGCONT)
+            self.slowed.update(pids)
+            self._signal(pids, signal.SIGSTOP)
+            self._done.wait(self.CYCLE_SECONDS - run_for)
+            self._signal(pids, signal.SIGCONT)
             self._done.wait(run_for)
+
+    @staticmethod
+    def _signal(pids: list[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def stop(self) -> None:
         self._done.set()

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import pytest
 from airflow_runs import segment_starts, task_log
-from proc_utils import ProgressStraggler, assert_no_processes, environ, wait_for
+from proc_utils import ProgressThrottle, assert_no_processes, environ, wait_for
 from syncswitch.layout import RunLayout
 from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.airflow_api import TriggerRejected
@@ -26,7 +26,7 @@ from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 CONSUMER_DAG = "on_new_model"  # dags/on_new_model.py
-GREEDY_BSP_STEPS = 4500
+GREEDY_BSP_STEPS = 4000
 
 pytestmark = [
     pytest.mark.airflow,
@@ -177,24 +177,26 @@ def assert_the_new_model_ran_the_downstream_dag(airflow: EmbeddedAirflow, summar
     assert [run["dag_id"] for e in events for run in e["created_dagruns"]] == [CONSUMER_DAG]
 
 
-class LocalSegmentNode:
-    """Finds the pid of a node (e.g. 'worker-1') of a running segment on a job's local cluster, from
-    the launcher's process table. The cluster's folder is in its fork server's environment; it is
-    looked up in /proc until found, then kept (the straggler asks five times a second)."""
+class LocalSegmentNodes:
+    """Finds the pids of the nodes (e.g. 'worker-1'; all of them if none is named) of a running segment
+    on a job's local cluster, from the launcher's process table. The cluster's folder is in its fork
+    server's environment; it is looked up in /proc until found, then kept (a throttle asks five times a
+    second)."""
 
-    def __init__(self, job_name: str, segment: int, node: str) -> None:
-        self.job_name, self.segment, self.node = job_name, segment, node
+    def __init__(self, job_name: str, segment: int, *nodes: str) -> None:
+        self.job_name, self.segment, self.nodes = job_name, segment, nodes
         self.cluster_dir = ""
 
-    def __call__(self) -> int | None:
+    def __call__(self) -> list[int]:
         if not self.cluster_dir:
             found = (environ(int(e)).get(CLUSTER_ENV, "") for e in os.listdir("/proc") if e.isdigit())
             self.cluster_dir = next((d for d in found if f"/{self.job_name}-" in d), "")
         table = Path(self.cluster_dir, "segments", f"seg-{self.segment:02d}", "scratch", "nodes.json")
         try:
-            return int(json.loads(table.read_text())[self.node]["pid"]) if self.cluster_dir else None
+            nodes = json.loads(table.read_text()) if self.cluster_dir else {}
+            return [int(nodes[name]["pid"]) for name in self.nodes or nodes]
         except (OSError, ValueError, KeyError):
-            return None
+            return []
 
 
 def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
@@ -206,17 +208,26 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     planned ASP segment runs. The workload stays exact and teardown leaves nothing running."""
     runs = tmp_path / "runs"
 
-    def switch_decided() -> bool:
-        return any(json.loads(p.read_text()).get("decisions") for p in runs.glob("greedy-e2e/*/state.json"))
+    def decided(action: str) -> bool:
+        states = (json.loads(p.read_text()) for p in runs.glob("greedy-e2e/*/state.json"))
+        return any(d["action"] == action for state in states for d in state.get("decisions", []))
+
+    def asp_nodes_once_stepping() -> list[int]:
+        started = any(p.stat().st_size for p in runs.glob("greedy-e2e/*/metrics/seg-01-asp/chief-0.jsonl"))
+        return asp_nodes() if started else []
 
     # Tied to progress, not to the clock (a --straggler episode is timed from the segment's start, and
-    # on a slow machine it could end before the first step). The BSP budget must keep ASP running for
-    # the 3 clean 5 s windows (+2.5 s lateness, + the sensor's resume) greedy waits for: ~25 s. Here
-    # ASP did 1,612 steps in them (63 steps/s) after 273 BSP steps: 4,500 leave room for a machine
-    # 2.4x as fast (CI's is ~1.1x, and slower on two test workers); the rest of the budget then trains
-    # as BSP (~48 steps/s here, ~50 s: 7,000 cost a minute more for nothing).
-    straggler = ProgressStraggler(LocalSegmentNode("greedy-e2e", 0, "worker-1"), switch_decided)
+    # on a slow machine it could end before the first step). Greedy switches back after 3 clean 5 s
+    # windows of ASP (+2.5 s lateness, + the sensor's resume): ~20 s, which unthrottled ASP fills with
+    # ~3,200 steps here (158 steps/s) and more on a faster machine, while the switch itself came
+    # anywhere from step 480 (here, alone) to 1,870 (CI, beside other tests). So the whole ASP segment
+    # runs 4x slower, every node at once (no worker looks slower than another), until greedy has
+    # switched back: ~800 steps. The rest of the BSP budget then trains as BSP (125 steps/s here).
+    asp_nodes = LocalSegmentNodes("greedy-e2e", 1)
+    straggler = ProgressThrottle(LocalSegmentNodes("greedy-e2e", 0, "worker-1"), lambda: decided("switch"))
+    asp_brake = ProgressThrottle(asp_nodes_once_stepping, lambda: decided("switch_back"))
     straggler.start()
+    asp_brake.start()
     try:
         _result, summary = syncswitch_run(
             airflow,
@@ -228,7 +239,9 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
         )
     finally:
         straggler.stop()
+        asp_brake.stop()
     assert straggler.slowed, "the first BSP segment's worker 1 was never found"
+    assert asp_brake.slowed, "the ASP segment's nodes were never found"
     actions = [d["action"] for d in summary["online_switches"]]
     assert actions[:2] == ["switch", "switch_back"], summary["online_switches"]
     assert all(d["reason"] for d in summary["online_switches"])
