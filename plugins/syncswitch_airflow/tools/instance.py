@@ -71,9 +71,22 @@ class InstanceHome:
 
     def env(self, record: InstanceRecord, overrides: dict[str, str]) -> dict[str, str]:
         """The environment every Airflow process of the instance ``record`` runs with; ``overrides``
-        (``SECTION__KEY`` -> value) go over ours."""
+        (``SECTION__KEY`` -> value) go over our settings."""
+        env = dict(os.environ)
+        # A caller's own Airflow settings must not leak into the embedded instance.
+        for key in [k for k in env if k.startswith("AIRFLOW__") or k in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")]:
+            del env[key]
+        env.update({f"AIRFLOW__{key}": value for key, value in self.settings(record, overrides).items()})
+        env["AIRFLOW_HOME"] = str(self.home)
+        env[INSTANCE_ENV] = instance_marker(record)
+        # Components run as plain `airflow ...`: our interpreter's bin comes first.
+        env["PATH"] = os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")])
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def settings(self, record: InstanceRecord, overrides: dict[str, str]) -> dict[str, str]:
+        """The instance's Airflow settings (``SECTION__KEY`` -> value), ``overrides`` over ours."""
         base_url = f"http://127.0.0.1:{record.port}"
-        bin_dir = str(Path(self.python).parent)
         settings = {
             "CORE__DAGS_FOLDER": str(self.dags_folder),
             "CORE__PLUGINS_FOLDER": str(self.plugins_folder),
@@ -145,17 +158,7 @@ class InstanceHome:
         )
         if not settings["DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite"):
             del settings["DATABASE__SQL_ALCHEMY_CONNECT_ARGS"]  # SQLite's (a deployment on Postgres)
-        env = dict(os.environ)
-        # A caller's own Airflow settings must not leak into the embedded instance.
-        for key in [k for k in env if k.startswith("AIRFLOW__") or k in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")]:
-            del env[key]
-        env.update({f"AIRFLOW__{key}": value for key, value in settings.items()})
-        env["AIRFLOW_HOME"] = str(self.home)
-        env[INSTANCE_ENV] = instance_marker(record)
-        # Components run as plain `airflow ...`: our interpreter's bin comes first.
-        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
+        return settings
 
     def _project_settings(self) -> dict[str, str]:
         """The packaged DAG files sit in site-packages, so their folder cannot hold runs and job files:
