@@ -337,6 +337,65 @@ def _out(value: Fraction) -> float:
     return float(round(value, DIGITS))
 
 
+@dataclass(frozen=True)
+class _VmSpan:
+    """One VM record, checked: its name and the time it was up."""
+
+    record: dict[str, Any]
+    name: str
+    start: Fraction
+    end: Fraction
+
+    @property
+    def where(self) -> str:
+        return f"vm {self.name}"
+
+
+def _vm_span(vm: dict[str, Any], position: int, now: Fraction) -> _VmSpan:
+    """``vm`` checked (ValueError names the VM and the field); a running VM is charged up to ``now``."""
+    name = str(vm.get("name") or f"vm {position}")
+    where = f"vm {name}"
+    role = vm.get("role")
+    if role not in ROLES:
+        raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+    if not isinstance(vm.get("spot"), bool):
+        raise ValueError(f"{where}: spot must be true or false, got {vm.get('spot')!r}")
+    for key in ("zone", "machine_type"):
+        if not vm.get(key):
+            raise ValueError(f"{where}: {key} is missing")
+    start = _time(vm, "started_at", where)
+    end = _time(vm, "ended_at", where, default=max(now, start))
+    if end < start:
+        raise ValueError(f"{where}: ended_at is before started_at")
+    return _VmSpan(vm, name, start, end)
+
+
+def _hourly_rates(span: _VmSpan, catalog: Catalog) -> tuple[Fraction, Fraction]:
+    """The VM's hourly rate as it ran (spot or not), and on-demand."""
+    vm = span.record
+    price = (vm["zone"], vm["machine_type"], str(vm.get("gpu_type") or ""), vm.get("gpu_count") or 0)
+    return (
+        catalog.hourly_exact(*price, spot=vm["spot"], field=span.where),
+        catalog.hourly_exact(*price, spot=False, field=span.where),
+    )
+
+
+def _vm_line(span: _VmSpan, rate: Fraction, catalog: Catalog) -> dict[str, Any]:
+    vm, seconds = span.record, span.end - span.start
+    return {
+        "name": span.name,
+        "role": vm["role"],
+        "zone": vm["zone"],
+        "machine_type": vm["machine_type"],
+        "gpu_type": catalog.gpu_type(span.where, str(vm.get("gpu_type") or "")),
+        "gpu_count": vm.get("gpu_count") or 0,
+        "spot": vm["spot"],
+        "active_seconds": float(round(seconds, 3)),
+        "hourly": _out(rate),
+        "cost": _out(rate * seconds / _SECONDS_PER_HOUR),
+    }
+
+
 def ledger(
     vms: list[dict[str, Any]], segments: list[dict[str, Any]], catalog: Catalog, now: float | None = None
 ) -> dict[str, Any]:
@@ -356,44 +415,15 @@ def ledger(
     total = on_demand_total = Fraction(0)
     per_vm = []
     for position, vm in enumerate(vms):
-        name = str(vm.get("name") or f"vm {position}")
-        where = f"vm {name}"
-        role = vm.get("role")
-        if role not in ROLES:
-            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(vm.get("spot"), bool):
-            raise ValueError(f"{where}: spot must be true or false, got {vm.get('spot')!r}")
-        for key in ("zone", "machine_type"):
-            if not vm.get(key):
-                raise ValueError(f"{where}: {key} is missing")
-        start = _time(vm, "started_at", where)
-        end = _time(vm, "ended_at", where, default=max(now_t, start))
-        if end < start:
-            raise ValueError(f"{where}: ended_at is before started_at")
-        gpu_type, gpu_count = str(vm.get("gpu_type") or ""), vm.get("gpu_count") or 0
-        price = (vm["zone"], vm["machine_type"], gpu_type, gpu_count)
-        rate = catalog.hourly_exact(*price, spot=vm["spot"], field=where)
-        on_demand_rate = catalog.hourly_exact(*price, spot=False, field=where)
-        seconds = end - start
-        cost = rate * seconds / _SECONDS_PER_HOUR
-        total += cost
-        on_demand_total += on_demand_rate * seconds / _SECONDS_PER_HOUR
+        span = _vm_span(vm, position, now_t)
+        rate, on_demand_rate = _hourly_rates(span, catalog)
+        total += rate * (span.end - span.start) / _SECONDS_PER_HOUR
+        on_demand_total += on_demand_rate * (span.end - span.start) / _SECONDS_PER_HOUR
         for k, window in enumerate(windows):
-            segment_costs[k] += rate * _overlap(start, end, window.start, window.end) / _SECONDS_PER_HOUR
-        per_vm.append(
-            {
-                "name": name,
-                "role": role,
-                "zone": vm["zone"],
-                "machine_type": vm["machine_type"],
-                "gpu_type": catalog.gpu_type(where, gpu_type),
-                "gpu_count": gpu_count,
-                "spot": vm["spot"],
-                "active_seconds": float(round(seconds, 3)),
-                "hourly": _out(rate),
-                "cost": _out(cost),
-            }
-        )
+            segment_costs[k] += (
+                rate * _overlap(span.start, span.end, window.start, window.end) / _SECONDS_PER_HOUR
+            )
+        per_vm.append(_vm_line(span, rate, catalog))
     per_protocol = {p: Fraction(0) for p in PROTOCOLS}
     for window, cost in zip(windows, segment_costs, strict=True):
         per_protocol[window.protocol] += cost
