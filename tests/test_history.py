@@ -428,3 +428,31 @@ def test_history_shows_the_search_under_the_job_files_timing_settings(tmp_path: 
     # A flag still wins over the job file.
     done = syncswitch("history", JOB, "--bucket-dir", "b", "--repeats", "2", cwd=tmp_path, env=env)
     assert "repeats 2, tolerance 0.01" in " ".join(done.stdout.split())
+
+
+def test_history_reads_the_job_files_bucket_and_says_when_nothing_matches(tmp_path: Path) -> None:
+    """A job file's bucket_dir is where its DAG runs write their records, so `history JOB` reads there
+    without --bucket-dir (the flag still wins). A name with neither records nor a job file is said to
+    be so: a typo must not look like a job that never ran."""
+    _search_history(tmp_path / "h.jsonl")
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / f"{JOB}.yaml").write_text(
+        f"schedule: '@daily'\nstart_date: 2024-01-01\nparams:\n  bucket_dir: {tmp_path / 'job-bucket'}\n"
+    )
+    env = {"SYNCSWITCH_JOBS_DIR": str(jobs)}
+    done = syncswitch("history", "import", JOB, "h.jsonl", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert len(read_records(str(tmp_path / "job-bucket"), JOB)) == 4
+    done = syncswitch("history", JOB, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"job {JOB} in {tmp_path / 'job-bucket'}: 4 record(s)"), done.stdout
+    done = syncswitch("history", JOB, "--bucket-dir", "elsewhere", cwd=tmp_path, env=env)
+    assert done.stdout.splitlines()[:2] == [
+        f"job {JOB} in elsewhere: 0 record(s), 0 claim(s)",
+        "no records yet: the next run is a BSP baseline run (bsp_fraction 1.0)",
+    ]
+    assert "no job file" not in done.stdout  # the job exists: it has not run there
+    done = syncswitch("history", "no-such-job", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"(no job file no-such-job.yaml in {jobs} either: check the name and --bucket-dir)" in done.stdout

@@ -11,7 +11,8 @@ decision the next run would get (``--json``: all of it as one JSON object). ``hi
 records of a .jsonl file (docs/history.md), each as its own immutable record. ``policy next`` decides
 from a .jsonl history without a bucket: the reasoning goes to stderr and the last stdout line is one
 JSON object (``bsp_fraction``, ``phase``, ``reason``, ``numbers``, ``fingerprint``). A .jsonl history has
-no claims, so nothing is in flight. The bucket defaults to ``[syncswitch] bucket_dir``, else ``./runs``.
+no claims, so nothing is in flight. The bucket defaults to the job file's ``bucket_dir`` (as its DAG
+runs use it), else ``[syncswitch] bucket_dir``, else ``./runs``.
 
 Exit 0 on success; 2 on bad input (a flag, a field of a record, a conflicting import), with one line
 naming the flag or field and what it accepts. Kept apart from ``syncswitch.cli`` and imported lazily, so
@@ -25,9 +26,11 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 from syncswitch import storage
+from syncswitch.spec import JobSpec
 
 from syncswitch_airflow import settings
 from syncswitch_airflow.history import (
@@ -84,8 +87,8 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
 def _bucket_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-dir",
-        default=settings.get("bucket_dir") or DEFAULT_BUCKET_DIR,
-        help=f"local folder or gs:// URI (default: [syncswitch] bucket_dir, else ./{DEFAULT_BUCKET_DIR})",
+        help="local folder or gs:// URI (default: the job file's bucket_dir, else [syncswitch] bucket_dir, "
+        f"else ./{DEFAULT_BUCKET_DIR})",
     )
 
 
@@ -168,6 +171,7 @@ def _import(argv: list[str]) -> int:
     args = build_import_parser().parse_args(argv)
     check_job_name(args.job)
     _require_file(args.file, "FILE.jsonl")
+    args.bucket_dir = job_bucket_dir(args.bucket_dir, read_job(args.job))
     counts = import_records(args.bucket_dir, args.job, args.file)
     print(
         f"imported {counts['written']} record(s) into job {args.job} in {args.bucket_dir} "
@@ -176,32 +180,62 @@ def _import(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def job_file_timing(job: str) -> dict[str, Any]:
-    """The timing settings of the job file of ``job`` (``jobs/<job>.yaml``, or in ``[syncswitch] jobs_dir``),
-    so that the search state shown is the one the job's runs decide by; {} without a job file."""
-    from syncswitch_airflow.job_files import JobFileError, jobs_dir, read_job_file
+def jobs_folder() -> Path:
+    """Where job files are read from: ``jobs/`` of the project, or ``[syncswitch] jobs_dir``."""
+    from syncswitch_airflow.job_files import jobs_dir
     from syncswitch_airflow.tools.cli import default_project_dir
 
-    folder = jobs_dir(default_project_dir())
-    for path in (folder / f"{job}.yaml", folder / f"{job}.yml"):
-        if path.is_file():
-            try:
-                spec = read_job_file(path).job
-            except JobFileError as err:
-                raise UsageError(f"job file {err}") from None
-            return {
-                "repeats": spec.timing_repeats,
-                "tolerance": spec.timing_tolerance,
-                "floor": spec.timing_floor,
-                "refine": spec.timing_refine,
-            }
-    return {}
+    return jobs_dir(default_project_dir())
+
+
+def find_job_file(job: str) -> Path | None:
+    """``<job>.yaml`` (or .yml) in the jobs folder, or None."""
+    folder = jobs_folder()
+    return next((p for p in (folder / f"{job}.yaml", folder / f"{job}.yml") if p.is_file()), None)
+
+
+def read_job(job: str) -> JobSpec | None:
+    """The job of ``job``'s job file, or None without one; UsageError for a bad job file."""
+    from syncswitch_airflow.job_files import JobFileError, read_job_file
+
+    path = find_job_file(job)
+    if path is None:
+        return None
+    try:
+        return read_job_file(path).job
+    except JobFileError as err:
+        raise UsageError(f"job file {err}") from None
+
+
+def job_timing(spec: JobSpec | None) -> dict[str, Any]:
+    """The job file's timing settings, so that the search state shown is the one the job's runs
+    decide by; {} without a job file."""
+    if spec is None:
+        return {}
+    return {
+        "repeats": spec.timing_repeats,
+        "tolerance": spec.timing_tolerance,
+        "floor": spec.timing_floor,
+        "refine": spec.timing_refine,
+    }
+
+
+def job_bucket_dir(flag: str | None, spec: JobSpec | None) -> str:
+    """Where the job's records are: the flag, else the job file's bucket_dir (as its DAG runs use it),
+    else the deployment's."""
+    if flag:
+        return flag
+    if spec is not None and spec.bucket_dir != JobSpec().bucket_dir:
+        return spec.bucket_dir
+    return settings.get("bucket_dir") or DEFAULT_BUCKET_DIR
 
 
 def _show(argv: list[str]) -> int:
     args = build_history_parser().parse_args(argv)
     check_job_name(args.job)
-    config = timing_config(args, job_file_timing(args.job))
+    job = read_job(args.job)
+    config = timing_config(args, job_timing(job))
+    args.bucket_dir = job_bucket_dir(args.bucket_dir, job)
     records = read_records(args.bucket_dir, args.job)
     claims = read_claims(args.bucket_dir, args.job)
     now = time.time()
@@ -210,13 +244,17 @@ def _show(argv: list[str]) -> int:
         print(json.dumps({"job_name": args.job, "records": records, "claims": claims, "search": states}))
         return EXIT_OK
     print(f"job {args.job} in {args.bucket_dir}: {len(records)} record(s), {len(claims)} claim(s)")
+    if not states:
+        print("no records yet: the next run is a BSP baseline run (bsp_fraction 1.0)")
+        if job is None:
+            # A typo in the job name or the bucket looks the same as a job that never ran.
+            print(f"(no job file {args.job}.yaml in {jobs_folder()} either: check the name and --bucket-dir)")
+        return EXIT_OK
     print(format_table(records))
-    current = states[-1]["fingerprint"] if states else None
+    current = states[-1]["fingerprint"]
     for state in states:
         print()
         print("\n".join(format_search_state(state, current=state["fingerprint"] == current)))
-    if not states:
-        print("no records yet: the next run is a BSP baseline run (bsp_fraction 1.0)")
     return EXIT_OK
 
 
