@@ -302,12 +302,28 @@ class JobSpec:
         return spec
 
     def validate(self) -> None:
+        """SpecError naming the first bad field and what it accepts (checked in the order below)."""
         if not _JOB_NAME_RE.match(self.job_name):
             raise SpecError(
                 "job_name",
                 f"{self.job_name!r} must be 1-63 lowercase letters, digits or "
                 "'-', starting and ending with a letter or digit",
             )
+        self._validate_plan()
+        self._validate_names()
+        self._validate_hosts()
+        self._validate_timing()
+        self._validate_workload()
+        self._validate_stragglers()
+        if not self.bucket_dir:
+            raise SpecError("bucket_dir", "must be a local folder or a gs://bucket/prefix URI")
+        if self.bucket_dir.startswith("gs://") and len(self.bucket_dir) <= len("gs://"):
+            raise SpecError("bucket_dir", "gs:// URI needs a bucket name")
+        if not self.usr_dir:  # a usr_dir's names exist once imported: syncswitch.check checks them
+            self._validate_hparams()
+
+    def _validate_plan(self) -> None:
+        """The switch order, and per-segment values that match it."""
         if not self.switch_order or set(self.switch_order) - set(plans.PROTOCOL_DIGITS):
             raise SpecError(
                 "switch_order",
@@ -315,22 +331,19 @@ class JobSpec:
                 "and 0 (ASP), e.g. '10' or '101'",
             )
         n = len(self.switch_order)
-        if self.train_steps:
-            if len(self.train_steps) != n:
-                raise SpecError(
-                    "train_steps",
-                    f"has {len(self.train_steps)} values but switch_order "
-                    f"{self.switch_order!r} has {n} segments",
-                )
-        else:
-            if self.total_steps < n:
-                raise SpecError("total_steps", f"must be >= the number of segments ({n})")
+        if self.train_steps and len(self.train_steps) != n:
+            raise SpecError(
+                "train_steps",
+                f"has {len(self.train_steps)} values but switch_order {self.switch_order!r} has {n} segments",
+            )
+        if not self.train_steps and self.total_steps < n:
+            raise SpecError("total_steps", f"must be >= the number of segments ({n})")
         for name, values in (("ckpt_frequency", self.ckpt_frequency), ("hparams", self.hparams)):
             if len(values) not in (1, n):
                 raise SpecError(name, f"needs 1 value or one per segment ({n}), got {len(values)}")
-        self._validate_names()
-        self._validate_hosts()
-        self._validate_timing()
+
+    def _validate_workload(self) -> None:
+        """Built-in models and problems that go together, and room for the online switches."""
         if self.problem in ("image_cifar10", "image_cifar100") and not self.data_dir:
             raise SpecError("data_dir", f"problem {self.problem!r} needs a data_dir (local path or gs://)")
         if self.model == "cnn" and self.problem in _BUILTIN_IMAGE_MODELS["resnet"]:
@@ -340,6 +353,7 @@ class JobSpec:
             )
         if self.model == "resnet" and self.problem == "digits":
             raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
+        n = len(self.switch_order)
         if n + self.max_online_switches > plans.MAX_SEGMENTS:
             raise SpecError(
                 "switch_order/max_online_switches",
@@ -347,6 +361,8 @@ class JobSpec:
                 f"{plans.MAX_SEGMENTS} segments a run may have; shorten switch_order or lower "
                 "max_online_switches",
             )
+
+    def _validate_stragglers(self) -> None:
         for s in self.stragglers:
             if s.worker >= self.num_workers:
                 raise SpecError(
@@ -358,12 +374,9 @@ class JobSpec:
                     f"{s.to_text()!r}: a network straggler (delay_ms) delays a host's link, and every node "
                     "of cluster_backend 'local' shares one host; use cluster_backend 'hosts' or 'gce'",
                 )
-        if not self.bucket_dir:
-            raise SpecError("bucket_dir", "must be a local folder or a gs://bucket/prefix URI")
-        if self.bucket_dir.startswith("gs://") and len(self.bucket_dir) <= len("gs://"):
-            raise SpecError("bucket_dir", "gs:// URI needs a bucket name")
-        if self.usr_dir:
-            return  # its names exist once it is imported: syncswitch.check checks them and the overrides
+
+    def _validate_hparams(self) -> None:
+        """The built-in hparam set and the overrides apply."""
         try:
             hp = get_hparams(self.hparam_set, self.model)
             for overrides in self.hparams:
