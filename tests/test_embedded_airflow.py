@@ -222,7 +222,7 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     # ~3,200 steps here (158 steps/s) and more on a faster machine, while the switch itself came
     # anywhere from step 480 (here, alone) to 1,870 (CI, beside other tests). So the whole ASP segment
     # runs 4x slower, every node at once (no worker looks slower than another), until greedy has
-    # switched back: ~660-990 steps here. The rest of the BSP budget then trains as BSP (125 steps/s).
+    # switched back: ~660-760 steps here. The rest of the BSP budget then trains as BSP (125 steps/s).
     asp_nodes = LocalSegmentNodes("greedy-e2e", 1)
     straggler = ProgressThrottle(LocalSegmentNodes("greedy-e2e", 0, "worker-1"), lambda: decided("switch"))
     asp_brake = ProgressThrottle(asp_nodes_once_stepping, lambda: decided("switch_back"))
