@@ -171,7 +171,8 @@ def _import(argv: list[str]) -> int:
     args = build_import_parser().parse_args(argv)
     check_job_name(args.job)
     _require_file(args.file, "FILE.jsonl")
-    args.bucket_dir = job_bucket_dir(args.bucket_dir, read_job(args.job))
+    if not args.bucket_dir:  # the job file is read only for its bucket_dir
+        args.bucket_dir = job_bucket_dir(None, read_job(args.job))
     counts = import_records(args.bucket_dir, args.job, args.file)
     print(
         f"imported {counts['written']} record(s) into job {args.job} in {args.bucket_dir} "
