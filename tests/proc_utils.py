@@ -10,10 +10,11 @@ import contextlib
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from background import Poller
 
 
 @dataclass(frozen=True)
@@ -85,46 +86,45 @@ def environ(pid: int) -> dict[str, str]:
     return {key: value for key, _sep, value in pairs}
 
 
-class ProgressThrottle(threading.Thread):
-    """CPU slowness tied to a run's progress rather than to the clock: it runs the processes that
-    ``find_pids`` names at 1/``slowdown`` speed (SIGSTOP/SIGCONT over 0.2 s cycles, as the launcher's
-    injector does) from the moment they appear until ``cleared()`` is true. One pid makes a straggler;
-    all of a segment's nodes, stopped and continued together, make the whole segment slower without
-    making any worker look slower than the others. A clock-timed episode means something else on a
-    machine twice as slow (it can end before the first training step)."""
+class ProgressThrottle(Poller):
+    """CPU slowness tied to a run's progress rather than to the clock: inside its ``with`` block it
+    runs the processes that ``find_pids`` names at 1/``slowdown`` speed (SIGSTOP/SIGCONT over 0.2 s
+    cycles, as the launcher's injector does) from the moment they appear until ``cleared()`` is true.
+    One pid makes a straggler; all of a segment's nodes, stopped and continued together, make the
+    whole segment slower without making any worker look slower than the others. A clock-timed
+    episode means something else on a machine twice as slow (it can end before the first step)."""
 
     CYCLE_SECONDS = 0.2
 
     def __init__(
         self, find_pids: Callable[[], list[int]], cleared: Callable[[], bool], slowdown: float = 4.0
     ) -> None:
-        super().__init__(name="progress-throttle", daemon=True)
+        super().__init__(every=0.0)
         self.find_pids, self.cleared, self.slowdown = find_pids, cleared, slowdown
         self.slowed: set[int] = set()
-        self._done = threading.Event()
 
-    def run(self) -> None:
+    def poll(self) -> bool:
+        """One duty cycle; True (done) once cleared."""
+        if self.cleared():
+            return True
+        pids = self.find_pids()
+        if not pids:
+            self._stop.wait(0.5)
+            return False
         run_for = self.CYCLE_SECONDS / self.slowdown
-        while not self._done.is_set() and not self.cleared():
-            pids = self.find_pids()
-            if not pids:
-                self._done.wait(0.5)
-                continue
-            self.slowed.update(pids)
-            self._signal(pids, signal.SIGSTOP)
-            self._done.wait(self.CYCLE_SECONDS - run_for)
-            self._signal(pids, signal.SIGCONT)
-            self._done.wait(run_for)
+        self.slowed.update(pids)
+        self._signal(pids, signal.SIGSTOP)
+        self._stop.wait(self.CYCLE_SECONDS - run_for)
+        self._signal(pids, signal.SIGCONT)
+        self._stop.wait(run_for)
+        return False
 
     @staticmethod
-    def _signal(pids: list[int], sig: signal.Signals) -> None:
+    def _signal(pids: list[int] | set[int], sig: signal.Signals) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    def stop(self) -> None:
-        self._done.set()
-        self.join(timeout=10)
-        for pid in self.slowed:  # a SIGSTOPped process must not outlive the test stopped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._signal(self.slowed, signal.SIGCONT)  # a SIGSTOPped process must not outlive the test

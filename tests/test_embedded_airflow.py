@@ -226,9 +226,7 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
     asp_nodes = LocalSegmentNodes("greedy-e2e", 1)
     straggler = ProgressThrottle(LocalSegmentNodes("greedy-e2e", 0, "worker-1"), lambda: decided("switch"))
     asp_brake = ProgressThrottle(asp_nodes_once_stepping, lambda: decided("switch_back"))
-    straggler.start()
-    asp_brake.start()
-    try:
+    with straggler, asp_brake:
         _result, summary = syncswitch_run(
             airflow,
             tmp_path,
@@ -237,9 +235,6 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
             *("--online-policy", "greedy"),
             timeout=1500,
         )
-    finally:
-        straggler.stop()
-        asp_brake.stop()
     assert straggler.slowed, "the first BSP segment's worker 1 was never found"
     assert asp_brake.slowed, "the ASP segment's nodes were never found"
     actions = [d["action"] for d in summary["online_switches"]]
