@@ -380,8 +380,8 @@ def _hourly_rates(span: _VmSpan, catalog: Catalog) -> tuple[Fraction, Fraction]:
     )
 
 
-def _vm_line(span: _VmSpan, rate: Fraction, catalog: Catalog) -> dict[str, Any]:
-    vm, seconds = span.record, span.end - span.start
+def _vm_line(span: _VmSpan, rate: Fraction, cost: Fraction, catalog: Catalog) -> dict[str, Any]:
+    vm = span.record
     return {
         "name": span.name,
         "role": vm["role"],
@@ -390,9 +390,9 @@ def _vm_line(span: _VmSpan, rate: Fraction, catalog: Catalog) -> dict[str, Any]:
         "gpu_type": catalog.gpu_type(span.where, str(vm.get("gpu_type") or "")),
         "gpu_count": vm.get("gpu_count") or 0,
         "spot": vm["spot"],
-        "active_seconds": float(round(seconds, 3)),
+        "active_seconds": float(round(span.end - span.start, 3)),
         "hourly": _out(rate),
-        "cost": _out(rate * seconds / _SECONDS_PER_HOUR),
+        "cost": _out(cost),
     }
 
 
@@ -417,13 +417,14 @@ def ledger(
     for position, vm in enumerate(vms):
         span = _vm_span(vm, position, now_t)
         rate, on_demand_rate = _hourly_rates(span, catalog)
-        total += rate * (span.end - span.start) / _SECONDS_PER_HOUR
+        cost = rate * (span.end - span.start) / _SECONDS_PER_HOUR
+        total += cost
         on_demand_total += on_demand_rate * (span.end - span.start) / _SECONDS_PER_HOUR
         for k, window in enumerate(windows):
             segment_costs[k] += (
                 rate * _overlap(span.start, span.end, window.start, window.end) / _SECONDS_PER_HOUR
             )
-        per_vm.append(_vm_line(span, rate, catalog))
+        per_vm.append(_vm_line(span, rate, cost, catalog))
     per_protocol = {p: Fraction(0) for p in PROTOCOLS}
     for window, cost in zip(windows, segment_costs, strict=True):
         per_protocol[window.protocol] += cost
