@@ -14,15 +14,17 @@ preempting it kills them all.
         ...
         fake.preempt("worker-1")     # the host is gone; a compute.instances.preempted operation
         fake.stock_out("us-central1-a", count=2)   # the next two inserts there fail
+        fake.publish_host_key_instead(key)   # guest attributes name another SSH host key
     bed.down()                       # removes the hosts of instances still alive
 
-What it covers: instances (insert, get, delete, list, aggregatedList), zone and global operations (get,
-wait, list), firewalls (insert, get, delete, list). Operations finish before the request that made them
-is answered: with ``pending_operations=True`` the answer still shows them RUNNING (as GCE does) and the
-next get or wait DONE. Beware that ``InstancesClient``'s ``ExtendedOperation.result()`` polls through a
-``ZoneOperationsClient`` of its own, made without the client's ``client_options``: it would ask
-compute.googleapis.com about a RUNNING operation. Poll with a ``ZoneOperationsClient`` given the fake's
-endpoint (or Airflow's ``ComputeEngineHook``, whose discovery client takes ``client_options``).
+What it covers: instances (insert, get, delete, list, aggregatedList, the ``hostkeys/`` guest
+attributes), zone and global operations (get, wait, list), firewalls (insert, get, delete, list).
+Operations finish before the request that made them is answered: with ``pending_operations=True``
+the answer still shows them RUNNING (as GCE does) and the next get or wait DONE. Beware that
+``InstancesClient``'s ``ExtendedOperation.result()`` polls through a ``ZoneOperationsClient`` of its
+own, made without the client's ``client_options``: it would ask compute.googleapis.com about a RUNNING
+operation. Poll with a ``ZoneOperationsClient`` given the fake's endpoint (or Airflow's
+``ComputeEngineHook``, whose discovery client takes ``client_options``).
 
 Stricter than GCE where that catches a backend's mistakes: no ``accessConfigs`` (internal IPs only),
 one network interface, firewalls need ``sourceTags`` or ``sourceRanges`` and ``targetTags``. Firewalls
@@ -254,6 +256,7 @@ class FakeComputeEngine:
         self._operations: dict[str, tuple[str | None, dict[str, Any]]] = {}  # name -> (zone, JSON)
         self._firewalls: dict[str, dict[str, Any]] = {}
         self._stock_outs: dict[str, int] = {}
+        self._published_host_key: str | None = None  # publish_host_key_instead
         self._ids = itertools.count(int(time.time() * 1000) * 1000)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -263,6 +266,7 @@ class FakeComputeEngine:
             ("GET", f"{zone}/instances", self._list_instances),
             ("GET", f"{zone}/instances/{name}", self._get_instance),
             ("DELETE", f"{zone}/instances/{name}", self._delete_instance),
+            ("GET", f"{zone}/instances/{name}/getGuestAttributes", self._get_guest_attributes),
             ("GET", "aggregated/instances", self._aggregated_instances),
             ("GET", f"{zone}/operations", self._list_zone_operations),
             ("GET", f"{zone}/operations/{name}", self._get_zone_operation),
@@ -359,6 +363,12 @@ class FakeComputeEngine:
         ZONE_RESOURCE_POOL_EXHAUSTED error (HTTP 503), and no instance is created."""
         with self._lock:
             self._stock_outs[zone] = self._stock_outs.get(zone, 0) + count
+
+    def publish_host_key_instead(self, host_key: str | None) -> None:
+        """Every instance publishes ``host_key`` (``TYPE BASE64``) in its guest attributes instead of
+        its host's own, as if its address answered for another machine; None: their own again."""
+        with self._lock:
+            self._published_host_key = host_key
 
     def instances(self) -> dict[str, dict[str, Any]]:
         """name -> Instance JSON of every instance that exists (RUNNING, TERMINATED, ...), in any zone."""
@@ -731,6 +741,32 @@ class FakeComputeEngine:
             if instance is None:
                 raise _not_found(f"projects/{self.project}/zones/{zone}/instances/{name}")
             return copy.deepcopy(instance.resource)
+
+    def _get_guest_attributes(self, zone: str, name: str, query: dict[str, str], **_: Any) -> dict[str, Any]:
+        """The ``hostkeys/`` namespace, which Google's guest environment fills on first boot where the
+        metadata enables guest attributes: the host's sshd key. Anything else is not found, as on GCE
+        before the guest writes it."""
+        path = query.get("queryPath", "")
+        resource = f"projects/{self.project}/zones/{zone}/instances/{name}/guestAttributes/{path}"
+        with self._lock:
+            instance = self._instances.get((zone, name))
+            if instance is None:
+                raise _not_found(f"projects/{self.project}/zones/{zone}/instances/{name}")
+            items = instance.resource["metadata"].get("items") or []
+            enabled = any(
+                i.get("key") == "enable-guest-attributes" and str(i.get("value")).lower() == "true"
+                for i in items
+            )
+            host, published = instance.host, self._published_host_key
+        if path != "hostkeys/" or not enabled or host is None or instance.status != "RUNNING":
+            raise _not_found(resource)
+        key_type, _, key = (published or self.bed.host_key(host)).partition(" ")
+        return {
+            "kind": "compute#guestAttributes",
+            "queryPath": path,
+            "queryValue": {"items": [{"namespace": "hostkeys", "key": key_type, "value": key}]},
+            "selfLink": f"{self._zone_url(zone)}/instances/{name}/guestAttributes/{path}",
+        }
 
     def _delete_instance(self, zone: str, name: str, **_: Any) -> dict[str, Any]:
         with self._lock:

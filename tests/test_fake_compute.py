@@ -116,6 +116,7 @@ def _instance(
     spot: bool = False,
     termination: str | None = None,
     gpus: int = 0,
+    metadata: dict[str, str] | None = None,
 ) -> compute_v1.Instance:
     scheduling = compute_v1.Scheduling()
     if spot:
@@ -148,7 +149,10 @@ def _instance(
         if gpus
         else [],
         metadata=compute_v1.Metadata(
-            items=[compute_v1.Items(key="ssh-keys", value=ssh_keys)] if ssh_keys else []
+            items=[
+                compute_v1.Items(key=key, value=value)
+                for key, value in {**({"ssh-keys": ssh_keys} if ssh_keys else {}), **(metadata or {})}.items()
+            ]
         ),
     )
 
@@ -356,6 +360,33 @@ def test_a_stocked_out_zone_fails_the_insert_operation(
     lucky = clients.instances.insert(project=PROJECT, zone=ZONE, instance_resource=_instance("lucky"))
     hook._wait_for_operation_to_complete(project_id=PROJECT, operation_name=lucky.name, zone=ZONE)
     assert fake.instances()["lucky"]["status"] == "RUNNING"
+
+
+def test_guest_attributes_publish_the_hosts_ssh_host_key_where_the_metadata_enables_them(
+    fake: FakeComputeEngine, clients: Clients, bed: tb.Testbed
+) -> None:
+    _insert(clients, _instance("published", metadata={"enable-guest-attributes": "TRUE"}))
+    _insert(clients, _instance("silent"))
+
+    def host_keys(name: str, path: str = "hostkeys/") -> dict[str, str]:
+        request = {"project": PROJECT, "zone": ZONE, "instance": name, "query_path": path}
+        found = clients.instances.get_guest_attributes(request=request)
+        assert found.query_path == path
+        return {f"{e.namespace}/{e.key}": e.value for e in found.query_value.items}
+
+    host = fake.host("published")
+    assert host is not None
+    key_type, _, key = bed.host_key(host).partition(" ")
+    assert host_keys("published") == {f"hostkeys/{key_type}": key}
+    # Not enabled at boot, another namespace, an unknown instance: not found, as on Compute Engine.
+    for name, path in [("silent", "hostkeys/"), ("published", "other/"), ("absent", "hostkeys/")]:
+        with pytest.raises(exceptions.NotFound):
+            host_keys(name, path)
+    # Scripted for the backend's tests: the guest attributes name another key than the host's.
+    fake.publish_host_key_instead("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIImpostor")
+    assert host_keys("published") == {"hostkeys/ssh-ed25519": "AAAAC3NzaC1lZDI1NTE5AAAAIImpostor"}
+    fake.publish_host_key_instead(None)
+    assert host_keys("published") == {f"hostkeys/{key_type}": key}
 
 
 def test_delete_removes_the_host(fake: FakeComputeEngine, clients: Clients, bed: tb.Testbed) -> None:

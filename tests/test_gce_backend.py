@@ -31,6 +31,8 @@ from conftest import (
     running_testbed,
     storage_on_gateway,
 )
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from fake_compute import FakeComputeEngine
 from google.cloud import compute_v1
 from proc_utils import wait_for
@@ -42,8 +44,10 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
+from syncswitch_airflow.backends import gce as gce_backend
 from syncswitch_airflow.backends.gce import GceBackend, vm_metadata
 from syncswitch_airflow.hooks.compute import ComputeHook
+from syncswitch_airflow.settings import SettingError
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
@@ -166,6 +170,45 @@ def test_a_stock_out_fails_provisioning_naming_the_vm_and_leaves_nothing(
     assert {vm["state"] for name, vm in vms.items() if name.endswith("-w1")} == {"failed"}
 
 
+def test_a_vm_whose_address_answers_with_another_host_key_is_refused(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each VM's SSH host key comes from its guest attributes (Compute Engine's API), not from the
+    network: where the VMs publish one key and their addresses answer with another (a man in the
+    middle), provisioning fails naming the host key and leaves nothing. With ``gce_host_keys =
+    accept-any`` (images without Google's guest environment) the same VMs are taken, keys unchecked."""
+    backend = GceBackend()
+    # A key refused right after boot is retried for a grace (30 s: sshd may restart with the keys the
+    # VM just published); here it is the same key every time, so the test does not wait that long.
+    monkeypatch.setattr(gce_backend, "HOST_KEY_GRACE_S", 2.0)
+    job = JobSpec.from_params(conf(bucket, gce=gce_param(gpus="none")))
+    impostor = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH)
+    fake.publish_host_key_instead(impostor.decode())
+    try:
+        with pytest.raises(ClusterError, match=r"its host key is not the one pinned with the run"):
+            backend.provision(job, RunLayout.for_run(bucket, "gce", "impostor"))
+        assert_nothing_left(fake, bed)
+        assert backend.capacity().holders() == []
+
+        monkeypatch.setenv(settings.setting("gce_host_keys").airflow_env, "accept-any")
+        layout = RunLayout.for_run(bucket, "gce", "unchecked")
+        handle = backend.provision(job, layout)
+        try:
+            assert all(h["forkserver"] and not h["host_key"] for h in handle["hosts"])
+            assert not any("host_key" in vm for vm in read_state(layout)["vms"].values())
+        finally:
+            backend.teardown(handle)
+    finally:
+        fake.publish_host_key_instead(None)
+    assert_nothing_left(fake, bed)
+
+    monkeypatch.setenv(settings.setting("gce_host_keys").airflow_env, "trust-me")
+    with pytest.raises(SettingError, match=r"gce_host_keys .* must be one of guest-attributes, accept-any"):
+        backend.provision(job, RunLayout.for_run(bucket, "gce", "misconfigured"))
+    assert_nothing_left(fake, bed)
+    assert backend.capacity().holders() == []
+
+
 def test_the_reaper_deletes_the_vms_of_a_run_whose_teardown_never_came(
     fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
 ) -> None:
@@ -235,9 +278,10 @@ def test_the_startup_script_installs_the_runtime_on_a_vm_from_its_metadata(
     python = tmp_path / "opt" / "syncswitch" / ".venv" / "bin" / "python"
     gce = JobSpec.from_params(conf(bucket, gce=gce_param(python=str(python)))).gce
     attributes = vm_metadata(gce, layout, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBoot boot@test")
+    # Before the host: without uv this skips, and a host added first would be left behind.
+    env = {**offline_uv_env(tmp_path), "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"]}
     host = bed.add_host()
     etc = Path("/etc/netns") / host.name
-    env = {**offline_uv_env(tmp_path), "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"]}
     script = tmp_path / "startup-script"
     script.write_text(attributes["startup-script"])
     try:
@@ -317,6 +361,10 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     replaced = {e["vm"]: e["by"] for e in events if e["kind"] == "replaced"}
     assert set(replaced) == set(preempted)
     vms = state["vms"]
+    # Every VM, the replacements too, had its own host key pinned from its guest attributes (logins
+    # refuse any other: test_a_vm_whose_address_answers_with_another_host_key_is_refused).
+    assert len({vm["host_key"] for vm in vms.values()}) == len(vms) == 5
+    assert all(vm["host_key"].startswith("ssh-ed25519 ") for vm in vms.values())
     assert {name: vm["state"] for name, vm in vms.items()} == {
         **{name: "revoked" for name in preempted},
         **{name: "deleted" for name in vms if name not in preempted},

@@ -40,14 +40,14 @@ from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
-from syncswitch.hosts import DEFAULT_WORK_ROOT
+from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
 from syncswitch.layout import RunLayout
 from syncswitch.requirements import locked_versions
 from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
-from syncswitch_airflow.backends.hosts import HostsBackend
+from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
@@ -130,6 +130,7 @@ def assert_hosts_clean(bed: tb.Testbed) -> None:
 
 
 HOSTS = {"cluster_backend": "hosts", "bucket_dir": "gs://b/runs"}
+ED25519 = "AAAAC3NzaC1lZDI1NTE5AAAAIMoBxK/04BgEQThTPTqtXPs40iOzD1m8kbJOSUMsnIX9"  # any ed25519 public key
 
 
 @pytest.mark.parametrize(
@@ -147,6 +148,10 @@ HOSTS = {"cluster_backend": "hosts", "bucket_dir": "gs://b/runs"}
         ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,port=0"]}, "hosts", "1..65535"),
         ({**HOSTS, "hosts": ["address=10.0.0.2,key=relative"]}, "hosts", "absolute path"),
         ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,colour=red"]}, "hosts", "unknown key 'colour'"),
+        ({**HOSTS, "hosts": ["address=10.0.0.2,key=/k,host_key=ssh-ed25519"]}, "hosts", "'TYPE BASE64'"),
+        # A valid key under another type's name (the blob names its own type).
+        ({**HOSTS, "hosts": [f"address=10.0.0.2,key=/k,host_key=ssh-rsa {ED25519}"]}, "hosts", "ssh-rsa"),
+        ({**HOSTS, "hosts": [f"conn=my_ssh,host_key=ssh-ed25519 {ED25519}"]}, "hosts", "host_key or conn"),
         (
             {**HOSTS, "hosts": ["address=10.0.0.2,key=/k", "address=10.0.0.2,key=/j"]},
             "hosts",
@@ -171,6 +176,15 @@ def test_bad_host_specs_are_rejected_naming_the_field(params: dict, field: str, 
     assert err.value.field == field and words in str(err.value), str(err.value)
 
 
+def test_a_pinned_host_key_travels_with_the_host_spec() -> None:
+    [host] = JobSpec.from_params(
+        {**HOSTS, "hosts": [f"address=10.0.0.2,key=/k,host_key=ssh-ed25519 {ED25519}"]}
+    ).hosts
+    assert host.host_key == f"ssh-ed25519 {ED25519}"
+    assert HostSpec.parse(host.to_text(), 0) == host
+    assert host_record(host, "/w")["host_key"] == host.host_key
+
+
 # ---- provisioning ---------------------------------------------------------------------------------
 
 
@@ -192,6 +206,11 @@ def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_ho
     refused = [f"{h},name=x{i}".replace(bed.key_path, str(stranger)) for i, h in enumerate(good[:1])]
     with pytest.raises(ClusterError, match=r"SSH login failed"):
         backend.provision(job(bed, bucket, hosts=[*refused, good[1]], num_workers=1), layout)
+
+    # A host that shows another host key than the one pinned with it (host 2's).
+    pinned = [f"{good[0]},host_key={bed.host_key(bed.hosts[2])}", good[1]]
+    with pytest.raises(ClusterError, match=r"host .*-h0 .*its host key is not the one pinned with the run"):
+        backend.provision(job(bed, bucket, hosts=pinned, num_workers=1), layout)
 
     # A key file that is not there: named, and nothing was started on the good host.
     missing = good[0].replace(bed.key_path, str(tmp_path / "nope"))

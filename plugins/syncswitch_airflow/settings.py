@@ -94,6 +94,14 @@ SETTINGS: tuple[Setting, ...] = (
         example="/etc/ssh/ssh_known_hosts",
     ),
     Setting(
+        "gce_host_keys",
+        "How the gce backend knows its VMs' SSH host keys: 'guest-attributes' (each VM publishes them "
+        "on first boot, as Google's guest environment does; the run pins one and refuses any other) "
+        "or 'accept-any' (images without the guest environment: any key, with a warning)",
+        default="guest-attributes",
+        example="accept-any",
+    ),
+    Setting(
         "hosts_runtime",
         "How the hosts backend's hosts get the training runtime: 'installed' (they have it at their "
         "python=, checked against the lock) or 'install' (installed over SSH, once per version, into "

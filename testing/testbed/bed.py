@@ -348,13 +348,15 @@ class Testbed:
             Path(keys_file).write_text(authorized_keys.rstrip("\n") + "\n")
         (host_dir / "sshd_config").write_text(sshd_config(host, host_dir, keys_file, users))
 
+    def host_key(self, host: TestHost | str) -> str:
+        """The host's SSH host key as ``TYPE BASE64`` (a known_hosts line without its host)."""
+        name = host.name if isinstance(host, TestHost) else host
+        key_type, key = (self._host_dir(name) / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        return f"{key_type} {key}"
+
     def _write_known_hosts(self) -> None:
         with self._lock:
-            lines = []
-            for host in self.hosts:
-                public_key = self._host_dir(host.name) / "ssh_host_ed25519_key.pub"
-                key_type, key = public_key.read_text().split()[:2]
-                lines.append(f"{host.address} {key_type} {key}\n")
+            lines = [f"{host.address} {self.host_key(host)}\n" for host in self.hosts]
             path = Path(self.known_hosts_path)
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(lines))

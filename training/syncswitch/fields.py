@@ -228,8 +228,10 @@ FIELDS: tuple[Field, ...] = (
         "array",
         "Hosts",
         "cluster_backend hosts: one item per host, address=10.0.0.2,key=/path/to/ssh-key "
-        "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1], or conn=<ssh_conn_id> "
-        "(an Airflow SSH connection: key, host-key policy, and address/user/port unless given). The key "
+        "[,user=root,port=22,role=chief|worker|ps,python=/venv/bin/python,name=h1,"
+        "host_key=ssh-ed25519 AAAA...], "
+        "or conn=<ssh_conn_id> (an Airflow SSH connection: key, host-key policy, and address/user/port "
+        "unless given). host_key pins the host's SSH host key (as in known_hosts). The key "
         "is a path on the Airflow worker or a gs:// object; its contents never leave the Airflow side. "
         "Needs a gs:// bucket_dir.",
         items="string",

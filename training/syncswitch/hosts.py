@@ -21,6 +21,7 @@ spec, log, XCom or state.json.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import ipaddress
 import json
@@ -31,6 +32,14 @@ from typing import Any
 from syncswitch.errors import SpecError
 
 ROLES = ("any", "chief", "worker", "ps")
+# OpenSSH's host key types, the preferred first (where a host publishes several, it is pinned).
+HOST_KEY_TYPES = (
+    "ssh-ed25519",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "ssh-rsa",
+)
 FIELD = "hosts"
 DEFAULT_WORK_ROOT = "/tmp/syncswitch-hosts"
 _HOSTNAME_RE = re.compile(
@@ -58,6 +67,10 @@ class HostSpec:
     # An Airflow SSH connection (ssh_conn_id): the key and host-key policy, and the address, user and
     # port where this spec names none. Read by the Airflow side at each login, never stored here.
     conn: str = ""
+    # The public host key the host must present ("ssh-ed25519 AAAA..."), pinned with the run (a gce
+    # VM's, from its guest attributes): no known_hosts file needs to be on every Airflow worker.
+    # Empty: [syncswitch] ssh_known_hosts, or (neither set) any key, with a warning.
+    host_key: str = ""
 
     @property
     def label(self) -> str:
@@ -110,6 +123,7 @@ class HostSpec:
             work_root=str(pairs.get("work_root") or DEFAULT_WORK_ROOT),
             name=str(pairs.get("name") or ""),
             conn=conn,
+            host_key=" ".join(str(pairs.get("host_key") or "").split()),
         )
         host.validate(where)
         return host
@@ -121,6 +135,12 @@ class HostSpec:
             )
         if self.conn and self.key:
             raise SpecError(FIELD, f"{where}: give key or conn (whose connection holds the key), not both")
+        if self.host_key:
+            if self.conn:
+                raise SpecError(
+                    FIELD, f"{where}: give host_key or conn (whose connection pins the host key), not both"
+                )
+            check_host_key(self.host_key, where)
         from_conn = bool(self.conn)  # what is empty here comes from the connection
         if (self.address or not from_conn) and not _is_address(self.address):
             raise SpecError(FIELD, f"{where}: address {self.address!r} is not an IP address or host name")
@@ -149,6 +169,22 @@ class HostSpec:
             if required or (value not in ("", 0) and value != getattr(defaults, f.name)):
                 parts.append(f"{f.name}={value}")
         return ",".join(parts)
+
+
+def check_host_key(text: str, where: str) -> None:
+    """``TYPE BASE64`` of one of OpenSSH's host key types (a known_hosts line without its host)."""
+    key_type, _, blob = text.partition(" ")
+    try:
+        decoded = base64.b64decode(blob, validate=True)
+    except ValueError:
+        decoded = b""
+    # The blob starts with its own type name (RFC 4253 6.6): a key pasted under the wrong type fails.
+    if key_type not in HOST_KEY_TYPES or decoded[4 : 4 + len(key_type)] != key_type.encode():
+        raise SpecError(
+            FIELD,
+            f"{where}: host_key must be 'TYPE BASE64' as in known_hosts (TYPE: {', '.join(HOST_KEY_TYPES)}), "
+            f"got {text[:40]!r}",
+        )
 
 
 def _is_address(text: str) -> bool:

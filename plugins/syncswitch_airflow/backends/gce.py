@@ -5,8 +5,11 @@ other's ports (TensorFlow's gRPC has no authentication; the VMs have internal ad
 VMs of ``syncswitch.gce.vm_plan``: the chief VM (worker 0, the only checkpointer) on-demand, the
 other workers on spot VMs, the parameter servers on-demand; every VM with a server-side time limit
 (``maxRunDuration``, deleted when it runs out) and labels naming the job and the run. A per-run SSH
-key goes in the VMs' metadata. When every VM answers SSH the ``hosts`` backend takes over: fork
-servers, segments, status and logs are its code. A failed provisioning deletes what it created.
+key goes in the VMs' metadata. Each VM's SSH host key is pinned from what its guest environment
+publishes in its guest attributes (Compute Engine's API, not the network, vouches for it; recorded with
+the VM in state.json), and a login to a VM that shows another key is refused. When every VM answers
+SSH the ``hosts`` backend takes over: fork servers, segments, status and logs are its code. A failed
+provisioning deletes what it created.
 
 **Revocation.** Every status poll compares the run's VMs with Compute Engine. A worker VM that is
 gone or terminated is recorded as revoked (state.json ``vms`` and ``cluster_events``). In ASP the
@@ -21,11 +24,14 @@ firewall rule, checks by label that nothing is left, and records when each VM en
 left behind (the ``sync_switch_reaper`` DAG runs it).
 
 Settings (``[syncswitch]``, syncswitch_airflow.settings): gce_clusters (clusters at once, default 4),
+gce_host_keys (guest-attributes, or accept-any for images without Google's guest environment),
 gce_api_endpoint (hooks.compute), and those of the hosts backend.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import posixpath
 import time
@@ -39,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.api_core.exceptions import Conflict
 from google.cloud import compute_v1
 from syncswitch import state, storage
+from syncswitch.errors import SpecError
 from syncswitch.gce import (
     LABEL_EXPIRES,
     LABEL_JOB,
@@ -51,11 +58,12 @@ from syncswitch.gce import (
     run_label,
     vm_plan,
 )
-from syncswitch.hosts import HostSpec
+from syncswitch.hosts import HOST_KEY_TYPES, HostSpec, check_host_key
 from syncswitch.layout import RunLayout, join
 from syncswitch.requirements import requirements_text
 from syncswitch.spec import JobSpec, SegmentSpec
 
+from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
     ClusterCapacity,
     ClusterError,
@@ -63,11 +71,22 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
-from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record, host_work_dir
+from syncswitch_airflow.backends.hosts import (
+    HostKeyRefused,
+    HostsBackend,
+    SshSession,
+    host_record,
+    host_work_dir,
+)
 from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_wheel
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 CAPACITY_SETTING = "gce_clusters"
+HOST_KEY_SETTING = "gce_host_keys"
+ACCEPT_ANY_HOST_KEY = "accept-any"
+HOST_KEY_POLICIES = ("guest-attributes", ACCEPT_ANY_HOST_KEY)
+HOST_KEY_POLL_S = 2.0
+HOST_KEY_GRACE_S = 30.0  # a VM showing another key than it published is refused after this long
 SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
 GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
@@ -174,6 +193,8 @@ class GceBackend:
         if job.gce is None:
             raise ClusterError("cluster_backend gce needs the gce param")
         run = posixpath.basename(layout.root)
+        # Read before anything is taken or created; a replacement VM is then checked as its run began.
+        host_keys = settings.get_choice(HOST_KEY_SETTING, HOST_KEY_POLICIES)
         capacity = self.capacity()
         capacity.claim(run, run_dir=layout.root)
         gce = job.gce
@@ -185,6 +206,7 @@ class GceBackend:
             "firewall": f"{plan[0].name.removesuffix('-chief')}-train",
             "plan": [_plan_record(vm) for vm in plan],
             "spec": gce.to_params(),
+            "host_keys": host_keys,
             # The run's own SSH key, in its bucket folder: whichever Airflow worker runs a later task
             # of the run logs in with it (layout.cluster_secrets).
             "key": join(layout.cluster_secrets, "ssh_key"),
@@ -238,6 +260,7 @@ class GceBackend:
                 ) from exc
             self._mark_running(layout, vm.name, vm.zone, gce.project)
             log.info("run %s: VM %s running (%s, %s)", layout.root, vm.name, vm.zone, _describe(vm))
+            self._pin_host_key(layout, cloud, vm.name, vm.zone)
 
         with ThreadPoolExecutor(max_workers=min(len(plan), 16)) as pool:
             # Each thread with this task's storage client (the bucket connection's).
@@ -259,6 +282,32 @@ class GceBackend:
         state.record_vm(layout, name, state="running", started_at=started, address=address)
 
     # ---- revocations -----------------------------------------------------------------------------
+
+    def _pin_host_key(self, layout: RunLayout, cloud: dict[str, Any], name: str, zone: str) -> None:
+        """Wait until the VM publishes its SSH host keys (its guest environment does on first boot) and
+        record the preferred one with the VM: every later login, from any Airflow worker, must meet
+        it. A VM that publishes none in time fails provisioning, naming the setting that waives it."""
+        if cloud["host_keys"] == ACCEPT_ANY_HOST_KEY:
+            return
+        deadline = time.monotonic() + SSH_READY_S
+        while not (published := self.hook.published_host_keys(name, zone, cloud["project"])):
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"VM {name} published no SSH host key in its guest attributes within "
+                    f"{SSH_READY_S:.0f}s: its image needs Google's guest environment, or set "
+                    f"[syncswitch] {HOST_KEY_SETTING} = {ACCEPT_ANY_HOST_KEY}"
+                )
+            time.sleep(HOST_KEY_POLL_S)
+        key_type = next((t for t in HOST_KEY_TYPES if t in published), None)
+        host_key = f"{key_type} {published[key_type]}" if key_type else ""
+        try:
+            check_host_key(host_key, f"VM {name}")
+        except SpecError:
+            raise ClusterError(
+                f"VM {name} published no usable SSH host key (types {', '.join(sorted(published))})"
+            ) from None
+        state.record_vm(layout, name, host_key=host_key)
+        log.info("run %s: VM %s host key pinned (%s)", layout.root, name, fingerprint(host_key))
 
     def check_revocations(self, handle: Handle) -> list[str]:
         """Record every VM of the run that Compute Engine no longer runs; with on_revocation replace,
@@ -351,6 +400,7 @@ class GceBackend:
                 if vm.get("operation"):
                     self.hook.wait_zone_operation(vm["operation"], vm["zone"], project)
                 self._mark_running(layout, vm["name"], vm["zone"], project)
+                self._pin_host_key(layout, cloud, vm["name"], vm["zone"])
                 _wait_for_ssh(_host_specs(cloud, [state.read_state(layout)["vms"][vm["name"]]]))
             except Exception as exc:
                 state.record_vm(
@@ -570,6 +620,14 @@ def _ensure_key(uri: str) -> str:
     return public.decode() + " syncswitch-run"
 
 
+def fingerprint(host_key: str) -> str:
+    """OpenSSH's fingerprint of a ``TYPE BASE64`` key (what ``ssh-keygen -lf`` and a VM's serial console
+    print), for logs."""
+    key_type, _, blob = host_key.partition(" ")
+    digest = base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
+    return f"{key_type} SHA256:{digest}"
+
+
 def _timestamp(text: str) -> float | None:
     """Compute Engine's RFC 3339 times ("2026-11-23T15:04:05.123-08:00") as epoch seconds."""
     try:
@@ -589,6 +647,7 @@ def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostS
             role=host_role(vm["role"]),
             python=gce["python"],
             name=vm["name"],
+            host_key=vm.get("host_key", ""),
         )
         for vm in vms
     )
@@ -599,6 +658,8 @@ def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, s
     return {
         "ssh-keys": f"{gce.ssh_user}:{public_key}",
         "block-project-ssh-keys": "true",
+        # The guest environment then publishes the VM's SSH host keys (pinned by _pin_host_key).
+        "enable-guest-attributes": "TRUE",
         "startup-script": STARTUP_SCRIPT.read_text(),
         "syncswitch-runtime": layout.cluster_runtime,
         "syncswitch-python": gce.python,
@@ -611,8 +672,10 @@ def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, s
 
 def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
     """Until every host takes an SSH login and has the runtime (a VM boots, then its startup script
-    installs it)."""
+    installs it). A host that shows another host key than its pinned one fails it after a short
+    grace (the guest environment may restart sshd with its new keys just after publishing them)."""
     deadline, last_reason = time.monotonic() + SSH_READY_S, ""
+    refused_since: float | None = None
     for host in hosts:
         record = {
             "name": host.label,
@@ -620,6 +683,7 @@ def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
             "port": host.port,
             "user": host.user,
             "key": host.key,
+            "host_key": host.host_key,
         }
         while True:
             try:
@@ -628,6 +692,11 @@ def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
                 if code == 0:
                     break
                 reason = f"the runtime is not installed at {host.python} yet"
+            except HostKeyRefused as exc:
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since > HOST_KEY_GRACE_S:
+                    raise
+                reason = str(exc)
             except ClusterError as exc:
                 reason = str(exc)
             if time.monotonic() > deadline:

@@ -44,6 +44,7 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import logging
@@ -96,6 +97,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class HostKeyRefused(ClusterError):
+    """The host showed another SSH host key than the one expected: not the machine it should be."""
+
+
 class SshSession:
     """One SSH connection to one host; commands and small files. Errors name the host."""
 
@@ -108,12 +113,7 @@ class SshSession:
         if self.host.get("conn"):
             self._connect_with_connection()
             return self
-        known_hosts = settings.get("ssh_known_hosts")
-        if known_hosts:
-            self.client.load_host_keys(known_hosts)
-            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        else:
-            self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
+        pinned = self._check_host_key()
         key = self._key()
         try:
             self.client.connect(
@@ -132,7 +132,7 @@ class SshSession:
             raise ClusterError(f"{self.where}: SSH login failed: {exc}") from None
         except paramiko.BadHostKeyException as exc:
             self.client.close()
-            raise ClusterError(f"{self.where}: its host key does not match {known_hosts}: {exc}") from None
+            raise HostKeyRefused(f"{self.where}: its host key is not the one {pinned}: {exc}") from None
         except paramiko.SSHException as exc:
             self.client.close()
             raise ClusterError(f"{self.where}: SSH failed: {exc}") from None
@@ -157,6 +157,25 @@ class SshSession:
             raise ClusterError(f"{self.where}: SSH failed ({conn}): {exc}") from None
         except Exception as exc:  # the connection is gone or malformed: its reason, never a secret
             raise ClusterError(f"{self.where}: SSH {conn}: {exc}") from None
+
+    def _check_host_key(self) -> str:
+        """Refuse any host key but the host's pinned one, else those of ``[syncswitch] ssh_known_hosts``;
+        with neither, accept any (paramiko warns). Returns where the expected key comes from."""
+        if self.host.get("host_key"):
+            key_type, _, blob = self.host["host_key"].partition(" ")
+            port = int(self.host["port"])
+            name = self.host["address"] if port == 22 else f"[{self.host['address']}]:{port}"
+            key = paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
+            self.client.get_host_keys().add(name, key_type, key)
+            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            return "pinned with the run (host_key)"
+        known_hosts = settings.get("ssh_known_hosts")
+        if known_hosts:
+            self.client.load_host_keys(known_hosts)
+            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            return f"in {known_hosts}"
+        self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
+        return "accepted"
 
     def _key(self) -> dict[str, Any]:
         """paramiko's key argument: a key file on this worker, or a key in the bucket (a gce run's own,
@@ -219,6 +238,7 @@ def host_record(host: HostSpec, work_dir: str, runtime: RuntimeBundle | None = N
         "user": host.user,
         "key": host.key,
         "conn": host.conn,
+        "host_key": host.host_key,
         "role": host.role,
         "python": python,
         "install_from": (host.python or "python3") if runtime is not None else "",

@@ -1,9 +1,10 @@
 """Compute Engine for the ``gce`` backend: Airflow's ComputeEngineHook, plus what it lacks.
 
 The provider's hook owns the credentials, the client options and reading instances; this adds
-listing a run's instances by label, firewall rules, a non-blocking insert (a replacement requested
-from a status poll must not hold the triggerer), preemption notices, and operation waits that are
-safe from several threads (the provider's share one discovery connection: see ``get_conn``).
+listing a run's instances by label, the SSH host keys a VM publishes, firewall rules, a non-blocking
+insert (a replacement requested from a status poll must not hold the triggerer), preemption notices,
+and operation waits that are safe from several threads (the provider's share one discovery
+connection: see ``get_conn``).
 
 ``api_endpoint`` (or ``[syncswitch] gce_api_endpoint``) points every client at another endpoint: a
 Private Service Connect endpoint in production, the fake Compute Engine API in the tests
@@ -29,6 +30,7 @@ from syncswitch_airflow.hooks.bucket import default_conn_id
 
 ENDPOINT_SETTING = "gce_api_endpoint"
 PREEMPTED = "compute.instances.preempted"
+HOST_KEYS_PATH = "hostkeys/"
 
 
 class ComputeHook(ComputeEngineHook):
@@ -100,6 +102,18 @@ class ComputeHook(ComputeEngineHook):
             return self.get_instance(resource_id=name, zone=zone, project_id=project_id)
         except NotFound:
             return None
+
+    def published_host_keys(self, name: str, zone: str, project_id: str) -> dict[str, str]:
+        """The SSH host keys the VM's guest environment published in its guest attributes (namespace
+        ``hostkeys``, on first boot, where the instance's metadata has ``enable-guest-attributes``):
+        {key type: base64}. Empty until they are published (Compute Engine answers 404 until then)."""
+        client = self._client(compute_v1.InstancesClient)
+        request = {"instance": name, "project": project_id, "zone": zone, "query_path": HOST_KEYS_PATH}
+        try:
+            attributes = client.get_guest_attributes(request=request)
+        except NotFound:
+            return {}
+        return {e.key: e.value for e in attributes.query_value.items if e.namespace == "hostkeys"}
 
     def delete_instance_if_exists(self, name: str, zone: str, project_id: str) -> compute_v1.Operation | None:
         """Delete and wait; returns the finished operation (its end_time is when Compute Engine stopped
