@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import syncswitch
 import testbed as tb
-from airflow_runs import DuringRun, job_checkpoint_step, segment_starts
+from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step, segment_starts
 from conftest import (
     GcsEmulator,
     new_bucket,
@@ -47,6 +47,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
+from syncswitch_airflow.backends.base import UNKNOWN
 from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
 
@@ -504,6 +505,41 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
 
 
 TEXT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
+
+
+def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_the_checkpoint(
+    bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """The chief host holds the launcher, BSP's worker 0 (the only checkpointer) and a fork server: the
+    host whose loss costs most. Lost mid-segment (every process killed, link down: a VM's host error),
+    its segment's status is unknown while it is away (the segment trigger's stall rule counts), and
+    exited without a code once it is back (a restarted VM keeps its disk, not its processes). The
+    retry starts a fork server there again and resumes from the last checkpoint in the bucket."""
+    backend = HostsBackend()
+    spec_job = job(bed, bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50])
+    layout = RunLayout.for_run(bucket, "hosts", "chief-lost")
+    handle = backend.provision(spec_job, layout)
+    chief = bed.hosts[0]
+    try:
+        (segment,) = spec_job.plan("chief-lost", layout.root)
+        backend.launch_segment(handle, segment)
+        wait_for(lambda: checkpoint_step(layout) >= 50, timeout=300, what="a checkpoint at step 50", poll=0.2)
+        bed.kill_host(chief)
+        try:
+            assert backend.segment_status(handle, 0).state == UNKNOWN
+        finally:
+            bed.revive_host(chief)
+        lost = backend.segment_status(handle, 0)
+        assert (lost.state, lost.exit_code) == ("exited", None), lost
+
+        backend.launch_segment(handle, segment)  # what the segment task's retry does
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        result = read_state_result(layout, 0, "bsp")
+        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
 
 
 def test_user_code_is_shipped_to_the_hosts_through_the_bucket(
