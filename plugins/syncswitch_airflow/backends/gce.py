@@ -287,7 +287,8 @@ class GceBackend:
         """Wait until the VM publishes its SSH host keys (its guest environment does on first boot) and
         record the preferred one with the VM: every later login, from any Airflow worker, must meet
         it. A VM that publishes none in time fails provisioning, naming the setting that waives it."""
-        if cloud["host_keys"] == ACCEPT_ANY_HOST_KEY:
+        # A run provisioned before host keys were pinned has no policy in its handle: as it began.
+        if cloud.get("host_keys", ACCEPT_ANY_HOST_KEY) == ACCEPT_ANY_HOST_KEY:
             return
         deadline = time.monotonic() + SSH_READY_S
         while not (published := self.hook.published_host_keys(name, zone, cloud["project"])):
