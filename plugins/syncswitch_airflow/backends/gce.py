@@ -281,8 +281,6 @@ class GceBackend:
         started = _timestamp(instance.last_start_timestamp or instance.creation_timestamp) or time.time()
         state.record_vm(layout, name, state="running", started_at=started, address=address)
 
-    # ---- revocations -----------------------------------------------------------------------------
-
     def _pin_host_key(self, layout: RunLayout, cloud: dict[str, Any], name: str, zone: str) -> None:
         """Wait until the VM publishes its SSH host keys (its guest environment does on first boot) and
         record the preferred one with the VM: every later login, from any Airflow worker, must meet
@@ -309,6 +307,8 @@ class GceBackend:
             ) from None
         state.record_vm(layout, name, host_key=host_key)
         log.info("run %s: VM %s host key pinned (%s)", layout.root, name, fingerprint(host_key))
+
+    # ---- revocations -----------------------------------------------------------------------------
 
     def check_revocations(self, handle: Handle) -> list[str]:
         """Record every VM of the run that Compute Engine no longer runs; with on_revocation replace,
@@ -676,8 +676,8 @@ def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
     installs it). A host that shows another host key than its pinned one fails it after a short
     grace (the guest environment may restart sshd with its new keys just after publishing them)."""
     deadline, last_reason = time.monotonic() + SSH_READY_S, ""
-    refused_since: float | None = None
     for host in hosts:
+        refused_since: float | None = None
         record = {
             "name": host.label,
             "address": host.address,

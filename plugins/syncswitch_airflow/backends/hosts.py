@@ -32,7 +32,8 @@ Teardown stops every process marked with the host's work folder, verifies none i
 the folder, on every host; a host that cannot be reached is reported, not waited for.
 
 Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch_airflow.settings):
-    ssh_known_hosts   known_hosts file; when set, unknown host keys are refused
+    ssh_known_hosts   known_hosts file; when set, unknown host keys are refused (a host whose spec
+                      pins its ``host_key`` is checked against that instead)
     hosts_env         K=V;K=V for every process on the hosts (e.g. the GCS emulator as the hosts
                       reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
                       SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
@@ -113,7 +114,7 @@ class SshSession:
         if self.host.get("conn"):
             self._connect_with_connection()
             return self
-        pinned = self._check_host_key()
+        pinned = self._host_key_policy()
         key = self._key()
         try:
             self.client.connect(
@@ -158,7 +159,7 @@ class SshSession:
         except Exception as exc:  # the connection is gone or malformed: its reason, never a secret
             raise ClusterError(f"{self.where}: SSH {conn}: {exc}") from None
 
-    def _check_host_key(self) -> str:
+    def _host_key_policy(self) -> str:
         """Refuse any host key but the host's pinned one, else those of ``[syncswitch] ssh_known_hosts``;
         with neither, accept any (paramiko warns). Returns where the expected key comes from."""
         if self.host.get("host_key"):
