@@ -396,6 +396,47 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
     assert_nothing_left(fake, bed)
 
 
+def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_the_checkpoint(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """The chief VM (launcher, BSP worker 0 and the only checkpointer; on-demand, so never preempted)
+    deleted out of band mid-segment: the next status poll records it revoked, requests its
+    replacement and reports the segment ended without a result at once (its launcher went with the
+    VM: the segment trigger fails the task without waiting out an unknown status); the
+    retry waits for the replacement, pins its host key, starts a fork server there with the token
+    from the bucket and resumes from the last checkpoint."""
+    backend = GceBackend()
+    job = JobSpec.from_params(
+        conf(bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50], gce=gce_param(gpus="none"))
+    )
+    layout = RunLayout.for_run(bucket, "gce", "chief-gone")
+    handle = backend.provision(job, layout)
+    try:
+        (segment,) = job.plan("chief-gone", layout.root)
+        backend.launch_segment(handle, segment)
+        wait_for(lambda: checkpoint_step(layout) >= 50, timeout=300, what="a checkpoint at step 50", poll=0.2)
+        chief = next(name for name in fake.instances() if name.endswith("-chief"))
+        zone = fake.instances()[chief]["zone"].rsplit("/", 1)[1]
+        ComputeHook().delete_instance_if_exists(chief, zone, PROJECT)
+        ended = backend.segment_status(handle, 0)
+        assert (ended.state, ended.exit_code) == ("exited", None), ended
+        assert "went with the chief's VM" in backend.segment_log_tail(handle, 0)
+
+        backend.launch_segment(handle, segment)  # what the segment task's retry does
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        result = storage.read_json(layout.segment_result(0, "bsp"))
+        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+        vms = read_state(layout)["vms"]
+        assert vms[chief]["state"] == "revoked" and not vms[chief]["preempted"]
+        replacement = vms[f"{chief}-r1"]
+        assert replacement["state"] == "running" and replacement["host_key"].startswith("ssh-ed25519 ")
+        assert backend.current(handle)["hosts"][0]["name"] == f"{chief}-r1"
+    finally:
+        backend.teardown(handle)
+    assert_nothing_left(fake, bed)
+
+
 def wait_until_ended(backend: GceBackend, handle: dict, index: int, timeout: float) -> None:
     wait_for(
         lambda: not backend.segment_status(handle, index).running, timeout=timeout, what="segment end", poll=2

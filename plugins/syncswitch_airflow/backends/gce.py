@@ -17,6 +17,8 @@ launcher goes on with the survivors; in BSP the segment fails and its retry resu
 checkpoint. With ``on_revocation: replace`` a replacement VM is requested at once (without waiting:
 the poll runs on the triggerer) and the next launch waits for it; with ``shrink`` the next launch runs
 on the survivors, batch and LR recomputed from the active worker count (``SegmentSpec.on_workers``).
+The chief VM and the parameter servers (on-demand) are always replaced; while the chief's place is
+empty the segment counts as ended (its launcher ran there), so its retry runs on the replacement.
 
 **Teardown** deletes every instance labelled with the run (one already gone counts as deleted) and the
 firewall rule, checks by label that nothing is left, and records when each VM ended: the cost ledger
@@ -65,6 +67,7 @@ from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends.base import (
+    EXITED,
     ClusterCapacity,
     ClusterError,
     Handle,
@@ -460,9 +463,15 @@ class GceBackend:
             self.check_revocations(handle)
         except Exception as exc:  # the API is down: the segment's own status still counts
             log.warning("run %s: revocation check failed: %s", handle.get("run"), exc)
+        if _chief_place_empty(handle):
+            # The launcher went with the chief's VM: the segment ended there, without a result, and
+            # its retry runs on the replacement (launch_segment waits for it).
+            return SegmentStatus(EXITED)
         return self.hosts.segment_status(self.current(handle), index)
 
     def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
+        if _chief_place_empty(handle):
+            return "(the launcher's log went with the chief's VM, which Compute Engine no longer runs)"
         return self.hosts.segment_log_tail(self.current(handle), index, lines)
 
     def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
@@ -595,14 +604,22 @@ def _active_vms(layout: RunLayout, cloud: dict[str, Any]) -> list[dict[str, Any]
     """The VM standing in each planned place now: the planned one, or its latest replacement that
     runs. A place with no running VM (revoked, not replaced) is left out."""
     vms = (state.read_state(layout) or {}).get("vms", {})
-    active = []
-    for planned in cloud["plan"]:
-        current = vms.get(planned["name"])
-        while current is not None and current.get("state") == "revoked":
-            current = _replacement_of(vms, current["name"])
-        if current is not None and current.get("state") == "running":
-            active.append(current)
-    return active
+    standing = (_standing_vm(vms, planned["name"]) for planned in cloud["plan"])
+    return [vm for vm in standing if vm is not None]
+
+
+def _chief_place_empty(handle: Handle) -> bool:
+    """No VM runs in the chief's place (vm_plan's first: worker 0, where the launcher runs)."""
+    vms = (state.read_state(RunLayout(handle["run_dir"])) or {}).get("vms", {})
+    return _standing_vm(vms, handle["gce"]["plan"][0]["name"]) is None
+
+
+def _standing_vm(vms: dict[str, dict[str, Any]], planned: str) -> dict[str, Any] | None:
+    """The running VM in the place of the planned VM ``planned``, or None while it has none."""
+    current = vms.get(planned)
+    while current is not None and current.get("state") == "revoked":
+        current = _replacement_of(vms, current["name"])
+    return current if current is not None and current.get("state") == "running" else None
 
 
 def _describe(vm: VmPlan) -> str:
