@@ -437,6 +437,41 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
     assert_nothing_left(fake, bed)
 
 
+def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_its_replacement(
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """ASP's variables live on the parameter server: its VM deleted mid-segment fails the segment (the
+    coordinator cannot go on without it), and the retry waits for the replacement and resumes from the
+    last checkpoint, with the variables restored onto the new parameter server."""
+    backend = GceBackend()
+    job = JobSpec.from_params(
+        conf(bucket, switch_order="0", train_steps=[900], ckpt_frequency=[300], gce=gce_param(gpus="none"))
+    )
+    layout = RunLayout.for_run(bucket, "gce", "ps-gone")
+    handle = backend.provision(job, layout)
+    try:
+        (segment,) = job.plan("ps-gone", layout.root)
+        backend.launch_segment(handle, segment)
+        wait_for(lambda: checkpoint_step(layout) >= 300, timeout=300, what="checkpoint 300", poll=0.2)
+        ps = next(name for name in fake.instances() if name.endswith("-ps0"))
+        zone = fake.instances()[ps]["zone"].rsplit("/", 1)[1]
+        ComputeHook().delete_instance_if_exists(ps, zone, PROJECT)
+        wait_until_ended(backend, handle, 0, timeout=300)
+        ended = backend.segment_status(handle, 0)
+        assert ended.exit_code != 0, ended
+
+        backend.launch_segment(handle, segment)  # what the segment task's retry does
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        result = storage.read_json(layout.segment_result(0, "asp"))
+        assert result["end_step"] == 900 and result["start_step"] >= 300, result
+        vms = read_state(layout)["vms"]
+        assert vms[ps]["state"] == "revoked" and vms[f"{ps}-r1"]["state"] == "running"
+    finally:
+        backend.teardown(handle)
+    assert_nothing_left(fake, bed)
+
+
 def wait_until_ended(backend: GceBackend, handle: dict, index: int, timeout: float) -> None:
     wait_for(
         lambda: not backend.segment_status(handle, index).running, timeout=timeout, what="segment end", poll=2
