@@ -183,6 +183,9 @@ def test_a_pinned_host_key_travels_with_the_host_spec() -> None:
     ).hosts
     assert host.host_key == f"ssh-ed25519 {ED25519}"
     assert HostSpec.parse(host.to_text(), 0) == host
+    # A .pub file's line, its comment included, is taken as it is.
+    pub_line = f"address=10.0.0.2,key=/k,host_key=ssh-ed25519 {ED25519} root@h1"
+    assert HostSpec.parse(pub_line, 0) == host
     assert host_record(host, "/w")["host_key"] == host.host_key
 
 

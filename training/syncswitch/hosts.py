@@ -123,7 +123,8 @@ class HostSpec:
             work_root=str(pairs.get("work_root") or DEFAULT_WORK_ROOT),
             name=str(pairs.get("name") or ""),
             conn=conn,
-            host_key=" ".join(str(pairs.get("host_key") or "").split()),
+            # TYPE BASE64, a comment after them dropped (a .pub file's line works as it is).
+            host_key=" ".join(str(pairs.get("host_key") or "").split()[:2]),
         )
         host.validate(where)
         return host
