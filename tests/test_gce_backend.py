@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import importlib.metadata
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from syncswitch import storage
 from syncswitch.costs import Catalog
 from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import JobHistoryLayout, RunLayout
-from syncswitch.spec import JobSpec
+from syncswitch.spec import JobSpec, SegmentSpec
 from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
@@ -412,20 +413,13 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
     layout = RunLayout.for_run(bucket, "gce", "chief-gone")
     handle = backend.provision(job, layout)
     try:
-        (segment,) = job.plan("chief-gone", layout.root)
-        backend.launch_segment(handle, segment)
-        wait_for(lambda: checkpoint_step(layout) >= 50, timeout=300, what="a checkpoint at step 50", poll=0.2)
-        chief = next(name for name in fake.instances() if name.endswith("-chief"))
-        zone = fake.instances()[chief]["zone"].rsplit("/", 1)[1]
-        ComputeHook().delete_instance_if_exists(chief, zone, PROJECT)
+        segment = launch_to_checkpoint(backend, handle, job, layout, 50)
+        chief = delete_vm(fake, "-chief")
         ended = backend.segment_status(handle, 0)
         assert (ended.state, ended.exit_code) == ("exited", None), ended
         assert "went with the chief's VM" in backend.segment_log_tail(handle, 0)
 
-        backend.launch_segment(handle, segment)  # what the segment task's retry does
-        wait_until_ended(backend, handle, 0, timeout=300)
-        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
-        result = storage.read_json(layout.segment_result(0, "bsp"))
+        result = relaunch_to_the_end(backend, handle, segment, layout)
         assert result["end_step"] == 400 and result["start_step"] >= 50, result
         vms = read_state(layout)["vms"]
         assert vms[chief]["state"] == "revoked" and not vms[chief]["preempted"]
@@ -450,26 +444,49 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
     layout = RunLayout.for_run(bucket, "gce", "ps-gone")
     handle = backend.provision(job, layout)
     try:
-        (segment,) = job.plan("ps-gone", layout.root)
-        backend.launch_segment(handle, segment)
-        wait_for(lambda: checkpoint_step(layout) >= 300, timeout=300, what="checkpoint 300", poll=0.2)
-        ps = next(name for name in fake.instances() if name.endswith("-ps0"))
-        zone = fake.instances()[ps]["zone"].rsplit("/", 1)[1]
-        ComputeHook().delete_instance_if_exists(ps, zone, PROJECT)
+        segment = launch_to_checkpoint(backend, handle, job, layout, 300)
+        ps = delete_vm(fake, "-ps0")
         wait_until_ended(backend, handle, 0, timeout=300)
         ended = backend.segment_status(handle, 0)
         assert ended.exit_code != 0, ended
 
-        backend.launch_segment(handle, segment)  # what the segment task's retry does
-        wait_until_ended(backend, handle, 0, timeout=300)
-        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
-        result = storage.read_json(layout.segment_result(0, "asp"))
+        result = relaunch_to_the_end(backend, handle, segment, layout)
         assert result["end_step"] == 900 and result["start_step"] >= 300, result
         vms = read_state(layout)["vms"]
         assert vms[ps]["state"] == "revoked" and vms[f"{ps}-r1"]["state"] == "running"
     finally:
         backend.teardown(handle)
     assert_nothing_left(fake, bed)
+
+
+def launch_to_checkpoint(
+    backend: GceBackend, handle: dict, job: JobSpec, layout: RunLayout, step: int
+) -> SegmentSpec:
+    """Launch the job's one segment on the cluster and wait for its checkpoint at ``step``."""
+    (segment,) = job.plan(posixpath.basename(layout.root), layout.root)
+    backend.launch_segment(handle, segment)
+    wait_for(
+        lambda: checkpoint_step(layout) >= step, timeout=300, what=f"a checkpoint at step {step}", poll=0.2
+    )
+    return segment
+
+
+def relaunch_to_the_end(backend: GceBackend, handle: dict, segment: SegmentSpec, layout: RunLayout) -> dict:
+    """Launch the segment again, as its task's retry does; once it has succeeded, its result."""
+    backend.launch_segment(handle, segment)
+    wait_until_ended(backend, handle, segment.index, timeout=300)
+    status = backend.segment_status(handle, segment.index)
+    assert status.exit_code == 0, backend.segment_log_tail(handle, segment.index, 40)
+    return storage.read_json(layout.segment_result(segment.index, segment.protocol))
+
+
+def delete_vm(fake: FakeComputeEngine, suffix: str) -> str:
+    """Delete the VM whose name ends with ``suffix`` through the API, out of band (an operator, or a
+    host that is gone for good); returns its name."""
+    name = next(n for n in fake.instances() if n.endswith(suffix))
+    zone = fake.instances()[name]["zone"].rsplit("/", 1)[1]
+    ComputeHook().delete_instance_if_exists(name, zone, PROJECT)
+    return name
 
 
 def wait_until_ended(backend: GceBackend, handle: dict, index: int, timeout: float) -> None:
@@ -494,11 +511,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
     layout = RunLayout.for_run(bucket, "gce", "shrink")
     handle = backend.provision(job, layout)
     try:
-        (segment,) = job.plan("shrink", layout.root)
-        backend.launch_segment(handle, segment)
-        wait_for(
-            lambda: checkpoint_step(layout) >= 50, timeout=300, what="BSP's checkpoint at step 50", poll=0.2
-        )
+        segment = launch_to_checkpoint(backend, handle, job, layout, 50)
         worker = next(name for name in fake.instances() if name.endswith("-w1"))
         fake.preempt(worker)
         wait_until_ended(backend, handle, 0, timeout=300)
@@ -507,11 +520,8 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
             f"the segment ended ({ended.exit_code}) before the preemption"
         )
 
-        backend.launch_segment(handle, segment)  # what the segment task's retry does
-        wait_until_ended(backend, handle, 0, timeout=300)
-        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        result = relaunch_to_the_end(backend, handle, segment, layout)
         state = read_state(layout)
-        result = storage.read_json(layout.segment_result(0, "bsp"))
         assert result["end_step"] == 400 and result["start_step"] >= 50
         (shrunk,) = [e for e in state["cluster_events"] if e["kind"] == "shrunk"]
         assert shrunk["workers"] == 1 and shrunk["planned_workers"] == 2

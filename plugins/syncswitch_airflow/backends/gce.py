@@ -422,14 +422,7 @@ class GceBackend:
 
     def current(self, handle: Handle) -> Handle:
         """The handle with the hosts the run has now: replacements in, revoked VMs out."""
-        layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
-        known = {h["name"]: h for h in handle["hosts"]}
-        job, run = cloud["labels"][LABEL_JOB], handle["run"]
-        hosts = [
-            known.get(spec.label) or host_record(spec, host_work_dir(spec, job, run))
-            for spec in _host_specs(cloud, _active_vms(layout, cloud))
-        ]
-        return {**handle, "hosts": hosts}
+        return _on_vms(handle, _active_vms(RunLayout(handle["run_dir"]), handle["gce"]))
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
         self.check_revocations(handle)
@@ -463,16 +456,18 @@ class GceBackend:
             self.check_revocations(handle)
         except Exception as exc:  # the API is down: the segment's own status still counts
             log.warning("run %s: revocation check failed: %s", handle.get("run"), exc)
-        if _chief_place_empty(handle):
+        places = _standing_vms(RunLayout(handle["run_dir"]), handle["gce"])
+        if places[0] is None:
             # The launcher went with the chief's VM: the segment ended there, without a result, and
             # its retry runs on the replacement (launch_segment waits for it).
             return SegmentStatus(EXITED)
-        return self.hosts.segment_status(self.current(handle), index)
+        return self.hosts.segment_status(_on_vms(handle, [vm for vm in places if vm]), index)
 
     def segment_log_tail(self, handle: Handle, index: int, lines: int = 20) -> str:
-        if _chief_place_empty(handle):
+        places = _standing_vms(RunLayout(handle["run_dir"]), handle["gce"])
+        if places[0] is None:
             return "(the launcher's log went with the chief's VM, which Compute Engine no longer runs)"
-        return self.hosts.segment_log_tail(self.current(handle), index, lines)
+        return self.hosts.segment_log_tail(_on_vms(handle, [vm for vm in places if vm]), index, lines)
 
     def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
         return self.hosts.stop_segment(self.current(handle), index, grace_seconds)
@@ -601,17 +596,27 @@ def _replacement_of(vms: dict[str, dict[str, Any]], name: str) -> dict[str, Any]
 
 
 def _active_vms(layout: RunLayout, cloud: dict[str, Any]) -> list[dict[str, Any]]:
-    """The VM standing in each planned place now: the planned one, or its latest replacement that
-    runs. A place with no running VM (revoked, not replaced) is left out."""
+    """The VM standing in each planned place now; a place with no running VM is left out."""
+    return [vm for vm in _standing_vms(layout, cloud) if vm is not None]
+
+
+def _standing_vms(layout: RunLayout, cloud: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Per planned place (the plan's order: the chief's first), the VM standing in it now: the planned
+    one, or its latest replacement that runs; None where none runs (revoked, not replaced yet)."""
     vms = (state.read_state(layout) or {}).get("vms", {})
-    standing = (_standing_vm(vms, planned["name"]) for planned in cloud["plan"])
-    return [vm for vm in standing if vm is not None]
+    return [_standing_vm(vms, planned["name"]) for planned in cloud["plan"]]
 
 
-def _chief_place_empty(handle: Handle) -> bool:
-    """No VM runs in the chief's place (vm_plan's first: worker 0, where the launcher runs)."""
-    vms = (state.read_state(RunLayout(handle["run_dir"])) or {}).get("vms", {})
-    return _standing_vm(vms, handle["gce"]["plan"][0]["name"]) is None
+def _on_vms(handle: Handle, vms: list[dict[str, Any]]) -> Handle:
+    """The handle with ``vms`` as its hosts (the records of hosts it has already, new ones made)."""
+    cloud = handle["gce"]
+    known = {h["name"]: h for h in handle["hosts"]}
+    job, run = cloud["labels"][LABEL_JOB], handle["run"]
+    hosts = [
+        known.get(spec.label) or host_record(spec, host_work_dir(spec, job, run))
+        for spec in _host_specs(cloud, vms)
+    ]
+    return {**handle, "hosts": hosts}
 
 
 def _standing_vm(vms: dict[str, dict[str, Any]], planned: str) -> dict[str, Any] | None:
