@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from syncswitch_airflow.job_files import read_job_file
 from syncswitch_airflow.tools.sweep import SweepError, read_sweep
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
@@ -56,3 +57,23 @@ def test_a_bad_sweep_file_names_the_key(tmp_path: Path, change: tuple[str, str],
     # The command says it in one line and starts nothing.
     done = subprocess.run([str(SYNCSWITCH), "sweep", str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT_DIR / "experiments").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_sweep_file_validates(path: Path) -> None:
+    # The files the docs tell users to run: a key they misspell or a per-segment list of the wrong
+    # length would otherwise surface only when the sweep is started.
+    sweep = read_sweep(path)
+    assert sweep.baseline in sweep.configs and sweep.repeats >= 1
+    for job in sweep.configs.values():
+        if job.usr_dir:
+            assert Path(job.usr_dir).is_dir(), f"{path.name}: usr_dir {job.usr_dir} is not in the checkout"
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT_DIR / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_job_file_validates(path: Path) -> None:
+    job_file = read_job_file(path)
+    assert job_file.job.job_name == path.stem
