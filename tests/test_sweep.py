@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_DIR
 from syncswitch_airflow.job_files import read_job_file
 from syncswitch_airflow.tools.sweep import SweepError, read_sweep
 
@@ -59,9 +60,6 @@ def test_a_bad_sweep_file_names_the_key(tmp_path: Path, change: tuple[str, str],
     assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
 
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-
-
 @pytest.mark.parametrize("path", sorted((PROJECT_DIR / "experiments").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_sweep_file_validates(path: Path) -> None:
     # The files the docs tell users to run: a key they misspell or a per-segment list of the wrong
@@ -70,7 +68,8 @@ def test_every_shipped_sweep_file_validates(path: Path) -> None:
     assert sweep.baseline in sweep.configs and sweep.repeats >= 1
     for job in sweep.configs.values():
         if job.usr_dir:
-            assert Path(job.usr_dir).is_dir(), f"{path.name}: usr_dir {job.usr_dir} is not in the checkout"
+            usr_dir = Path(job.usr_dir).resolve()
+            assert usr_dir.is_dir() and usr_dir.is_relative_to(PROJECT_DIR), f"{path.name}: {usr_dir}"
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT_DIR / "jobs").glob("*.yaml")), ids=lambda p: p.name)
