@@ -108,8 +108,12 @@ class AirflowApi:
         self._log.info("triggered %s run %s", dag_id, run_id)
         return run_id
 
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        """One run's record: state, conf, and Airflow's own timestamps (queued_at, start_date, end_date)."""
+        return self.get_json(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}")
+
     def run_state(self, dag_id: str, run_id: str) -> str:
-        return self.get_json(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}")["state"]
+        return self.dag_run(dag_id, run_id)["state"]
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
         """task_id -> state (None before the scheduler looks at it) for the run's task instances."""

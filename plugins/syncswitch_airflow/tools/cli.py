@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -418,7 +419,9 @@ class RunSession:
             "segments": segments,
             "switch_gaps_seconds": [g.get("seconds") for g in summary.get("switch_gaps_seconds", [])],
             "total_seconds": summary.get("total_seconds"),
+            # As this command saw it (it polls every 2 s), and as Airflow records it (queued -> ended).
             "dag_run_seconds": round(time.monotonic() - self.started, 3),
+            "airflow_run_seconds": self._airflow_run_seconds(),
             # Every online-policy decision (switch, switch back, stay) with its reason and numbers.
             "online_switches": summary.get("online_switches") or [],
             # gce clusters: revocations and replacements, and the run's bill (null elsewhere).
@@ -429,6 +432,21 @@ class RunSession:
         if error:
             result["error"] = error
         return result
+
+    def _airflow_run_seconds(self) -> float | None:
+        """The run's duration in Airflow's record, from queued to ended; None where it has not ended
+        or Airflow no longer answers (an interrupted command)."""
+        if self.run_id is None:
+            return None
+        try:
+            record = self.airflow.api.dag_run(DAG_ID, self.run_id)
+        except (AirflowError, OSError):
+            return None
+        queued, ended = record.get("queued_at"), record.get("end_date")
+        if not (queued and ended):
+            return None
+        seconds = datetime.datetime.fromisoformat(ended) - datetime.datetime.fromisoformat(queued)
+        return round(seconds.total_seconds(), 3)
 
 
 class ProgressPrinter:
