@@ -298,6 +298,16 @@ def test_dockerfile_copies_exist_and_are_in_the_build_context(dockerfile: Path) 
     assert {"pyproject.toml", "uv.lock"} <= copied, "the image must install from the lock"
 
 
+@pytest.mark.parametrize("dockerfile", [AIRFLOW_DOCKERFILE, TRAINER_DOCKERFILE], ids=lambda p: p.name)
+def test_uv_cache_stays_out_of_the_image(dockerfile: Path) -> None:
+    """Every `uv sync` keeps its downloads in a build cache mount: without one, the trainer image
+    carried 1.8 GB of wheels in its dependency layer (built with buildah, 2026-11-27)."""
+    syncs = [args for args in _args(dockerfile_instructions(dockerfile), "RUN") if "uv sync" in args]
+    assert syncs, f"{dockerfile.name} runs no uv sync"
+    for args in syncs:
+        assert args.startswith("--mount=type=cache,target=/root/.cache/uv "), args
+
+
 def test_dockerignore_excludes_local_state() -> None:
     patterns = _dockerignore_patterns()
     for path in (".venv", "runs", ".airflow", ".git", "training/syncswitch/__pycache__", ".pytest_cache"):
