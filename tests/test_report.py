@@ -356,6 +356,40 @@ def test_report_marks_a_failed_segment_incomplete(tmp_path) -> None:
     assert any("[incomplete]" in line for line in format_summary_lines(summary))
 
 
+def test_report_of_a_segment_that_a_retry_resumed_from_its_own_checkpoint(tmp_path) -> None:
+    """Segment 1's first attempt dies at +70 s; a retry resumes it from its checkpoint at step 200 and
+    finishes. The segment still spans the hand-off (step 100) to 400, from the first attempt's start;
+    the report says it was resumed, and where."""
+    layout = write_run(str(tmp_path / "run"))
+    retry = SegmentTiming(1, "asp", 200, 400, T0 + 84.0, T0 + 88.0, T0 + 99.5, T0 + 100.0)
+    for name in storage.list_files(layout.segment_metrics(1, "asp"), suffix=".jsonl"):
+        storage.delete(name)
+    _emit_segment(layout, SEG1, fail_at=T0 + 70.0)
+    _emit_segment(layout, retry, announce_straggler=False)
+    storage.write_json(layout.segment_result(1, "asp"), _result(retry, 0.912, SEG1_STARTUP))
+
+    summary = build_report(layout.root)
+
+    seg0, seg1 = summary["segments"]
+    assert (seg0["attempts"], seg0["resumed_at"]) == (1, [])
+    assert (seg1["status"], seg1["start_step"], seg1["end_step"], seg1["steps"]) == (
+        "complete",
+        100,
+        400,
+        300,
+    )
+    assert (seg1["attempts"], seg1["resumed_at"]) == (2, [200])
+    assert seg1["started_at"] == SEG1.started_at and seg1["first_step_at"] == SEG1.first_step_at
+    (gap,) = summary["switch_gaps_seconds"]
+    assert gap["seconds"] == pytest.approx(14.5)  # to the first attempt's first step, as without a retry
+    assert any(
+        line.startswith("segment 1 ASP steps 100-400")
+        and "resumed at step 200 after a failed attempt" in line
+        for line in format_summary_lines(summary)
+    )
+    assert "<td>2 (resumed at [200])</td>" in (tmp_path / "run" / "report" / "index.html").read_text()
+
+
 def test_straggler_windows_fall_back_to_the_job_spec_without_straggler_events(tmp_path) -> None:
     # The window is start=60 s after the first BSP segment's start (state timings.first_bsp_start).
     layout = write_run(str(tmp_path / "run"), announce_straggler=False)

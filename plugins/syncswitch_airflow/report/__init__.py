@@ -130,9 +130,13 @@ def format_summary_lines(summary: dict[str, Any]) -> list[str]:
 def _segment_line(s: dict[str, Any]) -> str:
     status = "" if s["status"] == COMPLETE else f" [{s['status'].replace('_', ' ')}]"
     steps = f"{fmt(s['start_step'], 1)}-{fmt(s['end_step'], 1)}"
+    resumed = s.get("resumed_at") or []
+    retries = (
+        f", resumed at step {', '.join(fmt(r, 1) for r in resumed)} after a failed attempt" if resumed else ""
+    )
     return (
         f"segment {s['index']} {s['protocol'].upper()} steps {steps}: {fmt(s['seconds'], 1)} s, "
-        f"{fmt(s['examples_per_sec'], 1)} examples/s, accuracy {fmt(s['test_accuracy'], 4)}{status}"
+        f"{fmt(s['examples_per_sec'], 1)} examples/s, accuracy {fmt(s['test_accuracy'], 4)}{retries}{status}"
     )
 
 

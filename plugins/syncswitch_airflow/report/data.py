@@ -64,13 +64,25 @@ class SegmentView:
         return self._segment_end.get(key)
 
     @property
+    def starts(self) -> list[dict[str, Any]]:
+        """The chief's segment_start event of each attempt, in time order (as every event list). More
+        than one: an attempt failed and a retry resumed the segment from its latest checkpoint."""
+        return self._events("segment_start")
+
+    @property
+    def resumed_at(self) -> list[float]:
+        """The steps that retries resumed from (none when the first attempt finished)."""
+        return [s["start_step"] for s in self.starts[1:] if s.get("start_step") is not None]
+
+    @property
     def start_step(self) -> float | None:
+        # The hand-off: the first attempt's start. A retry's result.json starts where it resumed.
+        starts = self.starts
+        if starts and starts[0].get("start_step") is not None:
+            return starts[0]["start_step"]
         value = self._from_result("start_step")
         if value is not None:
             return value
-        starts = self._events("segment_start")
-        if starts and starts[0].get("start_step") is not None:
-            return starts[0]["start_step"]
         steps = self.chief_steps
         return steps[0]["global_step"] if steps else None
 
@@ -91,17 +103,16 @@ class SegmentView:
 
     @property
     def started_at(self) -> float | None:
-        value = self._from_result("started_at")
-        if value is None and self.events:
-            value = self.events[0].get("wall_time")
-        return value
+        # The earlier of the finishing attempt's launch and the first event: after a retry, the
+        # failed attempt's events come first.
+        return _earliest(
+            self._from_result("started_at"), self.events[0].get("wall_time") if self.events else None
+        )
 
     @property
     def first_step_at(self) -> float | None:
-        value = self._from_result("first_step_at")
-        if value is None and self.chief_steps:
-            value = self.chief_steps[0].get("wall_time")
-        return value
+        first_event = self.chief_steps[0].get("wall_time") if self.chief_steps else None
+        return _earliest(self._from_result("first_step_at"), first_event)
 
     @property
     def ended_at(self) -> float | None:
@@ -160,7 +171,14 @@ class SegmentView:
             "test_accuracy": (self.result or {}).get("test_accuracy"),
             "test_loss": (self.result or {}).get("test_loss"),
             "startup": (self.result or {}).get("startup"),
+            "attempts": len(self.starts) or (1 if self.result is not None else 0),
+            "resumed_at": self.resumed_at,
         }
+
+
+def _earliest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
 
 
 @dataclass

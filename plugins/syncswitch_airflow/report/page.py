@@ -115,6 +115,10 @@ def _segment_table(segments: list[dict[str, Any]]) -> str:
             "reason": s["reason"],
             "test accuracy": _accuracy(s["test_accuracy"]),
             "start-up (s)": s["startup"],
+            # Resumed by a retry from the segment's own checkpoint: at these steps.
+            "attempts": s["attempts"]
+            if not s["resumed_at"]
+            else f"{s['attempts']} (resumed at {s['resumed_at']})",
         }
         for s in segments
     ]
