@@ -75,15 +75,12 @@ def run_101(dag: Any, names: dict[str, str], job_name: str, bucket_dir: str, dat
     assert [state["segments"][str(i)]["end_step"] for i in range(3)] == ends
     assert state["final"]["global_step"] == ends[-1]
     for index, protocol in ((1, "asp"), (2, "bsp")):
-        metrics = layout.segment_metrics(index, protocol)
-        starts = read_events(metrics, event="segment_start")
+        starts = read_events(layout.segment_metrics(index, protocol), event="segment_start")
         # The hand-off: the first attempt starts where the segment before ended. A retry (CI's load
-        # once failed an attempt) resumes from this segment's own latest checkpoint, as exactly, and
-        # only one attempt reaches the end.
+        # once failed an attempt) resumes from this segment's own latest checkpoint, as exactly.
         assert starts and starts[0]["start_step"] == ends[index - 1], starts
         assert all(ends[index - 1] <= s["start_step"] <= ends[index] for s in starts), starts
         assert all(s["checkpoint_digest"] == s["restored_digest"] is not None for s in starts)
-        assert len(read_events(metrics, event="segment_end")) == 1
     assert state["user_code"]["digest"] == usercode.digest(names["usr_dir"])
     assert storage.exists(state["final"]["export"]["keras"])
     return state
