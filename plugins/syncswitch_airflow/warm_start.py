@@ -27,7 +27,7 @@ so the wait also ends when the number of deferred task instances changes, read e
 ``DEFERRED_LOOK_SECONDS`` while any is deferred (one count on the ``ti_state`` index). Without it the
 next segment's task started 0.8-1.9 s after the previous one ended, in every switch gap. A newly
 triggered run sends nothing either: the wait also ends when a DAG run newer than the newest one the
-last look saw exists (the same query reads both), looked at every ``QUEUED_LOOK_SECONDS`` when no
+last look saw exists (read with the deferred count), looked at every ``QUEUED_LOOK_SECONDS`` when no
 task is deferred. The newest run is remembered from one wait to the next, so a run triggered while
 the scheduler was busy ends the next wait at once. Without it a run started 1.2-2.4 s after its
 trigger.
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # (tools/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop.
 RESULT_WAIT_SECONDS = 1.8
 # How often that wait asks the database whether a deferred task ended on the triggerer or a run was
-# triggered (one query: a count on the ti_state index and the newest run's id), and, when no task is
+# triggered (a count on the ti_state index and the newest run's primary key), and, when no task is
 # deferred, whether a run was triggered.
 DEFERRED_LOOK_SECONDS = 0.2
 QUEUED_LOOK_SECONDS = 0.5
@@ -109,14 +109,12 @@ def waiting_work() -> tuple[int, int] | None:
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from airflow.utils.state import TaskInstanceState
-    from sqlalchemy import func, select
 
-    deferred = select(func.count()).where(TaskInstance.state == TaskInstanceState.DEFERRED)
-    newest_run = select(func.coalesce(func.max(DagRun.id), 0))
     try:
         with create_session() as session:
-            row = session.execute(select(deferred.scalar_subquery(), newest_run.scalar_subquery())).one()
-            return int(row[0]), int(row[1])
+            deferred = session.query(TaskInstance).filter(TaskInstance.state == TaskInstanceState.DEFERRED)
+            newest_run = session.query(DagRun.id).order_by(DagRun.id.desc()).limit(1).scalar()
+            return deferred.count(), newest_run or 0
     except Exception as exc:  # noqa: BLE001 - e.g. a locked or restarting database
         log.debug("cannot count the deferred tasks or read the newest run: %s", exc)
         return None
