@@ -48,9 +48,8 @@ log = logging.getLogger(__name__)
 # Longest an executor heartbeat waits for a worker's result; with the embedded Airflow's idle sleep
 # (tools/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop.
 RESULT_WAIT_SECONDS = 1.8
-# How often that wait asks the database whether a deferred task ended on the triggerer or a run was
-# triggered (a count on the ti_state index and the newest run's primary key), and, when no task is
-# deferred, whether a run was triggered.
+# How often that wait looks at the database (the deferred tasks' count on the ti_state index, the
+# newest run's primary key): while a task is deferred, and while none is.
 DEFERRED_LOOK_SECONDS = 0.2
 QUEUED_LOOK_SECONDS = 0.5
 
