@@ -144,5 +144,6 @@ def wait_for_an_end(
         now = look()
         if now is not None and seen is not None and now != seen:
             return True, now
-        seen = now if seen is None else seen
+        if seen is None:  # the first look failed: this one is the baseline
+            seen = now
     return False, seen
