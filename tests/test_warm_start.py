@@ -1,13 +1,20 @@
 """The WarmLocalExecutor's wait for a task's end: a worker's result, a deferred task that ended on the
 triggerer or a newly triggered run ends it (a run triggered since the previous wait ends the next one
-at once); the database is asked every 0.2 s while a task is deferred and every 0.5 s otherwise."""
+at once); the database is asked every 0.2 s while a task is deferred and every 0.5 s otherwise. And
+Airflow's task supervisor, which reaps a task process that closed its sockets without waiting out
+a heartbeat interval."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
+import uuid
 
-from syncswitch_airflow.warm_start import wait_for_an_end
+import httpx
+import pytest
+from syncswitch_airflow.warm_start import reap_exiting_task_processes, wait_for_an_end
 
 
 class Looks:
@@ -64,3 +71,61 @@ def test_nothing_deferred_is_asked_less_often_and_a_silent_database_changes_noth
     assert wait_for_an_end(reader.poll, busy, **timing) == (False, (3, 7))
     assert 2 <= idle.calls <= 5 and busy.calls > 10
     assert not wait_for_an_end(reader.poll, silent, **timing)[0]
+
+
+def _execution_api(request: httpx.Request) -> httpx.Response:
+    """Airflow's execution API, as far as a supervisor asks it: the task's run context, then
+    heartbeats and the final state."""
+    if not request.url.path.endswith("/run"):
+        return httpx.Response(204)
+    now = "2026-01-01T00:00:00Z"
+    dag_run = {
+        "dag_id": "d", "run_id": "r", "logical_date": now, "start_date": now, "end_date": None,
+        "data_interval_start": now, "data_interval_end": now, "run_after": now, "run_type": "manual",
+        "state": "running", "partition_key": None, "consumed_asset_events": [],
+    }  # fmt: skip
+    return httpx.Response(200, json={"dag_run": dag_run, "max_tries": 0, "should_retry": False})
+
+
+def _close_every_socket_then_linger() -> None:
+    """A task process's last moment, drawn out: its sockets to the supervisor are closed (as
+    ``_fork_main``'s exit does), and it lives on for a moment before it exits."""
+    os.closerange(0, 1024)
+    time.sleep(0.2)
+
+
+def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Airflow's own supervisor, forking a real process: without the patch it would notice the exit
+    only after a heartbeat interval (5 s by default) of select() on no socket at all."""
+    from airflow.sdk.api.client import Client
+    from airflow.sdk.api.datamodels._generated import BundleInfo, TaskInstance
+    from airflow.sdk.execution_time import supervisor
+
+    # Restored after the test: the patch is process-wide by design.
+    monkeypatch.setattr(
+        supervisor.WatchedSubprocess,
+        "_check_subprocess_exit",
+        supervisor.WatchedSubprocess._check_subprocess_exit,
+    )
+    reap_exiting_task_processes()
+    reap_exiting_task_processes()  # a second call (a restarted executor) wraps nothing twice
+    assert not hasattr(supervisor.WatchedSubprocess._check_subprocess_exit.__wrapped__, "__wrapped__")
+
+    task = TaskInstance(
+        id=uuid.uuid4(), task_id="t", dag_id="d", run_id="r", try_number=1, dag_version_id=uuid.uuid4()
+    )
+    execution_api = Client(
+        base_url="http://execution-api", token="", transport=httpx.MockTransport(_execution_api)
+    )
+    started = time.monotonic()
+    process = supervisor.ActivitySubprocess.start(
+        what=task,
+        dag_rel_path="d.py",
+        bundle_info=BundleInfo(name="b", version=None),
+        client=execution_api,
+        target=_close_every_socket_then_linger,
+    )
+    assert process.wait() == 0
+    assert time.monotonic() - started < supervisor.MIN_HEARTBEAT_INTERVAL

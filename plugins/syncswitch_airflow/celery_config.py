@@ -11,12 +11,24 @@ so every task process inherits them. Use it with::
     celery_config_options = syncswitch_airflow.celery_config.CELERY_CONFIG
 
 (``AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS``), on the workers; the scheduler ignores ``imports``.
+A worker that loads this module also reaps its task processes as soon as they exit
+(``warm_start.reap_exiting_task_processes``), from the main process on, before the pool forks.
 """
 
 from __future__ import annotations
 
-from airflow.providers.celery.executors.default_celery import DEFAULT_CELERY_CONFIG
+from typing import Any
 
-from syncswitch_airflow.warm_start import WARM_IMPORTS
+from airflow.providers.celery.executors.default_celery import DEFAULT_CELERY_CONFIG
+from celery.signals import worker_init
+
+from syncswitch_airflow.warm_start import WARM_IMPORTS, reap_exiting_task_processes
 
 CELERY_CONFIG = {**DEFAULT_CELERY_CONFIG, "imports": WARM_IMPORTS}
+
+
+@worker_init.connect(weak=False)
+def reap_task_processes_promptly(**_signal: Any) -> None:
+    """Celery's ``worker_init``: sent in a worker's main process before its pool forks (never in the
+    scheduler, which loads this configuration too)."""
+    reap_exiting_task_processes()
