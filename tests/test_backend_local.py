@@ -14,11 +14,12 @@ from proc_utils import assert_no_processes, find_processes, wait_for
 from syncswitch import forkserver
 from syncswitch.errors import SpecError
 from syncswitch.layout import RunLayout
+from syncswitch.procs import processes_with_env
 from syncswitch.registry import Registry
 from syncswitch.spec import JobSpec
 from syncswitch_airflow.backends import ClusterError, get_backend
-from syncswitch_airflow.backends.base import EXITED, RUNNING, UNKNOWN
-from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S, LocalBackend
+from syncswitch_airflow.backends.base import CLUSTER_ENV, EXITED, RUNNING, UNKNOWN
+from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S, LocalBackend, StandbyForkServer
 
 # A child that stays in the launcher's process group, and one that escapes it with setsid(): teardown
 # must find both. Each writes nothing; the parent writes READY once both exist.
@@ -263,3 +264,36 @@ def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_
             backend.teardown(second)
     assert backend.capacity().holders() == []
     assert_no_processes(re.escape(str(tmp_path / "work")), timeout=10)
+
+
+# ---- the standby fork server --------------------------------------------------------------------------
+
+
+def test_a_cluster_claims_the_standby_fork_server_and_its_teardown_stops_it(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    """The keeper starts a standby server (TensorFlow imported before any run asks); provisioning
+    claims it, so it carries the cluster's marker as a server the cluster started would, and the
+    teardown stops it. No standby is started while a cluster trains; after it, a new one is."""
+    keeper = StandbyForkServer(backend)
+    standby = keeper.keep()
+    try:
+        assert standby is not None and keeper.keep() is None  # one at a time
+        forkserver.wait_ready(backend.standby_dir, timeout=300)
+        layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "claims-the-standby")
+        handle = backend.provision(JobSpec(job_name="demo"), layout)
+        try:
+            assert not Path(backend.standby_dir).exists()
+            assert forkserver.status(handle["forkserver_dir"]) == forkserver.READY
+            assert [p.pid for p in processes_with_env(CLUSTER_ENV, handle["work_dir"])] == [standby]
+            assert keeper.keep() is None, "a standby's import would take the cores the cluster trains on"
+        finally:
+            released = backend.teardown(handle)
+        assert released["stopped_pids"] == [standby]
+        replacement = keeper.keep()
+        assert replacement not in (None, standby)
+        assert [p.pid for p in keeper.started] == [replacement], "the claimed server is reaped by its starter"
+    finally:
+        keeper.stop()
+    assert forkserver.status(backend.standby_dir) == forkserver.ABSENT
+    assert not keeper.started

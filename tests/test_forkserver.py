@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, wait_for
-from syncswitch import forkserver
+from syncswitch import forkserver, procs
 from syncswitch.forkserver import free_ports
 from syncswitch.spec import SegmentSpec
 
 pytestmark = pytest.mark.cluster
 READY_TIMEOUT = 300
+MARKER = "SYNCSWITCH_CLUSTER_DIR"  # the local backend's marker of a cluster's processes
 
 
 def pid_alive(pid: int) -> bool:
@@ -204,3 +205,44 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
         warm_preflight(
             spec.replace(hparams="no_such_knob=1"), str(tmp_path / "data"), ref, str(tmp_path / "work")
         )
+
+
+def test_a_standby_server_becomes_the_cluster_server_that_claims_it(
+    tmp_path: Path, no_leftover_processes
+) -> None:  # noqa: ANN001
+    """Claimed, the standby serves from the cluster's folder, and it and the nodes it forks carry the
+    cluster's marker (written over its placeholder), as if the cluster had started it. A marker
+    longer than the placeholder, or a second claim, is refused."""
+    standby_dir, cluster = tmp_path / "standby", tmp_path / "cluster"
+    no_leftover_processes(re.escape(str(standby_dir)))
+    env = {**os.environ, MARKER: procs.ENV_PLACEHOLDER}
+    process = forkserver.start(str(standby_dir), env=env, die_with_parent=True, standby=True)
+    try:
+        server_dir = cluster / "forkserver"
+        cluster.mkdir()
+        assert (
+            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: "x" * 1025}, timeout=READY_TIMEOUT)
+            is None
+        )
+        assert json.loads((standby_dir / forkserver.READY_FILE).read_text())["standby"] is True
+        assert not procs.has_env(process.pid, MARKER, str(cluster))
+
+        assert (
+            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+            == process.pid
+        )
+
+        assert not standby_dir.exists() and forkserver.status(str(standby_dir)) == forkserver.ABSENT
+        assert forkserver.status(str(server_dir)) == forkserver.READY
+        assert json.loads((server_dir / forkserver.READY_FILE).read_text())["standby"] is False
+        assert procs.has_env(process.pid, MARKER, str(cluster))
+        node, _log = fork_ps(server_dir, tmp_path)
+        assert procs.has_env(node.pid, MARKER, str(cluster)), "a node inherits the claimed marker"
+        assert (
+            forkserver.claim(str(server_dir), str(tmp_path / "other"), {MARKER: "other"}, timeout=5) is None
+        )
+        node.kill()
+        node.wait(timeout=30)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

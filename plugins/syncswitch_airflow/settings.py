@@ -86,6 +86,14 @@ SETTINGS: tuple[Setting, ...] = (
         example="my_gcp_connection",
     ),
     Setting("local_clusters", "How many local clusters may exist at once", "integer", "1"),
+    Setting(
+        "local_standby_forkserver",
+        "1: the embedded Airflow's executor keeps a fork server with TensorFlow imported for the next "
+        "local cluster (about 0.5 GB of memory while idle), so its first segment starts without "
+        "waiting for the import; 0: each local cluster starts its own",
+        "integer",
+        "1",
+    ),
     Setting("hosts_clusters", "How many clusters of hosts may exist at once", "integer", "1"),
     Setting("gce_clusters", "How many Compute Engine clusters may exist at once", "integer", "4"),
     Setting(

@@ -64,6 +64,8 @@ RESULT_WAIT_SECONDS = 1.8
 # newest run's primary key): while a task is deferred, and while none is.
 DEFERRED_LOOK_SECONDS = 0.2
 QUEUED_LOOK_SECONDS = 0.5
+# How often the executor makes sure a standby fork server waits for the next local cluster.
+STANDBY_LOOK_SECONDS = 2.0
 # Longest a supervisor waits for a task process whose sockets have all closed (it is exiting, and is
 # reaped within milliseconds); after it, the supervisor goes on as Airflow's own.
 EXITING_PROCESS_WAIT_SECONDS = 0.5
@@ -113,15 +115,21 @@ def reap_exiting_task_processes() -> None:
 
 class WarmLocalExecutor(LocalExecutor):
     """Airflow's LocalExecutor, whose workers fork from a scheduler that has imported
-    ``WARM_IMPORTS``, and whose heartbeat returns as soon as a task ends (see above):
+    ``WARM_IMPORTS``, whose heartbeat returns as soon as a task ends (see above), and which keeps a
+    standby fork server for the next local cluster (``backends.local.StandbyForkServer``):
     ``[core] executor = syncswitch_airflow.warm_start.WarmLocalExecutor``."""
 
     def start(self) -> None:
+        from syncswitch_airflow.backends.local import StandbyForkServer
+
         import_warm_modules()
         reap_exiting_task_processes()
         self._handed_out_work = False
         self._waiting: tuple[int, int] | None = None
+        self._standby = StandbyForkServer()
+        self._standby_looked_at = 0.0
         super().start()
+        self._keep_standby()
 
     def _process_workloads(self, workload_list: Any) -> None:
         self._handed_out_work = True
@@ -136,6 +144,23 @@ class WarmLocalExecutor(LocalExecutor):
             )
         self._handed_out_work = False
         super().sync()
+        if time.monotonic() - self._standby_looked_at >= STANDBY_LOOK_SECONDS:
+            self._keep_standby()
+
+    def end(self) -> None:
+        super().end()
+        self._standby.stop()
+
+    def terminate(self) -> None:
+        super().terminate()
+        self._standby.stop()
+
+    def _keep_standby(self) -> None:
+        self._standby_looked_at = time.monotonic()
+        try:
+            self._standby.keep()
+        except Exception as exc:  # noqa: BLE001 - a shortcut too: it must never stop the scheduler
+            log.warning("cannot keep a standby fork server: %s", exc)
 
 
 def waiting_work() -> tuple[int, int] | None:

@@ -8,6 +8,8 @@ given none starts its own, so even a lone segment imports TensorFlow once instea
     python -m syncswitch.forkserver DIR     serve until SIGTERM, or until DIR is removed
     python -m syncswitch.forkserver DIR --listen ADDRESS[:PORT] --token-file FILE
                                             also serve launchers on other hosts, over TCP
+    python -m syncswitch.forkserver DIR --standby
+                                            import, then wait to be claimed by a cluster (below)
 
 DIR holds the server's files:
     forkserver.pid    written at start (the server is alive, maybe still importing)
@@ -26,11 +28,22 @@ host's cluster-internal address only. One connection per node, one JSON object p
 or, for a launcher placing a cluster on this host:
     client -> server  {"ports": 3, "token": T}
     server -> client  {"ports": [41011, 41012, 41013]}   free on the listening address
+or, for a cluster claiming a standby server (Unix socket only):
+    client -> server  {"claim": {"dir": NEW_DIR, "env": {VAR: VALUE}}}
+    server -> client  {"claimed": 1234}          its folder moved to NEW_DIR, where it now listens
 ``files`` are written (folders made) before the fork: a node on another host gets its segment spec so.
 A TCP request must carry the cluster's token (the file's content, compared in constant time); the
 Unix socket needs none. The connection is the node's lease: when the client goes away (even by
 SIGKILL, or its host by TCP keepalive) the server kills the node, as PR_SET_PDEATHSIG does for a
 process the client started itself. Nodes get PR_SET_PDEATHSIG on the server, so nothing outlives it.
+
+A standby server imports before any cluster asks for it (the local backend keeps one, so that the
+first segment's nodes need not wait for the import). It starts with a placeholder for each marker of
+its initial environment (``procs.ENV_PLACEHOLDER``) and dies with the process that started it. The
+cluster that claims it renames its folder into the cluster's, and the server writes the cluster's
+markers over the placeholders (``procs.rewrite_initial_env``), so it and every node it forks are
+found by them as if the cluster had started it; from then on it outlives its starter, as any
+cluster's server does.
 
 Forking is safe here because the server only imports: it never creates a TensorFlow context, thread
 pool or gRPC channel, so a child starts with a clean runtime and sets its own thread counts.
@@ -57,7 +70,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import storage
-from syncswitch.procs import is_alive, read_stat, signal_pid, wait_until
+from syncswitch.procs import (
+    initial_env_room,
+    is_alive,
+    read_stat,
+    rewrite_initial_env,
+    signal_pid,
+    wait_until,
+)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -169,9 +189,11 @@ class Lease:
 
 
 class ForkServer:
-    def __init__(self, server_dir: str, listen: str = "", token: str = "") -> None:
+    def __init__(self, server_dir: str, listen: str = "", token: str = "", standby: bool = False) -> None:
         self.server_dir = server_dir
         self.listen, self.token = listen, token
+        self.standby = standby  # until a cluster claims it
+        self.ready: dict[str, Any] = {}
         self.tcp_host = listen.rpartition(":")[0] if ":" in listen else listen
         self.selector = selectors.DefaultSelector()
         self.leases: dict[int, Lease] = {}  # by connection fd
@@ -195,13 +217,14 @@ class ForkServer:
             remote.bind((self.tcp_host, port))
             self._add_listener(remote)
             tcp = f"{self.tcp_host}:{remote.getsockname()[1]}"
-        ready = {
+        self.ready = {
             "pid": os.getpid(),
             "address": address_for(self.server_dir).replace("\0", "@"),
             "tcp": tcp,
             "preload_seconds": round(time.monotonic() - started, 2),
+            "standby": self.standby,
         }
-        if not write_in_own_folder(os.path.join(self.server_dir, READY_FILE), ready):
+        if not write_in_own_folder(os.path.join(self.server_dir, READY_FILE), self.ready):
             log(f"pid {os.getpid()}: {self.server_dir} is gone (torn down while it started); not serving")
             self._shutdown()
             return 0
@@ -265,7 +288,43 @@ class ForkServer:
             self._send(lease, {"ports": free_ports(self.tcp_host, int(request["ports"]))})
             self._release(lease, kill=False)
             return
+        if "claim" in request:
+            self._claim(lease, request["claim"])
+            return
         self._fork(lease, request)
+
+    def _claim(self, lease: Lease, claim: dict[str, Any]) -> None:
+        """Become the server of the cluster whose folder is ``claim["dir"]``, found by its markers
+        ``claim["env"]`` from now on."""
+        if not self.standby or lease.remote:
+            raise ValueError("only a standby server can be claimed, once, from its own host")
+        new_dir, markers = str(claim["dir"]), {str(k): str(v) for k, v in dict(claim["env"]).items()}
+        for variable, value in markers.items():
+            if len(value.encode()) > initial_env_room(variable):
+                raise ValueError(
+                    f"{variable}: {value!r} is longer than the placeholder the server started with"
+                )
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address_for(new_dir))  # a server of that folder already runs: refused
+            os.rename(self.server_dir, new_dir)  # its pid file and log travel with it
+        except OSError:
+            listener.close()
+            raise
+        for variable, value in markers.items():
+            rewrite_initial_env(variable, value)
+        _prctl(PR_SET_PDEATHSIG, 0)  # a cluster's server outlives whoever kept it on standby
+        for old in [x for x in self.listeners if x.family == socket.AF_UNIX]:
+            self.selector.unregister(old)
+            self.listeners.remove(old)
+            old.close()
+        self._add_listener(listener)
+        self.standby, self.server_dir = False, new_dir
+        self.ready.update(address=address_for(new_dir).replace("\0", "@"), standby=False)
+        write_in_own_folder(os.path.join(new_dir, READY_FILE), self.ready)
+        self._send(lease, {"claimed": os.getpid()})
+        self._release(lease, kill=False)
+        log(f"pid {os.getpid()} claimed: serving {new_dir}")
 
     def _fork(self, lease: Lease, request: dict[str, Any]) -> None:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
@@ -403,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("server_dir")
     parser.add_argument("--listen", default="", help="ADDRESS[:PORT]: also serve over TCP on this address")
     parser.add_argument("--token-file", default="", help="the cluster's token, required with --listen")
+    parser.add_argument("--standby", action="store_true", help="wait to be claimed by a cluster (local only)")
     args = parser.parse_args(argv)
     token = ""
     if args.listen:
@@ -412,10 +472,12 @@ def main(argv: list[str] | None = None) -> int:
             token = f.read().strip()
         if len(token) < 16:
             parser.error(f"--token-file {args.token_file}: the token is shorter than 16 characters")
+    if args.standby and args.listen:
+        parser.error("--standby serves this host only: it takes no --listen")
     if not write_in_own_folder(os.path.join(args.server_dir, PID_FILE), pid_record(os.getpid())):
         log(f"pid {os.getpid()}: {args.server_dir} is gone (torn down before it started); not serving")
         return 0
-    return ForkServer(args.server_dir, args.listen, token).serve()
+    return ForkServer(args.server_dir, args.listen, token, standby=args.standby).serve()
 
 
 def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:
@@ -436,15 +498,19 @@ def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:
 
 
 def start(
-    server_dir: str, *, env: dict[str, str] | None = None, die_with_parent: bool = False
+    server_dir: str,
+    *,
+    env: dict[str, str] | None = None,
+    die_with_parent: bool = False,
+    standby: bool = False,
 ) -> subprocess.Popen:
     """Start a server for ``server_dir`` in the background (it is ready later: see wait_ready).
     ``env`` is its whole environment (default: ours). ``die_with_parent`` ties it to the caller;
-    otherwise it runs in a session of its own."""
+    otherwise it runs in a session of its own. A ``standby`` server waits for ``claim``."""
     os.makedirs(server_dir, exist_ok=True)
     with open(os.path.join(server_dir, LOG_FILE), "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "syncswitch.forkserver", server_dir],
+            [sys.executable, "-m", "syncswitch.forkserver", server_dir, *(["--standby"] if standby else [])],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -498,6 +564,24 @@ def wait_ready(server_dir: str, timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise ForkServerUnavailable(f"the fork server for {server_dir} was not ready in {timeout:.0f}s")
         time.sleep(TICK_SECONDS)
+
+
+def claim(standby_dir: str, server_dir: str, env: dict[str, str], timeout: float) -> int | None:
+    """Make the standby server of ``standby_dir`` the server of ``server_dir`` (its folder moves
+    there), found by the markers ``env`` from now on; waits up to ``timeout`` s for one still
+    importing. Its pid, or None where none answers: none kept, claimed by another cluster, or the
+    markers do not fit its placeholders."""
+    if status(standby_dir) == ABSENT:
+        return None
+    try:
+        wait_ready(standby_dir, timeout)
+        conn, answer, _ = _request(
+            ServerRef(server_dir=standby_dir), {"claim": {"dir": server_dir, "env": env}}, "claim"
+        )
+    except ForkServerUnavailable:
+        return None
+    conn.close()
+    return int(answer["claimed"]) if "claimed" in answer else None
 
 
 def tcp_address(server_dir: str) -> str:

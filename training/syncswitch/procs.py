@@ -8,6 +8,7 @@ group, or by pid plus start time (so that a reused pid is never mistaken for our
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -79,6 +80,47 @@ def has_env(pid: int, variable: str, value: str) -> bool:
             return f"{variable}={value}".encode() in f.read().split(b"\0")
     except OSError:  # gone, or another user's process
         return False
+
+
+# The value a process starts with for a marker it learns later (a standby fork server, claimed by a
+# cluster): rewrite_initial_env overwrites it in place with a value of up to this many characters.
+ENV_PLACEHOLDER = "_" * 1024
+
+
+def rewrite_initial_env(variable: str, value: str) -> None:
+    """Overwrite ``variable``'s value in this process's initial environment, in place: what
+    ``/proc/<pid>/environ`` shows (so ``has_env`` finds the process by the new value) and what every
+    process it forks from now on starts with. The process must have started with ``variable`` set to
+    a value at least as long (``ENV_PLACEHOLDER``); ValueError otherwise. The old value's surplus
+    becomes empty entries. (setproctitle rewrites the command line the same way.)"""
+    address, room = _initial_env_value(variable)
+    encoded = value.encode()
+    if b"\0" in encoded or len(encoded) > room:
+        raise ValueError(f"{variable}: {len(encoded)} bytes do not fit the {room} the process started with")
+    ctypes.memmove(address, encoded + b"\0" * (room - len(encoded)), room)
+    os.environ[variable] = value
+
+
+def initial_env_room(variable: str) -> int:
+    """How many bytes ``rewrite_initial_env`` may write for ``variable`` (ValueError if it is unset)."""
+    return _initial_env_value(variable)[1]
+
+
+def _initial_env_value(variable: str) -> tuple[int, int]:
+    """(address, length) of ``variable``'s value in this process's initial environment block."""
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    # The fields after the command's closing parenthesis start with field 3; env_start and env_end
+    # are fields 50 and 51 (proc(5)).
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    start, end = int(fields[47]), int(fields[48])
+    block = ctypes.string_at(start, end - start)
+    key = variable.encode() + b"="
+    offset = 0 if block.startswith(key) else block.find(b"\0" + key) + 1
+    if offset == 0 and not block.startswith(key):
+        raise ValueError(f"{variable} is not in this process's initial environment")
+    value_start = offset + len(key)
+    return start + value_start, block.index(b"\0", value_start) - value_start
 
 
 def processes_with_env(variable: str, value: str) -> list[ProcStat]:

@@ -4,7 +4,8 @@ Work folder (``[syncswitch] work_dir`` or ``<tmp>/syncswitch``, then ``<job_name
 
     cluster.json                  the handle
     forkserver/                   the cluster's fork server (syncswitch.forkserver): TensorFlow imported
-                                  once at provisioning, every segment's processes forked from it warm
+                                  once, every segment's processes forked from it warm; the standby
+                                  server's folder, moved here when the cluster claims it
     data/                         data staged from a bucket (``--data-cache``), reused by every segment
     segments/seg-<ii>/spec.json   the SegmentSpec given to ``syncswitch train --spec``
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
@@ -16,6 +17,14 @@ Every process of a run carries ``SYNCSWITCH_CLUSTER_DIR=<work folder>`` in its e
 server and launchers are started with it, and forked nodes inherit the server's. Teardown finds the
 run's processes by that marker as well as by the process groups it started, so a process that left its
 group, or whose launcher was SIGKILLed, is still found.
+
+A standby fork server (``<work root>/standby-forkserver``) has imported TensorFlow before any run
+asks: the process that keeps it (the embedded Airflow's WarmLocalExecutor, ``StandbyForkServer``)
+starts one whenever none runs and no local cluster trains, and it dies with that process. Provisioning
+claims it (``forkserver.claim``): it moves into the cluster's folder and takes the cluster's marker,
+so teardown finds it and its nodes as it finds a server the cluster started. Without one (none kept,
+or already claimed) provisioning starts the cluster's own, as before; the first segment's nodes then
+wait for its import (3.6 s on a quiet core, on the path to the run's first step).
 """
 
 from __future__ import annotations
@@ -24,13 +33,14 @@ import logging
 import os
 import posixpath
 import shutil
+import subprocess
 import sys
 import time
 from typing import Any
 
 from syncswitch import forkserver, supervise
 from syncswitch.layout import RunLayout
-from syncswitch.procs import mem_available_gb, processes_with_env
+from syncswitch.procs import ENV_PLACEHOLDER, mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow import settings
@@ -46,6 +56,10 @@ from syncswitch_airflow.backends.base import (
 
 # How many local clusters may run at once. Each takes every core of a small machine, so one.
 CAPACITY_SETTING = "local_clusters"
+STANDBY_SETTING = "local_standby_forkserver"
+STANDBY_FOLDER = "standby-forkserver"
+# How long provisioning waits for a standby server that is still importing before it starts its own.
+STANDBY_CLAIM_WAIT_S = 60.0
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
@@ -120,13 +134,23 @@ class LocalBackend:
         return handle
 
     def _start_forkserver(self, handle: Handle) -> None:
-        """Start the cluster's fork server unless one runs already (provision is idempotent). It
-        imports TensorFlow in the background; the first segment's launcher waits for it."""
+        """Claim the standby fork server, or start the cluster's own unless one runs already
+        (provision is idempotent). A new one imports TensorFlow in the background; the first
+        segment's launcher waits for it."""
         server_dir = handle["forkserver_dir"]
         if forkserver.status(server_dir) != forkserver.ABSENT:
             return
-        server = forkserver.start(server_dir, env=cluster_environment(**{CLUSTER_ENV: handle["work_dir"]}))
+        marker = {CLUSTER_ENV: handle["work_dir"]}
+        claimed = forkserver.claim(self.standby_dir, server_dir, marker, timeout=STANDBY_CLAIM_WAIT_S)
+        if claimed is not None:
+            log.info("run %s: claimed the standby fork server (pid %d)", handle.get("run"), claimed)
+            return
+        server = forkserver.start(server_dir, env=cluster_environment(**marker))
         log.info("run %s: started the cluster's fork server (pid %d)", handle.get("run"), server.pid)
+
+    @property
+    def standby_dir(self) -> str:
+        return os.path.join(self.work_root, STANDBY_FOLDER)
 
     def _check_memory(self, processes: int) -> None:
         needed = processes * self.gb_per_process
@@ -237,6 +261,43 @@ class LocalBackend:
 SINGLE_MACHINE_EXECUTORS = frozenset(
     {"LocalExecutor", "WarmLocalExecutor", "SequentialExecutor", "DebugExecutor"}
 )
+
+
+class StandbyForkServer:
+    """Keeps one standby fork server for the next local cluster (see the module's docstring): the
+    owner (a long-lived process: the WarmLocalExecutor in the scheduler) calls ``keep`` now and then
+    and ``stop`` when it ends. A server it started dies with it."""
+
+    def __init__(self, backend: LocalBackend | None = None) -> None:
+        self.backend = backend or LocalBackend()
+        self.started: list[subprocess.Popen] = []  # reaped once they end (claimed ones at teardown)
+
+    def keep(self) -> int | None:
+        """Start a standby server unless one runs, a local cluster is up (the import would take the
+        cores it trains on) or ``[syncswitch] local_standby_forkserver`` is 0; its pid if started."""
+        self.started = [p for p in self.started if p.poll() is None]
+        standby_dir = self.backend.standby_dir
+        if not settings.get_int(STANDBY_SETTING) or forkserver.status(standby_dir) != forkserver.ABSENT:
+            return None
+        if self.backend.capacity().holders():
+            return None
+        try:
+            self.backend._check_memory(1)
+        except ClusterError:
+            return None
+        shutil.rmtree(standby_dir, ignore_errors=True)  # what a dead one left
+        env = cluster_environment(**{CLUSTER_ENV: ENV_PLACEHOLDER})
+        server = forkserver.start(standby_dir, env=env, die_with_parent=True, standby=True)
+        self.started.append(server)
+        log.info("started a standby fork server (pid %d) in %s", server.pid, standby_dir)
+        return server.pid
+
+    def stop(self) -> int | None:
+        """Kill the standby server (not one a cluster claimed: that one is the cluster's); its pid."""
+        pid = forkserver.kill_started(self.backend.standby_dir)
+        shutil.rmtree(self.backend.standby_dir, ignore_errors=True)
+        self.started = [p for p in self.started if p.poll() is None]
+        return pid
 
 
 def deployment_refusal(executors: str) -> str:
