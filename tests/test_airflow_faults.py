@@ -29,8 +29,9 @@ from airflow_runs import (
     wait_for_task,
     wait_run,
 )
-from proc_utils import assert_no_processes, wait_for
+from proc_utils import assert_no_processes, environ, wait_for
 from syncswitch import procs, storage
+from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
@@ -56,10 +57,16 @@ def job(tmp_path: Path, name: str, **conf: object) -> dict:
 
 def kill_component(airflow: EmbeddedAirflow, name: str) -> None:
     """SIGKILL one component and wait for its restart. What it had started (a scheduler's
-    LocalExecutor workers and log server, a triggerer's log server) must not outlive it: left alone
-    they would wait forever on a queue nobody writes, and a log server would keep its port."""
+    LocalExecutor workers and log server, a triggerer's log server, its standby fork server) must
+    not outlive it: left alone they would wait forever on a queue nobody writes, and a log server
+    would keep its port. A standby fork server that a run claimed is that run's cluster's (it carries
+    the cluster's marker) and outlives the scheduler as every cluster process does."""
     pid = component_pid(airflow, name)
-    children = [(child.pid, child.start_ticks) for child in procs.children_of(pid) if child.alive]
+    children = [
+        (child.pid, child.start_ticks)
+        for child in procs.children_of(pid)
+        if child.alive and environ(child.pid).get(CLUSTER_ENV, procs.ENV_PLACEHOLDER) == procs.ENV_PLACEHOLDER
+    ]
     assert children, f"the {name} has no child processes to check"
     os.kill(pid, signal.SIGKILL)
     wait_for_restart(airflow, name, pid)

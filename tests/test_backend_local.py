@@ -286,6 +286,8 @@ def test_a_cluster_claims_the_standby_fork_server_and_its_teardown_stops_it(
             assert not Path(backend.standby_dir).exists()
             assert forkserver.status(handle["forkserver_dir"]) == forkserver.READY
             assert [p.pid for p in processes_with_env(CLUSTER_ENV, handle["work_dir"])] == [standby]
+            # Not in its starter's process group, which an Airflow instance's stop ends.
+            assert os.getsid(standby) != os.getsid(0)
             assert keeper.keep() is None, "a standby's import would take the cores the cluster trains on"
         finally:
             released = backend.teardown(handle)

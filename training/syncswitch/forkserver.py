@@ -506,7 +506,9 @@ def start(
 ) -> subprocess.Popen:
     """Start a server for ``server_dir`` in the background (it is ready later: see wait_ready).
     ``env`` is its whole environment (default: ours). ``die_with_parent`` ties it to the caller;
-    otherwise it runs in a session of its own. A ``standby`` server waits for ``claim``."""
+    otherwise it runs in a session of its own. A ``standby`` server waits for ``claim``; it runs in a
+    session of its own too, since, once claimed, signals to its starter's process group (an Airflow
+    instance stopping) must not reach the cluster's server."""
     os.makedirs(server_dir, exist_ok=True)
     with open(os.path.join(server_dir, LOG_FILE), "ab") as log:
         proc = subprocess.Popen(
@@ -515,7 +517,7 @@ def start(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**(os.environ if env is None else env), "TF_CPP_MIN_LOG_LEVEL": "2"},
-            start_new_session=not die_with_parent,
+            start_new_session=standby or not die_with_parent,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - only prctl
         )
     # Written here too, so that wait_ready sees the server starting from this moment on.
