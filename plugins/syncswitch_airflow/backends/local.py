@@ -20,7 +20,8 @@ group, or whose launcher was SIGKILLed, is still found.
 
 A standby fork server (``<work root>/standby-forkserver``) has imported TensorFlow before any run
 asks: the process that keeps it (the embedded Airflow's WarmLocalExecutor, ``StandbyForkServer``)
-starts one whenever none runs and no local cluster trains, and it dies with that process. Provisioning
+starts one whenever none runs and no local cluster trains, in a session of its own, and it dies with
+that process until a cluster claims it. Provisioning
 claims it (``forkserver.claim``): it moves into the cluster's folder and takes the cluster's marker,
 so teardown finds it and its nodes as it finds a server the cluster started. Without one (none kept,
 or already claimed) provisioning starts the cluster's own, as before; the first segment's nodes then
