@@ -573,10 +573,8 @@ def claim(standby_dir: str, server_dir: str, env: dict[str, str], timeout: float
     there), found by the markers ``env`` from now on; waits up to ``timeout`` s for one still
     importing. Its pid, or None where none answers: none kept, claimed by another cluster, or the
     markers do not fit its placeholders."""
-    if status(standby_dir) == ABSENT:
-        return None
     try:
-        wait_ready(standby_dir, timeout)
+        wait_ready(standby_dir, timeout)  # ForkServerUnavailable at once where none runs
         conn, answer, _ = _request(
             ServerRef(server_dir=standby_dir), {"claim": {"dir": server_dir, "env": env}}, "claim"
         )

@@ -116,10 +116,11 @@ def _initial_env_value(variable: str) -> tuple[int, int]:
     start, end = int(fields[47]), int(fields[48])
     block = ctypes.string_at(start, end - start)
     key = variable.encode() + b"="
-    offset = 0 if block.startswith(key) else block.find(b"\0" + key) + 1
-    if offset == 0 and not block.startswith(key):
+    # Each entry follows a NUL; so does the first, once one is put before the block.
+    entry = (b"\0" + block).find(b"\0" + key)
+    if entry < 0:
         raise ValueError(f"{variable} is not in this process's initial environment")
-    value_start = offset + len(key)
+    value_start = entry + len(key)
     return start + value_start, block.index(b"\0", value_start) - value_start
 
 

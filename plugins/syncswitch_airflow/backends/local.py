@@ -276,7 +276,7 @@ class StandbyForkServer:
     def keep(self) -> int | None:
         """Start a standby server unless one runs, a local cluster is up (the import would take the
         cores it trains on) or ``[syncswitch] local_standby_forkserver`` is 0; its pid if started."""
-        self.started = [p for p in self.started if p.poll() is None]
+        self._reap_ended()
         standby_dir = self.backend.standby_dir
         if not settings.get_int(STANDBY_SETTING) or forkserver.status(standby_dir) != forkserver.ABSENT:
             return None
@@ -297,8 +297,11 @@ class StandbyForkServer:
         """Kill the standby server (not one a cluster claimed: that one is the cluster's); its pid."""
         pid = forkserver.kill_started(self.backend.standby_dir)
         shutil.rmtree(self.backend.standby_dir, ignore_errors=True)
-        self.started = [p for p in self.started if p.poll() is None]
+        self._reap_ended()
         return pid
+
+    def _reap_ended(self) -> None:
+        self.started = [p for p in self.started if p.poll() is None]
 
 
 def deployment_refusal(executors: str) -> str:
