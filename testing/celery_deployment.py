@@ -430,8 +430,9 @@ class CeleryDeployment:
             self.worker_hosts[index] = host
         host = self.worker_hosts[index]
         # The checkout too: the worker runs the installed packages, and fails loudly if it reached for
-        # anything of the checkout's.
-        hidden = [PROJECT_DIR, *([self.root] if not str(self.root).startswith("/tmp/") else [])]
+        # anything of the checkout's. What lies under /tmp is hidden by the private /tmp already (and
+        # has no mount point left to cover: a checkout cloned to /tmp/x failed here).
+        hidden = [path for path in (PROJECT_DIR, self.root) if not str(path).startswith("/tmp/")]
         setup = [
             f"hostname {shlex.quote(host.name)}",
             # Its own /tmp (and the deployment's folder hidden): nothing of the scheduler's or of
