@@ -102,6 +102,25 @@ def segment_starts(layout: RunLayout) -> dict[int, int]:
     return counts
 
 
+def relaunch_evidence(airflow: EmbeddedAirflow, run_id: str, layout: RunLayout) -> str:
+    """What tells why a segment started twice, for an assertion message: every segment_start event,
+    the warnings and errors of the run's segment task logs (their trigger logs included) and the
+    supervisor's log of component restarts. CI keeps only the test's output."""
+    starts = [
+        {k: event.get(k) for k in ("segment", "start_step", "wall_time", "restored")}
+        for event in read_events(layout.metrics, event="segment_start")
+    ]
+    lines = [f"segment_start events: {starts}"]
+    logs = airflow.home / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}"
+    for path in sorted(logs.glob("task_id=segment_*/*")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"level":"warning"' in line or '"level":"error"' in line or "launched" in line:
+                lines.append(f"{path.parent.name}/{path.name}: {line[:600]}")
+    if airflow.log_path.exists():
+        lines += ["embedded.log:", *airflow.log_path.read_text(errors="replace").splitlines()[-40:]]
+    return "\n".join(lines)
+
+
 def checkpoint_names(layout: RunLayout) -> list[str]:
     return storage.list_dirs(layout.checkpoints)
 

@@ -21,6 +21,7 @@ from airflow_runs import (
     checkpoint_names,
     component_pid,
     latest_step,
+    relaunch_evidence,
     segment_starts,
     state_of,
     trigger,
@@ -100,7 +101,7 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
     assert state["final"]["global_step"] == 1600
-    assert segment_starts(layout) == {0: 1, 1: 1}, "a segment was relaunched"
+    assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     restarts = airflow.component_restarts()
     assert restarts["triggerer"]["last_exit"] == restarts["scheduler"]["last_exit"] == -signal.SIGKILL
     assert_no_processes(r"/kills-", timeout=30)
@@ -143,7 +144,7 @@ def test_a_bucket_outage_mid_segment_under_the_scheduler(
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
     assert state["final"]["global_step"] == 1600
-    assert segment_starts(layout) == {0: 1, 1: 1}
+    assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     names = checkpoint_names(layout)
     assert all(storage.exists(f"{layout.checkpoints}/{n}/manifest.json") for n in names), names
     assert_no_processes(r"/outage-", timeout=30)
@@ -197,6 +198,6 @@ def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airfl
     from syncswitch.layout import RunLayout
 
     layout = RunLayout(str(layout_root))
-    assert segment_starts(layout) == {0: 1, 1: 1}
+    assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, summary["run_id"], layout)
     assert state_of(layout)["final"]["global_step"] == 1600
     assert airflow.is_running()  # the fixture's handle follows the restarted instance
