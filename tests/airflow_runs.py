@@ -114,7 +114,8 @@ def relaunch_evidence(airflow: EmbeddedAirflow, run_id: str, layout: RunLayout) 
     logs = airflow.home / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}"
     for path in sorted(logs.glob("task_id=segment_*/*")):
         for line in path.read_text(errors="replace").splitlines():
-            if '"level":"warning"' in line or '"level":"error"' in line or "launched" in line:
+            noteworthy = '"level":"warning"' in line or '"level":"error"' in line or "launched" in line
+            if noteworthy and "DeprecationWarning" not in line:
                 lines.append(f"{path.parent.name}/{path.name}: {line[:600]}")
     if airflow.log_path.exists():
         lines += ["embedded.log:", *airflow.log_path.read_text(errors="replace").splitlines()[-40:]]
