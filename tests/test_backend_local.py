@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, find_processes, wait_for
-from syncswitch import forkserver
+from syncswitch import forkserver, procs, supervise
 from syncswitch.errors import SpecError
 from syncswitch.layout import RunLayout
 from syncswitch.procs import processes_with_env
@@ -201,6 +201,38 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
     finally:
         backend.teardown(other)
     assert_no_processes(re.escape(other_tag), timeout=0)
+
+
+# A process that changes the marker it was found by, as an exiting one seems to: once its memory is
+# released, /proc/<pid>/environ reads empty while the process has not yet ended.
+MARKER_CHANGER = """
+import os, sys, time
+from syncswitch import procs
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+procs.rewrite_initial_env("SYNCSWITCH_TEST_MARK", "changed")
+time.sleep(600)
+"""
+
+
+def test_a_stopped_scope_waits_for_each_process_it_found_to_end(tmp_path: Path) -> None:
+    """Teardown's "nothing left" holds until every process it found has ended, not only until none
+    shows the marker any more: the standby server a cluster claimed is reaped by its starter then."""
+    go = tmp_path / "go"
+    env = {**os.environ, "SYNCSWITCH_TEST_MARK": procs.ENV_PLACEHOLDER}
+    child = subprocess.Popen([sys.executable, "-c", MARKER_CHANGER, str(go)], env=env)
+    try:
+        scope = supervise.ProcessScope([], "SYNCSWITCH_TEST_MARK", procs.ENV_PLACEHOLDER)
+        wait_for(lambda: [p.pid for p in scope.live()] == [child.pid], what="the marked process")
+        go.touch()
+        wait_for(lambda: procs.has_env(child.pid, "SYNCSWITCH_TEST_MARK", "changed"), what="its new marker")
+        assert supervise.ProcessScope([], "SYNCSWITCH_TEST_MARK", procs.ENV_PLACEHOLDER).live() == []
+        assert [p.pid for p in scope.live()] == [child.pid], "found once, followed until it ends"
+        assert scope.stop(grace_seconds=5) == {"stopped": [child.pid], "leftovers": []}
+        assert child.poll() == -signal.SIGTERM, "ended (a zombie to reap) when stop returned"
+    finally:
+        child.kill()
+        child.wait()
 
 
 # ---- cluster capacity ------------------------------------------------------------------------------

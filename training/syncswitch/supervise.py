@@ -153,14 +153,18 @@ class ProcessScope:
 
     def __init__(self, records: list[dict[str, Any]], variable: str, value: str) -> None:
         self.records, self.variable, self.value = records, variable, value
+        # Every process found by its environment, by start time: an exiting process shows an empty
+        # environment once its memory is released, still some moments before it has ended.
+        self.seen = {r["pid"]: r.get("start_ticks") for r in records}
 
     def live(self) -> list[ProcStat]:
-        found = {p.pid: p for p in processes_with_env(self.variable, self.value)}
-        for record in self.records:
-            stat = read_stat(record["pid"])
-            if stat and stat.alive and stat.start_ticks == record.get("start_ticks"):
-                found[stat.pid] = stat
-        return sorted(found.values(), key=lambda p: p.pid)
+        self.seen.update((p.pid, p.start_ticks) for p in processes_with_env(self.variable, self.value))
+        found = []
+        for pid, start_ticks in self.seen.items():
+            stat = read_stat(pid)
+            if stat and stat.alive and stat.start_ticks == start_ticks:
+                found.append(stat)
+        return sorted(found, key=lambda p: p.pid)
 
     def stop(self, grace_seconds: float) -> dict[str, list[int]]:
         """SIGTERM, SIGKILL what is left after the grace, verify: ``{"stopped", "leftovers"}``."""
