@@ -22,8 +22,6 @@ from syncswitch.spec import SegmentSpec
 
 pytestmark = pytest.mark.cluster
 READY_TIMEOUT = 300
-# Above this session's own niceness, which any process may take without privileges.
-TRAINING_NICENESS = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
 MARKER = "SYNCSWITCH_CLUSTER_DIR"  # the local backend's marker of a cluster's processes
 
 
@@ -72,9 +70,7 @@ def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forks
 def server(tmp_path: Path, no_leftover_processes) -> Path:  # noqa: ANN001
     server_dir = tmp_path / "fs"
     no_leftover_processes(re.escape(str(server_dir)))
-    # Started as a task of the embedded Airflow starts one: named the niceness training runs at.
-    env = {**os.environ, procs.TRAINING_NICENESS_ENV: str(TRAINING_NICENESS)}
-    process = forkserver.start(str(server_dir), env=env, die_with_parent=True)
+    process = forkserver.start(str(server_dir), die_with_parent=True)
     forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
     yield server_dir
     process.terminate()
@@ -130,9 +126,6 @@ def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None
     node, _ = fork_ps(server, tmp_path)
     assert Path(f"/proc/{node.pid}/comm").read_text().strip() == "ss-ps-0"
     assert node.poll() is None
-    server_pid = json.loads((server / forkserver.READY_FILE).read_text())["pid"]
-    assert os.getpriority(os.PRIO_PROCESS, server_pid) == TRAINING_NICENESS
-    assert os.getpriority(os.PRIO_PROCESS, node.pid) == TRAINING_NICENESS, "nodes inherit the server's"
     # The launcher's side of the connection closes, as when a launcher is SIGKILLed.
     node._conn.close()
     wait_for(lambda: not pid_alive(node.pid), what="the orphaned node to be killed", timeout=30)

@@ -71,7 +71,6 @@ from typing import Any
 
 from syncswitch import storage
 from syncswitch.procs import (
-    apply_training_niceness,
     initial_env_room,
     is_alive,
     read_stat,
@@ -475,7 +474,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--token-file {args.token_file}: the token is shorter than 16 characters")
     if args.standby and args.listen:
         parser.error("--standby serves this host only: it takes no --listen")
-    apply_training_niceness()  # the nodes it forks inherit it
     if not write_in_own_folder(os.path.join(args.server_dir, PID_FILE), pid_record(os.getpid())):
         log(f"pid {os.getpid()}: {args.server_dir} is gone (torn down before it started); not serving")
         return 0

@@ -82,21 +82,6 @@ def has_env(pid: int, variable: str, value: str) -> bool:
         return False
 
 
-# The niceness training runs at, named by whoever runs Airflow at a lower priority than training (the
-# embedded Airflow's supervisor): the cluster processes an Airflow task starts would otherwise inherit
-# the task's.
-TRAINING_NICENESS_ENV = "SYNCSWITCH_TRAINING_NICENESS"
-
-
-def apply_training_niceness() -> None:
-    """Take the niceness ``SYNCSWITCH_TRAINING_NICENESS`` names, where set (a launch wrapper and a fork
-    server do, first thing; their children inherit it). Without the privilege to lower one's
-    niceness (not root), the process keeps the one it started with."""
-    value = os.environ.get(TRAINING_NICENESS_ENV, "")
-    with contextlib.suppress(PermissionError, ValueError):
-        os.setpriority(os.PRIO_PROCESS, 0, int(value))
-
-
 # The value a process starts with for a marker it learns later (a standby fork server, claimed by a
 # cluster): rewrite_initial_env overwrites it in place with a value of up to this many characters.
 ENV_PLACEHOLDER = "_" * 1024

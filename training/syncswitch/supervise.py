@@ -34,15 +34,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from syncswitch.procs import (
-    ProcStat,
-    apply_training_niceness,
-    is_alive,
-    processes_with_env,
-    read_stat,
-    signal_group,
-    signal_pid,
-)
+from syncswitch.procs import ProcStat, is_alive, processes_with_env, read_stat, signal_group, signal_pid
 
 COMMAND_NOT_FOUND = 127
 RUNNING, EXITED, UNKNOWN = "running", "exited", "unknown"
@@ -267,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     verb, rest = args[0], args[1:]
     if verb == "wrap":
         head, command = _split_command(rest)
-        apply_training_niceness()  # before the launcher starts: its nodes inherit it
         return run(head[0], command)
     parser = argparse.ArgumentParser(prog=f"python -m syncswitch.supervise {verb}")
     if verb == "launch":

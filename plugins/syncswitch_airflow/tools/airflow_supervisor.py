@@ -19,9 +19,7 @@ run waiting until someone started one by hand. Here:
   nothing stale lingers; detached training processes (in sessions of their own) become its children
   too once the task that started them exits, and are left alone (only reaped when they end);
 - components run at a lower CPU priority than training (nice 10) and die with the supervisor
-  (PR_SET_PDEATHSIG), and SIGTERM stops them all in order; a local cluster that their tasks start
-  takes the supervisor's own niceness back (``SYNCSWITCH_TRAINING_NICENESS``, applied by the launch
-  wrapper and the fork server), where it would otherwise inherit the components';
+  (PR_SET_PDEATHSIG), and SIGTERM stops them all in order;
 - a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
   writes in append mode, so it goes on at the start), so a week-long job keeps at most twice that per
   component (the api-server logs every request: ~1 MB an hour while ``syncswitch run`` follows a run).
@@ -105,8 +103,6 @@ class Supervisor:
 
     def run(self) -> int:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        # The components get NICENESS on top of ours; the clusters their tasks start take ours back.
-        os.environ.setdefault(procs.TRAINING_NICENESS_ENV, str(os.getpriority(os.PRIO_PROCESS, 0)))
         signal.signal(signal.SIGTERM, self._stop_signal)
         signal.signal(signal.SIGINT, self._stop_signal)
         self.log_dir.mkdir(parents=True, exist_ok=True)
