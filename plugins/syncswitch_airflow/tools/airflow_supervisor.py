@@ -20,8 +20,8 @@ run waiting until someone started one by hand. Here:
   too once the task that started them exits, and are left alone (only reaped when they end);
 - components run at a lower CPU priority (nice 10) than the rest of the machine and die with the
   supervisor (PR_SET_PDEATHSIG), and SIGTERM stops them all in order; a local cluster that their
-  tasks start inherits that niceness (training at the components' priority measured no faster at a
-  switch: docs/benchmarks.md, "Training at the supervisor's priority");
+  tasks start inherits that niceness (run above them, it measured no faster, and its switches
+  slower: docs/benchmarks.md, "Training at the supervisor's priority");
 - a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
   writes in append mode, so it goes on at the start), so a week-long job keeps at most twice that per
   component (the api-server logs every request: ~1 MB an hour while ``syncswitch run`` follows a run).
