@@ -113,15 +113,18 @@ class Service:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` of what this process wrote (the file may hold an earlier one's)."""
+    def log_text(self) -> str:
+        """What this process wrote (the file may hold an earlier one's before it)."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self.log_offset)
-                text = f.read().decode(errors="replace")
+                return f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` of what this process wrote."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_S) -> None:
         """``sig`` to its process group, SIGKILL after ``grace``; waits until the group is gone."""

@@ -435,6 +435,19 @@ def test_every_component_runs_the_installed_packages_and_no_worker_sees_the_chec
     assert {env for found in environments.values() for env in found} == {str(installation.venv)}, environments
 
 
+def test_every_worker_forked_its_pool_with_warm_imports_and_prompt_reaping(
+    deployment: CeleryDeployment,
+) -> None:
+    """``syncswitch_airflow.celery_config`` took effect in each worker's main process before its pool
+    forked (Celery's ``worker_init``), as the worker's own log line says once it is ready."""
+    for index, worker in deployment.workers.items():
+        text = worker.log_text()
+        assert "task processes start warm" in text and "are reaped as they exit" in text, (
+            index,
+            text[-3000:],
+        )
+
+
 def _environments_mapped(pid: int) -> set[str]:
     """The Python environments whose site-packages a process has shared libraries mapped from."""
     try:

@@ -96,9 +96,9 @@ def reap_exiting_task_processes() -> None:
     whose sockets have all closed, instead of polling for its exit a heartbeat interval later."""
     from airflow.sdk.execution_time.supervisor import WatchedSubprocess
 
-    check_exit = WatchedSubprocess._check_subprocess_exit
-    if getattr(check_exit, "waits_for_exiting_process", False):
+    if reaps_exiting_task_processes():
         return
+    check_exit = WatchedSubprocess._check_subprocess_exit
 
     @functools.wraps(check_exit)
     def check_exit_of_exiting_process(self: Any, *args: Any, **kwargs: Any) -> int | None:
@@ -111,6 +111,13 @@ def reap_exiting_task_processes() -> None:
 
     check_exit_of_exiting_process.waits_for_exiting_process = True  # type: ignore[attr-defined]
     WatchedSubprocess._check_subprocess_exit = check_exit_of_exiting_process
+
+
+def reaps_exiting_task_processes() -> bool:
+    """Whether ``reap_exiting_task_processes`` is in effect in this process."""
+    from airflow.sdk.execution_time.supervisor import WatchedSubprocess
+
+    return bool(getattr(WatchedSubprocess._check_subprocess_exit, "waits_for_exiting_process", False))
 
 
 class WarmLocalExecutor(LocalExecutor):
