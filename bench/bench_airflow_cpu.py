@@ -120,7 +120,11 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
         layout = RunLayout.for_run(conf["bucket_dir"], "cpu", run_id)
         wait_for_bsp_step(layout, 100)
         log(f"{name}: sampling CPU for {args.samples} x {args.sample_seconds:.0f} s while BSP trains")
-        samples = [cpu_by_component(airflow, args.sample_seconds) for _ in range(args.samples)]
+        samples = []
+        for index in range(args.samples):
+            samples.append(cpu_by_component(airflow, args.sample_seconds))
+            parts = ", ".join(f"{c} {v:.3f}" for c, v in samples[-1].items() if v >= 0.0005)
+            log(f"{name}: sample {index + 1}: {sum(samples[-1].values()):.3f} cores ({parts})")
         seen = {name for sample in samples for name in sample}  # "other" too, as the totals count it
         training = {c: sum(s.get(c, 0.0) for s in samples) / len(samples) for c in seen}
         sampled_until = time.time()

@@ -105,12 +105,41 @@ def one_job(name: str, airflow: Any, job_conf: dict[str, Any], sample_s: float, 
     first_step = min(s["first_step_at"] for s in segments if s.get("first_step_at"))
     last_step = max(s["ended_at"] for s in segments if s.get("ended_at"))
     gaps = [g["seconds"] for g in summary["switch_gaps_seconds"] if g.get("seconds") is not None]
+    first_segment = min(segments, key=lambda s: s.get("first_step_at") or float("inf"))
     return {
         "to_first_step": first_step - triggered,
         "after_last_step": ended - last_step,
         "gaps": gaps,
         "cpu": cpu,
+        "timeline": fixed_overhead_timeline(api, run_id, triggered, first_segment, last_step, ended),
     }
+
+
+def fixed_overhead_timeline(
+    api: Any, run_id: str, triggered: float, first_segment: dict[str, Any], last_step: float, ended: float
+) -> dict[str, str]:
+    """Where the fixed overhead went: each task instance that started before the first step or ended
+    after the last one, as "queued / started / ended" seconds after the trigger (the first segment's
+    own start-up and the run's end beside them)."""
+    body = api.get_json(f"/api/v2/dags/sync_switch/dagRuns/{run_id}/taskInstances?limit=1000")
+    first_step = first_segment["first_step_at"]
+
+    def after(stamp: str | None) -> float | None:
+        return datetime.datetime.fromisoformat(stamp).timestamp() - triggered if stamp else None
+
+    timeline = {}
+    for ti in sorted(body["task_instances"], key=lambda t: t.get("start_date") or "~"):
+        queued, started, finished = (after(ti.get(k)) for k in ("queued_when", "start_date", "end_date"))
+        if started is None or not (
+            started < first_step - triggered or (finished or 0) > last_step - triggered
+        ):
+            continue
+        timeline[ti["task_id"]] = " / ".join(fmt(t, 1) for t in (queued, started, finished))
+    timeline["first segment: launched / first step"] = " / ".join(
+        fmt(t - triggered if t else None, 1) for t in (first_segment.get("started_at"), first_step)
+    )
+    timeline["last step / run end"] = f"{fmt(last_step - triggered, 1)} / {fmt(ended - triggered, 1)}"
+    return timeline
 
 
 BACKFILL_DATES = ("2026-01-01", "2026-01-04")  # four daily runs
@@ -293,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"Celery / embedded: fixed overhead x{fmt(overhead[celery] / overhead[base], 2)}, "
             f"mean switch gap x{fmt(mean_gap[celery] / mean_gap[base], 2)}"
+        )
+        print()
+        print("Where the fixed overhead went: queued / started / ended, seconds after the trigger")
+        print()
+        events = list(dict.fromkeys(e for r in results.values() for e in r["timeline"]))
+        print(
+            markdown_table(
+                ["task", *results],
+                [[e, *(r["timeline"].get(e, "") for r in results.values())] for e in events],
+            )
         )
         print()
     if concurrent is None:

@@ -51,6 +51,19 @@ def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAir
     assert airflow.is_running() and airflow.started_here
 
 
+def test_the_triggerer_builds_its_execution_api_as_it_starts(airflow: EmbeddedAirflow) -> None:
+    """Not on the first trigger's first call, beside the first segment's start-up (tools/triggerer.py)."""
+    logs = Path(airflow.home) / "logs" / "components"
+
+    def said_ready() -> bool:  # in the log, or in one rotated since
+        return any(
+            "execution API ready for the triggers" in f.read_text(errors="replace")
+            for f in logs.glob("triggerer.log*")
+        )
+
+    wait_for(said_ready, 120, what=f"the triggerer's 'execution API ready' line in {logs}/triggerer.log")
+
+
 def test_a_second_start_reuses_the_running_instance(airflow: EmbeddedAirflow) -> None:
     again = EmbeddedAirflow(PROJECT_DIR, home=airflow.home)
     again.start(wait_for_dags=("sync_switch",), timeout=120)

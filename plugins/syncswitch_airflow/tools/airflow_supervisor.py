@@ -134,7 +134,7 @@ class Supervisor:
     def _migrate(self) -> bool:
         log("migrating the metadata database")
         with open(self.log_dir / "db-migrate.log", "ab") as out:
-            done = subprocess.run([_airflow(), "db", "migrate"], stdout=out, stderr=subprocess.STDOUT)
+            done = subprocess.run(_command("db") + ["migrate"], stdout=out, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             log(f"`airflow db migrate` failed with {done.returncode}; see {self.log_dir / 'db-migrate.log'}")
         return done.returncode == 0
@@ -166,7 +166,7 @@ class Supervisor:
     def _start(self, component: Component) -> None:
         with open(component.log_path, "ab") as out:
             component.process = subprocess.Popen(
-                [_airflow(), component.name],
+                _command(component.name),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -298,8 +298,11 @@ def _component_preexec() -> None:
     os.nice(NICENESS)
 
 
-def _airflow() -> str:
-    return str(Path(sys.executable).parent / "airflow")
+def _command(name: str) -> list[str]:
+    """``airflow <name>``; the triggerer builds its execution API as it starts (``tools/triggerer.py``)."""
+    if name == "triggerer":
+        return [sys.executable, "-m", "syncswitch_airflow.tools.triggerer"]
+    return [str(Path(sys.executable).parent / "airflow"), name]
 
 
 def main() -> int:
