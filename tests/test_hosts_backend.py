@@ -37,7 +37,7 @@ from conftest import (
     storage_on_gateway,
 )
 from proc_utils import wait_for
-from syncswitch import storage
+from syncswitch import forkserver, storage
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
@@ -340,6 +340,43 @@ def test_provisioning_killed_midway_is_taken_over_by_its_retry_and_leaves_nothin
             assert len(servers) == 1, f"{host.name}: {servers}"
     finally:
         backend.teardown(handle)
+    assert_hosts_clean(bed)
+    assert backend.capacity().holders() == []
+
+
+# Holds an abstract Unix socket name (argv[1], without its leading NUL) until killed.
+_HOLD_SOCKET = (
+    "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind('\\0' + sys.argv[1]); "
+    "print('bound', flush=True); time.sleep(600)"
+)
+
+
+def test_a_fork_server_that_dies_as_it_starts_fails_provisioning_at_once_with_its_log(
+    bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """Provisioning names the host and the server's own log as soon as the server has died, instead of
+    waiting FORKSERVER_READY_S for it to listen; nothing is left on the hosts, the slot is free."""
+    run = "dead-server"
+    host = bed.hosts[-1]
+    server_dir = Path(DEFAULT_WORK_ROOT) / f"hosts-{run}@{host.name}" / "forkserver"
+    # Its socket's name taken in the host's namespace: the server's bind fails once it has imported.
+    holder = bed.popen(
+        host,
+        [sys.executable, "-c", _HOLD_SOCKET, forkserver.address_for(str(server_dir))[1:]],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    backend = HostsBackend()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "bound"
+        with pytest.raises(ClusterError) as failed:
+            backend.provision(job(bed, bucket), RunLayout.for_run(bucket, "hosts", run))
+    finally:
+        holder.kill()
+        holder.wait()
+    message = str(failed.value)
+    assert host.name in message and "exited before it listened" in message, message
+    assert "Address already in use" in message, message  # the server's log tail
     assert_hosts_clean(bed)
     assert backend.capacity().holders() == []
 

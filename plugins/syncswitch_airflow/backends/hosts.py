@@ -91,6 +91,9 @@ FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_
 CONNECT_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 120.0
 FORKSERVER_READY_S = 300.0
+# Longest one command on a host waits for its fork server's ready file (then the server is looked at
+# again from here: alive, listening).
+READY_WAIT_CHUNK_S = 30.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
@@ -391,16 +394,21 @@ class HostsBackend:
             if not self._server_starting(ssh, server_dir):
                 self._launch_server(ssh, handle, host, server_dir, runtime)
             deadline = time.monotonic() + FORKSERVER_READY_S
-            while time.monotonic() < deadline:
-                ready = self._server_ready(ssh, server_dir)
-                if ready:
-                    log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
-                    return ready
-                time.sleep(1.0)
+            failure = f"did not listen within {FORKSERVER_READY_S:.0f}s"
+            while not (ready := self._server_ready(ssh, server_dir)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if not self._server_starting(ssh, server_dir):  # it died: its log says why, at once
+                    ready = self._server_ready(ssh, server_dir)  # (unless it was ready just now)
+                    failure = "exited before it listened"
+                    break
+                self._wait_for_ready_file(ssh, server_dir, min(left, READY_WAIT_CHUNK_S))
+            if ready:
+                log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
+                return ready
             tail = ssh.run(f"tail -n 20 {shlex.quote(posixpath.join(server_dir, 'forkserver.log'))}")[1]
-        raise ClusterError(
-            f"{ssh.where}: its fork server did not listen within {FORKSERVER_READY_S:.0f}s; log:\n{tail}"
-        )
+        raise ClusterError(f"{ssh.where}: its fork server {failure}; log:\n{tail}")
 
     def _launch_server(
         self,
@@ -430,6 +438,20 @@ class HostsBackend:
         # setsid exec in place, so $! is the fork server's pid.
         detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
         ssh.check(f"cd / && ({detached} & echo $! > {pid_file})", "starting the fork server")
+
+    @staticmethod
+    def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
+        """Wait on the host itself (its disk looked at every 0.1 s) until the starting fork server has
+        written its ready file or has died, for at most ``seconds``: one command, where a look per
+        second over SSH (a session, a shell) came up to a second late and took CPU from the imports."""
+        folder = shlex.quote(server_dir)
+        ssh.run(
+            f'cd {folder} && pid="$(cat starting.pid 2>/dev/null)" && '
+            f"end=$(( $(date +%s) + {int(seconds) + 1} )) && "
+            'while [ ! -s forkserver.json ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; '
+            "do sleep 0.1; done",
+            timeout=seconds + COMMAND_TIMEOUT_S,
+        )
 
     @staticmethod
     def _server_starting(ssh: SshSession, server_dir: str) -> bool:
