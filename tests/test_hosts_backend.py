@@ -367,13 +367,13 @@ def test_a_fork_server_that_dies_as_it_starts_fails_provisioning_at_once_with_it
         text=True,
     )
     backend = HostsBackend()
+    one_host = job(
+        bed, bucket, hosts=[f"address={host.address},key={bed.key_path},name={host.name}"], num_workers=1
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "bound"
         with pytest.raises(ClusterError) as failed:
-            one_host = [f"address={host.address},key={bed.key_path},name={host.name}"]
-            backend.provision(
-                job(bed, bucket, hosts=one_host, num_workers=1), RunLayout.for_run(bucket, "hosts", run)
-            )
+            backend.provision(one_host, RunLayout.for_run(bucket, "hosts", run))
     finally:
         holder.kill()
         holder.wait()
