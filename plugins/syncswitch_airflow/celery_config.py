@@ -48,12 +48,13 @@ def report_warm_task_starts(**_signal: Any) -> None:
     """Celery's ``worker_ready``, in the main process after its pool forked: what this process holds
     is what the pool's processes inherited, so an operator can see that the settings took effect."""
     not_imported = [name for name in WARM_IMPORTS if name not in sys.modules]
-    if not_imported or not reaps_exiting_task_processes():
+    reaping = reaps_exiting_task_processes()
+    if not_imported or not reaping:
         log.warning(
             "task processes may start slowly: modules not imported before the pool forked: %s; "
             "task processes reaped as they exit: %s",
             ", ".join(not_imported) or "none",
-            reaps_exiting_task_processes(),
+            reaping,
         )
         return
     log.info(
