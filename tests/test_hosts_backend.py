@@ -567,6 +567,12 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
         (segment,) = spec_job.plan("chief-lost", layout.root)
         backend.launch_segment(handle, segment)
         wait_for(lambda: checkpoint_step(layout) >= 50, timeout=300, what="a checkpoint at step 50", poll=0.2)
+        # A second launch while it trains is refused on the host, and leaves its files as they were.
+        spec_file = Path(backend.segment_dir(handle, 0)) / "spec.json"
+        written = spec_file.stat().st_mtime_ns
+        with pytest.raises(ClusterError, match="segment 0 is already running"):
+            backend.launch_segment(handle, segment)
+        assert spec_file.stat().st_mtime_ns == written
         bed.kill_host(chief)
         try:
             assert backend.segment_status(handle, 0).state == UNKNOWN

@@ -4,7 +4,8 @@ backend runs the same code on each host over SSH through the CLI below (JSON out
 share one owner of these rules.
 
     python -m syncswitch.supervise wrap EXIT_FILE -- COMMAND...      run COMMAND, record how it ended
-    python -m syncswitch.supervise launch SEG_DIR [--env K=V]... -- COMMAND...   detached; prints the record
+    python -m syncswitch.supervise launch SEG_DIR --marker VAR [--env K=V]... [--files-on-stdin] -- COMMAND...
+                        detached; prints the record, or {"running": PID} while the segment runs already
     python -m syncswitch.supervise status SEG_DIR --marker VAR        prints {"state", "exit_code", "pid"}
     python -m syncswitch.supervise stop --marker VAR=VALUE [--records SEG_ROOT] [--grace S] [--remove DIR]
 
@@ -75,10 +76,29 @@ def run(exit_file: str, command: list[str]) -> int:
 # ---- launch and status ----------------------------------------------------------------------------
 
 
-def launch(seg_dir: str, command: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Start ``command`` detached (its own session) under the wrapper, output appended to
-    ``launcher.log``; writes and returns ``process.json``'s record. ``env`` is its whole environment."""
+class SegmentRunning(Exception):
+    """A launch refused: the segment launched in the folder before still runs (pid ``pid``)."""
+
+    def __init__(self, seg_dir: str, pid: int) -> None:
+        super().__init__(f"{seg_dir}: its segment is already running (pid {pid})")
+        self.pid = pid
+
+
+def launch(
+    seg_dir: str, command: list[str], env: dict[str, str], marker: str, files: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Write ``files`` (name: text) into ``seg_dir``, then start ``command`` detached (its own session)
+    under the wrapper, output appended to ``launcher.log``; writes and returns ``process.json``'s
+    record. ``env`` is its whole environment. Raises SegmentRunning, and writes nothing, while the
+    segment launched in ``seg_dir`` before still runs (``marker``: as for status): a segment never
+    trains twice at once, however often its launch is retried."""
     os.makedirs(seg_dir, exist_ok=True)
+    before = status(seg_dir, marker)
+    if before["state"] == RUNNING:
+        raise SegmentRunning(seg_dir, before["pid"])
+    for name, text in (files or {}).items():
+        with open(os.path.join(seg_dir, name), "w", encoding="utf-8") as f:
+            f.write(text)
     exit_path = os.path.join(seg_dir, "exitcode")
     if os.path.exists(exit_path):
         os.unlink(exit_path)
@@ -264,10 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     if verb == "launch":
         head, command = _split_command(rest)
         parser.add_argument("seg_dir")
+        parser.add_argument("--marker", required=True)
         parser.add_argument("--env", action="append", default=[], help="K=V added to this environment")
+        parser.add_argument("--files-on-stdin", action="store_true", help='{"NAME": TEXT} written first')
         opts = parser.parse_args(head)
         extra = dict(item.split("=", 1) for item in opts.env)
-        print(json.dumps(launch(opts.seg_dir, command, {**os.environ, **extra})))
+        files = json.load(sys.stdin) if opts.files_on_stdin else None
+        try:
+            record = launch(opts.seg_dir, command, {**os.environ, **extra}, opts.marker, files)
+        except SegmentRunning as exc:  # an answer, not a failure: the caller names it
+            record = {"running": exc.pid}
+        print(json.dumps(record))
         return 0
     if verb == "status":
         parser.add_argument("seg_dir")

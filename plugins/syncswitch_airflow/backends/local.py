@@ -216,13 +216,14 @@ class LocalBackend:
     def launch_command(self, handle: Handle, index: int, command: list[str]) -> dict[str, Any]:
         """Start ``command`` as segment ``index``: detached, in its own session, under the exit-code
         wrapper, with the run's marker in its environment."""
-        if self.segment_status(handle, index).running:
-            raise ClusterError(f"run {handle.get('run')}: segment {index} is already running")
         seg_dir = self.segment_dir(handle, index)
         env = cluster_environment(
             **{CLUSTER_ENV: handle["work_dir"], SEGMENT_ENV: seg_dir, "PYTHONUNBUFFERED": "1"}
         )
-        record = {"index": index, **supervise.launch(seg_dir, command, env)}
+        try:
+            record = {"index": index, **supervise.launch(seg_dir, command, env, SEGMENT_ENV)}
+        except supervise.SegmentRunning:
+            raise ClusterError(f"run {handle.get('run')}: segment {index} is already running") from None
         log.info(
             "run %s: launched segment %d (pid %d), log %s",
             handle.get("run"),
