@@ -44,9 +44,9 @@ SETTINGS = {
     },
     "idle sleep 2 s, Airflow's timers": {**COLD_EXECUTOR, **AIRFLOW_TIMERS},
     "idle sleep 2 s, relaxed timers, cold task starts (LocalExecutor)": COLD_EXECUTOR,
-    # The WarmLocalExecutor: warm task starts, and a heartbeat that waits up to 1.8 s for a task to
+    # The WarmLocalExecutor: warm task starts, and a heartbeat that waits up to 4.8 s for a task to
     # end, then a 0.2 s idle sleep (warm_start.py, instance.py).
-    "2 s loop, relaxed timers, warm task starts that follow each other at once (now)": {},
+    "5 s loop, relaxed timers, warm task starts that follow each other at once (now)": {},
 }
 # A long first BSP segment to sample in, then five short segments: five switch gaps per setting.
 SWITCH_ORDER = "101010"

@@ -195,7 +195,7 @@ def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines(
 
 
 def test_only_the_warm_executor_shortens_the_schedulers_idle_sleep(tmp_path: Path) -> None:
-    """The WarmLocalExecutor's heartbeat waits 1.8 s of the 2 s idle loop; any other executor (Celery
+    """The WarmLocalExecutor's heartbeat waits 4.8 s of the 5 s idle loop; any other executor (Celery
     here) would spin at its 0.2 s idle sleep."""
     from syncswitch_airflow.tools.instance import InstanceHome, InstanceRecord
 

@@ -25,8 +25,9 @@ PREFERRED_PORT = 8080
 # that the cluster backends, which strip Airflow's variables from training processes, strip it too.
 INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
 WARM_EXECUTOR = "syncswitch_airflow.warm_start.WarmLocalExecutor"
-# The scheduler's idle loop lasts 2 s (its CPU: see env()). The WarmLocalExecutor's heartbeat waits up
-# to 1.8 s of it for a task to end (warm_start.RESULT_WAIT_SECONDS); the idle sleep is the rest.
+# The scheduler's idle loop lasts 5 s with the WarmLocalExecutor, whose heartbeat waits up to 4.8 s of
+# it for a task to end (warm_start.RESULT_WAIT_SECONDS); the idle sleep is the rest. Other executors:
+# 2 s (its CPU: see env()).
 IDLE_SLEEP_SECONDS = {WARM_EXECUTOR: "0.2"}
 DEFAULT_IDLE_SLEEP_SECONDS = "2.0"
 # The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
