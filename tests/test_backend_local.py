@@ -119,11 +119,16 @@ def test_provision_refuses_a_cluster_that_does_not_fit_in_memory(tmp_path: Path)
 def test_status_follows_the_launcher_to_its_exit_code(backend: LocalBackend, handle: dict) -> None:
     assert backend.segment_status(handle, 0).state == UNKNOWN
     record = backend.launch_command(
-        handle, 0, [sys.executable, "-c", "import sys, time; print('hello'); time.sleep(1); sys.exit(3)"]
+        handle,
+        0,
+        [sys.executable, "-c", "import sys, time; print('hello'); time.sleep(1); sys.exit(3)"],
+        {"spec.json": "first"},
     )
     assert backend.segment_status(handle, 0).state == RUNNING
+    spec_file = Path(backend.segment_dir(handle, 0)) / "spec.json"
     with pytest.raises(ClusterError, match="already running"):
-        backend.launch_command(handle, 0, [sys.executable, "-c", "pass"])
+        backend.launch_command(handle, 0, [sys.executable, "-c", "pass"], {"spec.json": "second"})
+    assert spec_file.read_text() == "first"  # a refused launch writes nothing
     # Nobody reaps the wrapper here (as under `dags test`): a zombie must count as exited.
     wait_for(lambda: backend.segment_status(handle, 0).state == EXITED, what="exit")
     status = backend.segment_status(handle, 0)

@@ -203,7 +203,7 @@ class SshSession:
             into, stdout, stderr = self.client.exec_command(command, timeout=timeout)
             if stdin:
                 into.write(stdin)
-            into.channel.shutdown_write()
+                into.channel.shutdown_write()
             out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
             return stdout.channel.recv_exit_status(), out, err
         except (paramiko.SSHException, OSError) as exc:

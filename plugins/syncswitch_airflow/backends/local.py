@@ -190,10 +190,7 @@ class LocalBackend:
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
         seg_dir = self.segment_dir(handle, spec.index)
-        os.makedirs(seg_dir, exist_ok=True)
         spec_path = os.path.join(seg_dir, "spec.json")
-        with open(spec_path, "w", encoding="utf-8") as f:
-            f.write(spec.to_json())
         # The launcher's scratch (node logs, staged data) lives in the work folder that teardown frees.
         scratch = os.path.join(seg_dir, "scratch")
         command = [
@@ -211,17 +208,20 @@ class LocalBackend:
             "--data-cache",
             os.path.join(handle["work_dir"], "data"),
         ]
-        return self.launch_command(handle, spec.index, command)
+        return self.launch_command(handle, spec.index, command, {"spec.json": spec.to_json()})
 
-    def launch_command(self, handle: Handle, index: int, command: list[str]) -> dict[str, Any]:
-        """Start ``command`` as segment ``index``: detached, in its own session, under the exit-code
-        wrapper, with the run's marker in its environment."""
+    def launch_command(
+        self, handle: Handle, index: int, command: list[str], files: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Write ``files`` into the segment's folder and start ``command`` as segment ``index``:
+        detached, in its own session, under the exit-code wrapper, with the run's marker in its
+        environment. Refused (ClusterError), writing nothing, while the segment runs already."""
         seg_dir = self.segment_dir(handle, index)
         env = cluster_environment(
             **{CLUSTER_ENV: handle["work_dir"], SEGMENT_ENV: seg_dir, "PYTHONUNBUFFERED": "1"}
         )
         try:
-            record = {"index": index, **supervise.launch(seg_dir, command, env, SEGMENT_ENV)}
+            record = {"index": index, **supervise.launch(seg_dir, command, env, SEGMENT_ENV, files)}
         except supervise.SegmentRunning:
             raise ClusterError(f"run {handle.get('run')}: segment {index} is already running") from None
         log.info(
