@@ -26,7 +26,12 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, record_cluster, update_state
 from syncswitch_airflow.backends.local import LocalBackend
-from syncswitch_airflow.triggers.segment import SegmentTrigger, launch_next
+from syncswitch_airflow.triggers.segment import (
+    STATUS_POLL_MAX_S,
+    SegmentTrigger,
+    launch_next,
+    status_interval,
+)
 
 CHIEF = {"bsp": ("worker", 0), "asp": ("chief", 0)}
 
@@ -189,3 +194,22 @@ def test_the_next_segment_is_not_launched_ahead_after_a_lost_node_or_twice(
     with caplog.at_level(logging.INFO, logger="test.launch_next"):
         launch_next(layout.root, 0, "asp", log)
     assert "run r: segment 1 not launched ahead of its task" in caplog.text
+
+
+def test_a_remote_status_is_asked_less_often_as_a_segment_ages_but_not_while_unknown() -> None:
+    """Each status on hosts is an SSH login to the chief: every 3 s for a young segment (a launcher
+    that cannot start dies early), then age / 20 up to once a minute, and back to every 3 s while
+    the launcher is unknown, so that the 30 s grace before "lost" is counted at that pace."""
+    assert status_interval(3.0, 10.0, "running") == 3.0
+    assert status_interval(3.0, 600.0, "running") == 30.0
+    assert status_interval(3.0, 86_400.0, "running") == STATUS_POLL_MAX_S == 60.0
+    assert status_interval(3.0, 86_400.0, "unknown") == 3.0
+    day = sum(1 for _ in _looks(3.0, 86_400.0))
+    assert day < 1_600, day  # against 28,800 at a steady 3 s
+
+
+def _looks(base: float, seconds: float) -> Iterator[float]:
+    age = 0.0
+    while age < seconds:
+        yield age
+        age += status_interval(base, age, "running")

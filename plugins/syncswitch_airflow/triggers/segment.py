@@ -48,6 +48,20 @@ from syncswitch_airflow.hooks.bucket import BucketHook
 # work folder (local; the launch record is written right after the process starts), or a chief host
 # that SSH cannot reach (hosts).
 _UNKNOWN_GRACE_S = 30.0
+# A remote backend's status is an SSH login to the chief host (and on gce a Compute Engine list): asked
+# every ``status_poll_seconds`` while the segment is young, when a launcher that cannot start dies,
+# then less often as it ages, at most this far apart: a day-long segment costs ~1,500 logins instead
+# of ~29,000. The bucket's result.json is still read every poll, so an end is seen as fast.
+STATUS_POLL_MAX_S = 60.0
+
+
+def status_interval(base: float, age: float, last_state: str) -> float:
+    """Seconds to the next status look of a remote segment watched for ``age`` seconds: ``base`` at
+    first and while its launcher is unknown (the lost-launcher grace counts at that pace), then
+    ``age`` / 20, up to ``STATUS_POLL_MAX_S``."""
+    if last_state == UNKNOWN:
+        return base
+    return max(base, min(age / 20.0, STATUS_POLL_MAX_S))
 
 
 @dataclass(frozen=True)
@@ -215,8 +229,7 @@ class SegmentTrigger(BaseTrigger):
         started = time.monotonic()
         next_look = next_log = next_status = started
         unknown_since: float | None = None
-        # Asking a remote backend costs an SSH login; the bucket's result.json is still read every poll.
-        status_every = max(self.poll_seconds, getattr(backend, "status_poll_seconds", 0.0))
+        remote_poll = getattr(backend, "status_poll_seconds", 0.0)  # none: a local look, cheap
         while True:
             result = await self._from_bucket(read_result, self.run_dir, self.index, self.protocol)
             if result is not None:
@@ -224,8 +237,9 @@ class SegmentTrigger(BaseTrigger):
                 return
             now = time.monotonic()
             if now >= next_status:
-                next_status = now + status_every
                 status = await self.bucket.in_thread(backend.segment_status, self.handle, self.index)
+                age = now - started
+                next_status = now + (status_interval(remote_poll, age, status.state) if remote_poll else 0.0)
                 unknown_since = (unknown_since or now) if status.state == UNKNOWN else None
                 lost = status.state == EXITED or (
                     unknown_since is not None and now - unknown_since > _UNKNOWN_GRACE_S
