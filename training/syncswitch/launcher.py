@@ -251,9 +251,9 @@ class SegmentCluster:
         storage.write_text(spec_path, self.spec.to_json())
         cores = os.cpu_count() or 1
         spans_hosts = any(node.remote for node in self.nodes)
+        grpc_options = f"{GRPC_KEEPALIVE},{GRPC_RECONNECT}" if spans_hosts else GRPC_RECONNECT
         for i, node in enumerate(self.nodes):
             tf_config = {"cluster": self.cluster_spec(), "task": {"type": node.role, "index": node.task}}
-            grpc_options = f"{GRPC_KEEPALIVE},{GRPC_RECONNECT}" if spans_hosts else GRPC_RECONNECT
             env = {
                 "TF_CONFIG": json.dumps(tf_config),
                 "SYNCSWITCH_LAUNCH_TIME": str(self.launched_at),
