@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import uuid
 
 import httpx
 import pytest
-from syncswitch_airflow.warm_start import reap_exiting_task_processes, wait_for_an_end
+from syncswitch_airflow.warm_start import reap_exiting_processes, wait_for_an_end
 
 
 class Looks:
@@ -109,8 +110,8 @@ def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
         "_check_subprocess_exit",
         supervisor.WatchedSubprocess._check_subprocess_exit,
     )
-    reap_exiting_task_processes()
-    reap_exiting_task_processes()  # a second call (a restarted executor) wraps nothing twice
+    reap_exiting_processes()
+    reap_exiting_processes()  # a second call (a restarted executor) wraps nothing twice
     assert not hasattr(supervisor.WatchedSubprocess._check_subprocess_exit.__wrapped__, "__wrapped__")
 
     task = TaskInstance(
@@ -129,3 +130,75 @@ def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
     )
     assert process.wait() == 0
     assert time.monotonic() - started < supervisor.MIN_HEARTBEAT_INTERVAL
+
+
+def _close_every_socket_when_interrupted_then_linger() -> None:
+    """A trigger runner's stop, drawn out: on SIGINT it closes its sockets to the supervisor (its
+    ``finally``) and lives on for a moment before it exits."""
+    interrupted: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
+    deadline = time.monotonic() + 60
+    while not interrupted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.closerange(0, 1024)
+    time.sleep(0.2)
+
+
+def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The triggerer stops its trigger runner with ``kill``: SIGINT, then a select() until the
+    escalation delay is out. Without the patch, a runner that closed its sockets before it could be
+    reaped was noticed only when that delay ran out (10 s, in one stop of the embedded Airflow in
+    three)."""
+    from airflow.sdk.api.client import Client
+    from airflow.sdk.api.datamodels._generated import BundleInfo, TaskInstance
+    from airflow.sdk.execution_time import supervisor
+
+    monkeypatch.setattr(
+        supervisor.WatchedSubprocess,
+        "_check_subprocess_exit",
+        supervisor.WatchedSubprocess._check_subprocess_exit,
+    )
+    reap_exiting_processes()
+    task = TaskInstance(
+        id=uuid.uuid4(), task_id="t", dag_id="d", run_id="r", try_number=1, dag_version_id=uuid.uuid4()
+    )
+    execution_api = Client(
+        base_url="http://execution-api", token="", transport=httpx.MockTransport(_execution_api)
+    )
+    process = supervisor.ActivitySubprocess.start(
+        what=task,
+        dag_rel_path="d.py",
+        bundle_info=BundleInfo(name="b", version=None),
+        client=execution_api,
+        target=_close_every_socket_when_interrupted_then_linger,
+    )
+    escalation_delay = 10.0
+    started = time.monotonic()
+    process.kill(signal.SIGINT, escalation_delay=escalation_delay, force=True)
+    assert process._exit_code == 0  # it ended on the SIGINT, not on an escalation
+    assert time.monotonic() - started < escalation_delay / 2
+
+
+def test_the_embedded_triggerer_reaps_its_runner_once_its_sockets_have_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import airflow.__main__
+    from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
+    from airflow.sdk.execution_time import supervisor
+    from syncswitch_airflow.tools import triggerer
+    from syncswitch_airflow.warm_start import reaps_exiting_processes
+
+    # Restored after the test: both patches are process-wide by design.
+    monkeypatch.setattr(
+        supervisor.WatchedSubprocess,
+        "_check_subprocess_exit",
+        supervisor.WatchedSubprocess._check_subprocess_exit,
+    )
+    monkeypatch.setattr(TriggerRunnerSupervisor, "start", TriggerRunnerSupervisor.start)
+    monkeypatch.setattr(airflow.__main__, "main", lambda: 0)
+    monkeypatch.setattr("sys.argv", ["triggerer"])
+    assert not reaps_exiting_processes()
+    assert triggerer.main() == 0
+    assert reaps_exiting_processes()

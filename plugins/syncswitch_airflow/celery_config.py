@@ -12,7 +12,7 @@ so every task process inherits them. Use it with::
 
 (``AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS``), on the workers; the scheduler ignores ``imports``.
 A worker that loads this module also reaps its task processes as soon as they exit
-(``warm_start.reap_exiting_task_processes``), from the main process on, before the pool forks, and
+(``warm_start.reap_exiting_processes``), from the main process on, before the pool forks, and
 says in one line of its log, once it is ready, whether its pool forked with both in effect.
 """
 
@@ -27,8 +27,8 @@ from celery.signals import worker_init, worker_ready
 
 from syncswitch_airflow.warm_start import (
     WARM_IMPORTS,
-    reap_exiting_task_processes,
-    reaps_exiting_task_processes,
+    reap_exiting_processes,
+    reaps_exiting_processes,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ CELERY_CONFIG = {**DEFAULT_CELERY_CONFIG, "imports": WARM_IMPORTS}
 def reap_task_processes_promptly(**_signal: Any) -> None:
     """Celery's ``worker_init``: sent in a worker's main process before its pool forks (never in the
     scheduler, which loads this configuration too)."""
-    reap_exiting_task_processes()
+    reap_exiting_processes()
 
 
 @worker_ready.connect(weak=False)
@@ -48,7 +48,7 @@ def report_warm_task_starts(**_signal: Any) -> None:
     """Celery's ``worker_ready``, in the main process after its pool forked: what this process holds
     is what the pool's processes inherited, so an operator can see that the settings took effect."""
     not_imported = [name for name in WARM_IMPORTS if name not in sys.modules]
-    reaping = reaps_exiting_task_processes()
+    reaping = reaps_exiting_processes()
     if not_imported or not reaping:
         log.warning(
             "task processes may start slowly: modules not imported before the pool forked: %s; "

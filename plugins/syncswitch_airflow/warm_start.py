@@ -40,8 +40,11 @@ gone and the supervisor's next ``select()`` has nothing to wake it: it sleeps it
 interval (``[workers] min_heartbeat_interval``, 1 s in the embedded Airflow). In one evening's
 bench runs that second was added to 20 of 22 ``plan`` tasks (the first segment waits for it), half
 of the watchers that end a run's last segment, and 8 of 22 ``evaluate``s.
-``reap_exiting_task_processes`` makes the supervisor wait for the process itself once all its
-sockets have closed.
+``reap_exiting_processes`` makes the supervisor wait for the process itself once all its
+sockets have closed. The triggerer's supervisor has the same race when it stops its trigger runner
+(``kill``: a select() on no socket until the 10 s escalation delay is out): one stop in three of the
+embedded Airflow took 12-13 s instead of 4, so the embedded triggerer applies it too
+(``tools/triggerer.py``).
 """
 
 from __future__ import annotations
@@ -94,12 +97,13 @@ def import_warm_modules() -> None:
         importlib.import_module(name)
 
 
-def reap_exiting_task_processes() -> None:
-    """Make Airflow's task supervisor (in this process and those it forks) wait for a task process
-    whose sockets have all closed, instead of polling for its exit a heartbeat interval later."""
+def reap_exiting_processes() -> None:
+    """Make Airflow's supervisors (of task processes and of the trigger runner, in this process and
+    those it forks) wait for a process whose sockets have all closed, instead of polling for its exit
+    a heartbeat interval (or, when stopping it, an escalation delay) later."""
     from airflow.sdk.execution_time.supervisor import WatchedSubprocess
 
-    if reaps_exiting_task_processes():
+    if reaps_exiting_processes():
         return
     check_exit = WatchedSubprocess._check_subprocess_exit
 
@@ -116,8 +120,8 @@ def reap_exiting_task_processes() -> None:
     WatchedSubprocess._check_subprocess_exit = check_exit_of_exiting_process
 
 
-def reaps_exiting_task_processes() -> bool:
-    """Whether ``reap_exiting_task_processes`` is in effect in this process."""
+def reaps_exiting_processes() -> bool:
+    """Whether ``reap_exiting_processes`` is in effect in this process."""
     from airflow.sdk.execution_time.supervisor import WatchedSubprocess
 
     return bool(getattr(WatchedSubprocess._check_subprocess_exit, "waits_for_exiting_process", False))
@@ -133,7 +137,7 @@ class WarmLocalExecutor(LocalExecutor):
         from syncswitch_airflow.backends.local import StandbyForkServer
 
         import_warm_modules()
-        reap_exiting_task_processes()
+        reap_exiting_processes()
         self._handed_out_work = False
         self._waiting: tuple[int, int] | None = None
         self._standby = StandbyForkServer()
