@@ -20,7 +20,7 @@ from airflow_runs import segment_starts, task_log
 from proc_utils import ProgressThrottle, assert_no_processes, environ, wait_for
 from syncswitch.layout import RunLayout
 from syncswitch_airflow.backends.base import CLUSTER_ENV
-from syncswitch_airflow.tools.airflow_api import TriggerRejected
+from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -70,6 +70,18 @@ def test_a_second_start_reuses_the_running_instance(airflow: EmbeddedAirflow) ->
     assert not again.started_here
     assert again.running_instance() == airflow.running_instance()
     assert again.url == airflow.url
+
+
+def test_a_new_instance_waits_for_dags_parsed_since_it_started(airflow: EmbeddedAirflow) -> None:
+    """A new instance in a home that served before finds the DAGs of its previous life in the database:
+    ready only once its own dag-processor has parsed the files (what the API says of the parse)."""
+    import time
+
+    from syncswitch_airflow.tools import boot
+
+    boot.wait_for_dag(airflow, "sync_switch", time.monotonic() + 30, parsed_after=0.0)
+    with pytest.raises(AirflowError, match="did not appear"):
+        boot.wait_for_dag(airflow, "sync_switch", time.monotonic() + 1.5, parsed_after=time.time() + 3600)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import os
 import subprocess
 import threading
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from syncswitch import procs
@@ -44,17 +45,22 @@ def boot_timeout() -> float:
         raise AirflowError(f"{BOOT_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
 
 
-def wait_for_dags(airflow: EmbeddedAirflow, dag_ids: tuple[str, ...], deadline: float) -> None:
-    """Once healthy (:func:`wait_healthy`): the DAGs reserialized and ``dag_ids`` ready by ``deadline``."""
+def wait_for_dags(
+    airflow: EmbeddedAirflow, dag_ids: tuple[str, ...], deadline: float, spawned_at: float | None = None
+) -> None:
+    """Once healthy (:func:`wait_healthy`): ``dag_ids`` ready by ``deadline``, parsed from the files as
+    they are now. An instance started at ``spawned_at`` (a time.time()) is waited for until its
+    dag-processor has parsed them, which it does as it starts; a reused one (None) reserializes them."""
     # The api-server builds the execution API (the one tasks call) on its first request: ~7 s here,
     # which the first task of the first run would wait for. Build it while the DAGs parse.
     warm_up = threading.Thread(
         target=_warm_execution_api, args=(airflow,), name="warm-execution-api", daemon=True
     )
     warm_up.start()
-    reserialize(airflow, deadline)
+    if spawned_at is None:  # (a fresh one did not need the ~4 s `airflow dags reserialize` costs)
+        reserialize(airflow, deadline)
     for dag_id in dag_ids:
-        wait_for_dag(airflow, dag_id, deadline)
+        wait_for_dag(airflow, dag_id, deadline, parsed_after=spawned_at)
     warm_up.join(max(deadline - time.monotonic(), 0.0))
 
 
@@ -122,19 +128,36 @@ def reserialize(airflow: EmbeddedAirflow, deadline: float) -> None:
         raise AirflowError(f"`airflow dags reserialize` failed:\n{(result.stderr or result.stdout)[-3000:]}")
 
 
-def wait_for_dag(airflow: EmbeddedAirflow, dag_id: str, deadline: float) -> None:
-    """Until ``dag_id`` is serialized, active and free of import errors."""
+def wait_for_dag(
+    airflow: EmbeddedAirflow, dag_id: str, deadline: float, parsed_after: float | None = None
+) -> None:
+    """Until ``dag_id`` is serialized, active and free of import errors; with ``parsed_after`` (a
+    time.time()), parsed since then, and only import errors recorded since then count: what a
+    previous instance in the same home recorded is about files that may have changed."""
     while time.monotonic() < deadline:
         airflow.check_alive()
-        errors = airflow.api.import_errors()
+        errors = [e for e in airflow.api.import_errors() if _since(e.get("timestamp"), parsed_after)]
         if errors:
             raise DagImportError(
                 "DAG import errors in the dags folder:\n"
                 + "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '').rstrip()}" for e in errors)
             )
         status, dag = airflow.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
-        if status == 200 and not dag.get("is_stale", False):
+        if (
+            status == 200
+            and not dag.get("is_stale", False)
+            and _since(dag.get("last_parsed_time"), parsed_after)
+        ):
             _log.info("DAG %s is ready", dag_id)
             return
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise AirflowError(f"DAG {dag_id!r} did not appear in {airflow.dags_folder}; see {airflow.log_path}")
+
+
+def _since(timestamp: str | None, moment: float | None) -> bool:
+    """Whether an API timestamp (ISO 8601) is at or after ``moment`` (a time.time(); None: any)."""
+    if moment is None:
+        return True
+    if not timestamp:
+        return False
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp() >= moment

@@ -99,7 +99,8 @@ class EmbeddedAirflow:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self, wait_for_dags: tuple[str, ...] = ("sync_switch",), timeout: float | None = None) -> None:
-        """Start (or reuse) the instance, wait for health, reserialize DAGs, wait for ``wait_for_dags``.
+        """Start (or reuse) the instance, wait for health, then for ``wait_for_dags`` parsed from the
+        DAG files as they are now (``boot.wait_for_dags``).
 
         ``timeout`` (default ``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT`` or 30 minutes) bounds the whole boot;
         a progress line every 15 s says what it is still waiting for."""
@@ -107,13 +108,15 @@ class EmbeddedAirflow:
         deadline = time.monotonic() + (timeout if timeout is not None else boot.boot_timeout())
         with self._start_lock():
             record = self.running_instance()
+            spawned_at = None
             if record is not None:
                 self._record = record
                 self._log.info("reusing embedded Airflow pid %d at %s", record.pid, self.url)
             else:
+                spawned_at = time.time()
                 self._spawn()
             boot.wait_healthy(self, deadline)
-        boot.wait_for_dags(self, wait_for_dags, deadline)
+        boot.wait_for_dags(self, wait_for_dags, deadline, spawned_at)
 
     def _spawn(self) -> None:
         api_port = pick_port(self.requested_port)

@@ -114,8 +114,9 @@ class InstanceHome:
             "SCHEDULER__PARSING_CLEANUP_INTERVAL": "300",
             "CONNECTION_TEST__REAPER_INTERVAL": "300",
             # Look for new DAG files every minute but reparse a known file only every 10 minutes:
-            # each parse imports the operators, CPU that training needs on 2 cores. start()
-            # reserializes, so a fresh start (every `syncswitch run`) sees the current DAG files.
+            # each parse imports the operators, CPU that training needs on 2 cores. A new instance's
+            # dag-processor parses every file as it starts, and start() reserializes a reused one's
+            # (boot.wait_for_dags), so every `syncswitch run` sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "60",
             "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
             # A restarted triggerer takes over the deferred tasks of a dead one once that one has
