@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,40 @@ def test_a_standby_server_becomes_the_cluster_server_that_claims_it(
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_cluster_server_exits_once_no_node_has_run_for_its_idle_time(
+    tmp_path: Path, no_leftover_processes
+) -> None:  # noqa: ANN001
+    """A run that never tears down (its Airflow gone for good) must not leave its cluster's server
+    behind forever. A standby waits however long it takes to be claimed; claimed, its server lives
+    while a node runs, and exits on its own once none has for its idle time."""
+    standby_dir, cluster = tmp_path / "standby", tmp_path / "cluster"
+    no_leftover_processes(re.escape(str(standby_dir)))
+    env = {**os.environ, MARKER: procs.ENV_PLACEHOLDER}
+    idle_exit = 2.0
+    process = forkserver.start(
+        str(standby_dir), env=env, die_with_parent=True, standby=True, idle_exit=idle_exit
+    )
+    try:
+        forkserver.wait_ready(str(standby_dir), READY_TIMEOUT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=idle_exit * 2)  # a standby has no idle time
+        server_dir = cluster / "forkserver"
+        cluster.mkdir()
+        assert (
+            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+            == process.pid
+        )
+        node, _log = fork_ps(server_dir, tmp_path)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=idle_exit * 2)  # a node runs on it
+        node.kill()
+        assert node.wait(timeout=30) == -signal.SIGKILL
+        assert process.wait(timeout=idle_exit + 30) == 0
+        assert forkserver.status(str(server_dir)) == forkserver.ABSENT
+        assert "no node for 2s" in (server_dir / forkserver.LOG_FILE).read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)

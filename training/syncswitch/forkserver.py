@@ -5,7 +5,8 @@ time: 15-50 s on 2 cores, most of a switch. The fork server pays that import onc
 starts one per cluster when it provisions it, so every segment's processes are forked warm; a launcher
 given none starts its own, so even a lone segment imports TensorFlow once instead of once per process.
 
-    python -m syncswitch.forkserver DIR     serve until SIGTERM, or until DIR is removed
+    python -m syncswitch.forkserver DIR     serve until SIGTERM, until DIR is removed, or until no
+                                            node has run for IDLE_EXIT_S (--idle-exit; 0: never)
     python -m syncswitch.forkserver DIR --listen ADDRESS[:PORT] --token-file FILE
                                             also serve launchers on other hosts, over TCP
     python -m syncswitch.forkserver DIR --standby
@@ -45,6 +46,13 @@ markers over the placeholders (``procs.rewrite_initial_env``), so it and every n
 found by them as if the cluster had started it; from then on it outlives its starter, as any
 cluster's server does.
 
+A cluster's server is stopped by its teardown. One whose run never tears down (its Airflow stopped for
+good, its run deleted) exits once no node has run on it for ``IDLE_EXIT_S``, rather than holding a
+TensorFlow process's memory, and on the local backend the machine's cluster slot, forever. A live run
+leaves its server idle only between segments and for a retry's delay (seconds to minutes); a segment
+launched after the server has gone starts another (the local launcher a private one, the hosts
+backend the host's).
+
 Forking is safe here because the server only imports: it never creates a TensorFlow context, thread
 pool or gRPC channel, so a child starts with a clean runtime and sets its own thread counts.
 """
@@ -83,6 +91,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 TICK_SECONDS = 0.2
 READY_FILE = "forkserver.json"
+# A cluster's server with no node for this long exits (module docstring); a standby waits as long as
+# its starter lives.
+IDLE_EXIT_S = 1800.0
 PID_FILE = "forkserver.pid"
 LOG_FILE = "forkserver.log"
 
@@ -189,10 +200,18 @@ class Lease:
 
 
 class ForkServer:
-    def __init__(self, server_dir: str, listen: str = "", token: str = "", standby: bool = False) -> None:
+    def __init__(
+        self,
+        server_dir: str,
+        listen: str = "",
+        token: str = "",
+        standby: bool = False,
+        idle_exit: float = IDLE_EXIT_S,
+    ) -> None:
         self.server_dir = server_dir
         self.listen, self.token = listen, token
         self.standby = standby  # until a cluster claims it
+        self.idle_exit = idle_exit  # seconds without a node before it exits (0: never)
         self.ready: dict[str, Any] = {}
         self.tcp_host = listen.rpartition(":")[0] if ":" in listen else listen
         self.selector = selectors.DefaultSelector()
@@ -229,6 +248,7 @@ class ForkServer:
             self._shutdown()
             return 0
         log(f"pid {os.getpid()} ready in {time.monotonic() - started:.1f}s" + (f", tcp {tcp}" if tcp else ""))
+        busy_at = time.monotonic()
         while not self.stopping and os.path.isdir(self.server_dir):
             for key, _ in self.selector.select(TICK_SECONDS):
                 if key.fileobj in self.listeners:
@@ -236,6 +256,11 @@ class ForkServer:
                 else:
                     self._read(key.fileobj)
             self._reap()
+            if self.leases or self.standby:
+                busy_at = time.monotonic()
+            elif self.idle_exit and time.monotonic() - busy_at >= self.idle_exit:
+                log(f"pid {os.getpid()}: no node for {self.idle_exit:.0f}s, no teardown came: exiting")
+                break
         self._shutdown()
         return 0
 
@@ -463,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="", help="ADDRESS[:PORT]: also serve over TCP on this address")
     parser.add_argument("--token-file", default="", help="the cluster's token, required with --listen")
     parser.add_argument("--standby", action="store_true", help="wait to be claimed by a cluster (local only)")
+    parser.add_argument(
+        "--idle-exit",
+        type=float,
+        default=IDLE_EXIT_S,
+        metavar="SECONDS",
+        help=f"exit once no node has run for this long (default {IDLE_EXIT_S:.0f}; 0: never)",
+    )
     args = parser.parse_args(argv)
     token = ""
     if args.listen:
@@ -477,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     if not write_in_own_folder(os.path.join(args.server_dir, PID_FILE), pid_record(os.getpid())):
         log(f"pid {os.getpid()}: {args.server_dir} is gone (torn down before it started); not serving")
         return 0
-    return ForkServer(args.server_dir, args.listen, token, standby=args.standby).serve()
+    if args.idle_exit < 0:
+        parser.error(f"--idle-exit must be 0 (never) or a number of seconds, got {args.idle_exit:g}")
+    return ForkServer(args.server_dir, args.listen, token, args.standby, args.idle_exit).serve()
 
 
 def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:
@@ -503,16 +537,18 @@ def start(
     env: dict[str, str] | None = None,
     die_with_parent: bool = False,
     standby: bool = False,
+    idle_exit: float = IDLE_EXIT_S,
 ) -> subprocess.Popen:
     """Start a server for ``server_dir`` in the background (it is ready later: see wait_ready).
     ``env`` is its whole environment (default: ours). ``die_with_parent`` ties it to the caller;
     otherwise it runs in a session of its own. A ``standby`` server waits for ``claim``; it runs in a
     session of its own too, since, once claimed, signals to its starter's process group (an Airflow
-    instance stopping) must not reach the cluster's server."""
+    instance stopping) must not reach the cluster's server. ``idle_exit``: see IDLE_EXIT_S."""
     os.makedirs(server_dir, exist_ok=True)
+    argv = [server_dir, *(["--standby"] if standby else []), "--idle-exit", f"{idle_exit:g}"]
     with open(os.path.join(server_dir, LOG_FILE), "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "syncswitch.forkserver", server_dir, *(["--standby"] if standby else [])],
+            [sys.executable, "-m", "syncswitch.forkserver", *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -64,7 +64,9 @@ STANDBY_CLAIM_WAIT_S = 60.0
 GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
-# Between segments and retries a live run's cluster has no process for seconds to a minute.
+# Between segments and retries a live run's cluster has no process for seconds to a minute. An
+# abandoned cluster's fork server exits after forkserver.IDLE_EXIT_S without a node, so its slot is
+# free that much later again.
 IDLE_CLUSTER_GONE_S = 900.0
 
 log = logging.getLogger(__name__)
