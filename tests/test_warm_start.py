@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -132,11 +133,16 @@ def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
     assert time.monotonic() - started < supervisor.MIN_HEARTBEAT_INTERVAL
 
 
+LISTENING_FILE_ENV = "SYNCSWITCH_TEST_LISTENING_FILE"
+
+
 def _close_every_socket_when_interrupted_then_linger() -> None:
     """A trigger runner's stop, drawn out: on SIGINT it closes its sockets to the supervisor (its
     ``finally``) and lives on for a moment before it exits."""
     interrupted: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
+    with open(os.environ[LISTENING_FILE_ENV], "w"):  # the test signals it from now on
+        pass
     deadline = time.monotonic() + 60
     while not interrupted and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -145,7 +151,7 @@ def _close_every_socket_when_interrupted_then_linger() -> None:
 
 
 def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The triggerer stops its trigger runner with ``kill``: SIGINT, then a select() until the
     escalation delay is out. Without the patch, a runner that closed its sockets before it could be
@@ -161,6 +167,8 @@ def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
         supervisor.WatchedSubprocess._check_subprocess_exit,
     )
     reap_exiting_processes()
+    listening = tmp_path / "listening"
+    monkeypatch.setenv(LISTENING_FILE_ENV, str(listening))
     task = TaskInstance(
         id=uuid.uuid4(), task_id="t", dag_id="d", run_id="r", try_number=1, dag_version_id=uuid.uuid4()
     )
@@ -174,6 +182,9 @@ def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
         client=execution_api,
         target=_close_every_socket_when_interrupted_then_linger,
     )
+    deadline = time.monotonic() + 60  # a SIGINT before its handler is in place kills it outright
+    while not listening.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     escalation_delay = 10.0
     started = time.monotonic()
     process.kill(signal.SIGINT, escalation_delay=escalation_delay, force=True)

@@ -25,11 +25,14 @@ class ProcStat:
     ppid: int
     pgid: int
     start_ticks: int
+    threads: int = 1
 
     @property
     def alive(self) -> bool:
-        # A zombie has exited; it only waits for its parent to reap it.
-        return self.state not in ("Z", "X")
+        # A zombie has exited; it only waits for its parent to reap it. But a killed process's main
+        # thread shows as a zombie while its other threads still exit (TensorFlow's pools): until
+        # the last has, it still holds its memory and ports, and its parent cannot reap it yet.
+        return self.state not in ("Z", "X") or self.threads > 1
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -41,7 +44,7 @@ def read_stat(pid: int) -> ProcStat | None:
     # The command name (field 2) may contain spaces and parentheses; the rest follows the last ')'.
     fields = raw[raw.rfind(")") + 2 :].split()
     try:
-        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]), int(fields[17]))
     except (IndexError, ValueError):
         return None
 
