@@ -12,11 +12,13 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from syncswitch_airflow.warm_start import reap_exiting_processes, wait_for_an_end
+from syncswitch_airflow.warm_start import reap_exiting_processes, reaps_exiting_processes, wait_for_an_end
 
 
 class Looks:
@@ -89,31 +91,24 @@ def _execution_api(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"dag_run": dag_run, "max_tries": 0, "should_retry": False})
 
 
-def _close_every_socket_then_linger() -> None:
-    """A task process's last moment, drawn out: its sockets to the supervisor are closed (as
-    ``_fork_main``'s exit does), and it lives on for a moment before it exits."""
-    os.closerange(0, 1024)
-    time.sleep(0.2)
-
-
-def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Airflow's own supervisor, forking a real process: without the patch it would notice the exit
-    only after a heartbeat interval (5 s by default) of select() on no socket at all."""
-    from airflow.sdk.api.client import Client
-    from airflow.sdk.api.datamodels._generated import BundleInfo, TaskInstance
+@pytest.fixture
+def exit_check_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reap_exiting_processes`` wraps Airflow's exit check process-wide, by design: undone after
+    the test."""
     from airflow.sdk.execution_time import supervisor
 
-    # Restored after the test: the patch is process-wide by design.
     monkeypatch.setattr(
         supervisor.WatchedSubprocess,
         "_check_subprocess_exit",
         supervisor.WatchedSubprocess._check_subprocess_exit,
     )
-    reap_exiting_processes()
-    reap_exiting_processes()  # a second call (a restarted executor) wraps nothing twice
-    assert not hasattr(supervisor.WatchedSubprocess._check_subprocess_exit.__wrapped__, "__wrapped__")
+
+
+def _supervise(target: Callable[[], None]) -> Any:
+    """Airflow's own task supervisor, forking a real process that runs ``target``."""
+    from airflow.sdk.api.client import Client
+    from airflow.sdk.api.datamodels._generated import BundleInfo, TaskInstance
+    from airflow.sdk.execution_time import supervisor
 
     task = TaskInstance(
         id=uuid.uuid4(), task_id="t", dag_id="d", run_id="r", try_number=1, dag_version_id=uuid.uuid4()
@@ -121,14 +116,34 @@ def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed(
     execution_api = Client(
         base_url="http://execution-api", token="", transport=httpx.MockTransport(_execution_api)
     )
-    started = time.monotonic()
-    process = supervisor.ActivitySubprocess.start(
+    return supervisor.ActivitySubprocess.start(
         what=task,
         dag_rel_path="d.py",
         bundle_info=BundleInfo(name="b", version=None),
         client=execution_api,
-        target=_close_every_socket_then_linger,
+        target=target,
     )
+
+
+def _close_every_socket_then_linger() -> None:
+    """A task process's last moment, drawn out: its sockets to the supervisor are closed (as
+    ``_fork_main``'s exit does), and it lives on for a moment before it exits."""
+    os.closerange(0, 1024)
+    time.sleep(0.2)
+
+
+@pytest.mark.usefixtures("exit_check_restored")
+def test_the_supervisor_reaps_a_task_process_once_its_sockets_have_closed() -> None:
+    """Airflow's own supervisor, forking a real process: without the patch it would notice the exit
+    only after a heartbeat interval (5 s by default) of select() on no socket at all."""
+    from airflow.sdk.execution_time import supervisor
+
+    reap_exiting_processes()
+    reap_exiting_processes()  # a second call (a restarted executor) wraps nothing twice
+    assert not hasattr(supervisor.WatchedSubprocess._check_subprocess_exit.__wrapped__, "__wrapped__")
+
+    started = time.monotonic()
+    process = _supervise(_close_every_socket_then_linger)
     assert process.wait() == 0
     assert time.monotonic() - started < supervisor.MIN_HEARTBEAT_INTERVAL
 
@@ -150,6 +165,7 @@ def _close_every_socket_when_interrupted_then_linger() -> None:
     time.sleep(0.2)
 
 
+@pytest.mark.usefixtures("exit_check_restored")
 def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -157,31 +173,10 @@ def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
     escalation delay is out. Without the patch, a runner that closed its sockets before it could be
     reaped was noticed only when that delay ran out (10 s, in one stop of the embedded Airflow in
     three)."""
-    from airflow.sdk.api.client import Client
-    from airflow.sdk.api.datamodels._generated import BundleInfo, TaskInstance
-    from airflow.sdk.execution_time import supervisor
-
-    monkeypatch.setattr(
-        supervisor.WatchedSubprocess,
-        "_check_subprocess_exit",
-        supervisor.WatchedSubprocess._check_subprocess_exit,
-    )
     reap_exiting_processes()
     listening = tmp_path / "listening"
     monkeypatch.setenv(LISTENING_FILE_ENV, str(listening))
-    task = TaskInstance(
-        id=uuid.uuid4(), task_id="t", dag_id="d", run_id="r", try_number=1, dag_version_id=uuid.uuid4()
-    )
-    execution_api = Client(
-        base_url="http://execution-api", token="", transport=httpx.MockTransport(_execution_api)
-    )
-    process = supervisor.ActivitySubprocess.start(
-        what=task,
-        dag_rel_path="d.py",
-        bundle_info=BundleInfo(name="b", version=None),
-        client=execution_api,
-        target=_close_every_socket_when_interrupted_then_linger,
-    )
+    process = _supervise(_close_every_socket_when_interrupted_then_linger)
     deadline = time.monotonic() + 60  # a SIGINT before its handler is in place kills it outright
     while not listening.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -192,21 +187,15 @@ def test_the_supervisor_reaps_a_process_it_stops_once_its_sockets_have_closed(
     assert time.monotonic() - started < escalation_delay / 2
 
 
+@pytest.mark.usefixtures("exit_check_restored")
 def test_the_embedded_triggerer_reaps_its_runner_once_its_sockets_have_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import airflow.__main__
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
-    from airflow.sdk.execution_time import supervisor
     from syncswitch_airflow.tools import triggerer
-    from syncswitch_airflow.warm_start import reaps_exiting_processes
 
-    # Restored after the test: both patches are process-wide by design.
-    monkeypatch.setattr(
-        supervisor.WatchedSubprocess,
-        "_check_subprocess_exit",
-        supervisor.WatchedSubprocess._check_subprocess_exit,
-    )
+    # Restored after the test: the patch is process-wide by design.
     monkeypatch.setattr(TriggerRunnerSupervisor, "start", TriggerRunnerSupervisor.start)
     monkeypatch.setattr(airflow.__main__, "main", lambda: 0)
     monkeypatch.setattr("sys.argv", ["triggerer"])
