@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from syncswitch.layout import RunLayout
 from syncswitch.procs import processes_with_env
 from syncswitch.registry import Registry
 from syncswitch.spec import JobSpec
-from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.backends import ClusterError, SegmentAlreadyRunning, get_backend
 from syncswitch_airflow.backends.base import CLUSTER_ENV, EXITED, RUNNING, UNKNOWN
 from syncswitch_airflow.backends.local import IDLE_CLUSTER_GONE_S, LocalBackend, StandbyForkServer
 
@@ -138,6 +140,29 @@ def test_status_follows_the_launcher_to_its_exit_code(backend: LocalBackend, han
     backend.launch_command(handle, 0, [sys.executable, "-c", "pass"])
     wait_for(lambda: backend.segment_status(handle, 0).state == EXITED, what="second exit")
     assert backend.segment_status(handle, 0).exit_code == 0
+
+
+def test_launches_of_one_segment_at_once_start_it_once(
+    backend: LocalBackend, handle: dict, tmp_path: Path
+) -> None:
+    """The trigger of the segment before and the segment's own task (or its retry) may launch it at
+    the same moment: one starts it, every other is refused as already running and starts nothing."""
+    marker = str(tmp_path / "once")
+    command = [sys.executable, "-c", "import time; time.sleep(30)", marker]
+    start = threading.Barrier(6)
+
+    def launch() -> str:
+        start.wait()
+        try:
+            return str(backend.launch_command(handle, 2, command)["pid"])
+        except SegmentAlreadyRunning:
+            return "refused"
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = list(pool.map(lambda _: launch(), range(6)))
+    assert outcomes.count("refused") == 5, outcomes
+    assert len(find_processes(rf"syncswitch\.supervise wrap .*{re.escape(marker)}")) == 1
+    backend.stop_segment(handle, 2, grace_seconds=1.0)
 
 
 def test_a_launcher_killed_hard_has_no_exit_code(backend: LocalBackend, handle: dict, tmp_path: Path) -> None:

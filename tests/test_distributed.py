@@ -42,6 +42,7 @@ from conftest import (
 )
 from fake_compute import FakeComputeEngine
 from syncswitch import procs, storage
+from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT
 from syncswitch.layout import RunLayout, safe_run_id
 from syncswitch.state import read_state
@@ -185,6 +186,27 @@ def task_instances(deployment: CeleryDeployment, run_id: str) -> dict[str, dict[
     return {ti["task_id"]: ti for ti in body["task_instances"]}
 
 
+def why_started_twice(api: Any, run_id: str, layout: RunLayout, tis: dict[str, dict[str, Any]]) -> str:
+    """For the assertion message (CI keeps only the test's output): every segment_start event and
+    what each try of each segment task logged about launching and following."""
+    keys = ("segment", "start_step", "wall_time", "restored")
+    starts = [{k: e.get(k) for k in keys} for e in read_events(layout.metrics, event="segment_start")]
+    lines = [f"segment_start events: {starts}"]
+    for task_id, ti in sorted(tis.items()):
+        if not task_id.startswith("segment_") or task_id.endswith("watch_stragglers"):
+            continue
+        for try_number in range(1, int(ti.get("try_number") or 1) + 1):
+            try:
+                log = task_log(api, run_id, task_id, try_number)
+            except (OSError, AirflowError) as exc:
+                lines.append(f"{task_id} try {try_number}: log unreadable ({exc})")
+                continue
+            for line in log.splitlines():
+                if any(word in line for word in ("launch", "following", "already ended", "error")):
+                    lines.append(f"{task_id} try {try_number}: {line[:400]}")
+    return "a segment was started twice\n" + "\n".join(lines)
+
+
 def test_the_local_backend_is_refused_by_name_where_tasks_run_on_other_machines() -> None:
     assert deployment_refusal("LocalExecutor") == ""
     assert deployment_refusal("syncswitch_airflow.warm_start.WarmLocalExecutor") == ""  # the embedded one
@@ -322,7 +344,8 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
     assert plan == [("bsp", "plan"), ("asp", "online"), ("asp", "plan"), ("bsp", "plan")], plan
     assert run_state["decisions"][0]["workers"] == [1]
     assert run_state["segments"]["3"]["end_step"] == 860
-    assert segment_starts(layout) == {0: 1, 1: 1, 2: 1, 3: 1}, "a segment was started twice"
+    starts = segment_starts(layout)
+    assert starts == {0: 1, 1: 1, 2: 1, 3: 1}, why_started_twice(api, run_id, layout, tis)
 
     # Every task ran on the worker the policy pinned it to (by address), and both ran some; the lost
     # launch was retried on the replacement machine.

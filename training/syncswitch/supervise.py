@@ -16,14 +16,15 @@ process (the triggerer) can then tell "exited with 3" (file) from "still running
 "vanished" (neither, e.g. the wrapper was SIGKILLed).
 
 A segment folder holds ``process.json`` (pid, process group, start time of the wrapper),
-``exitcode`` and ``launcher.log``. Every process of a scope carries a marker variable in its
-environment (the cluster's or the segment's folder), so a process that left its group, or whose
-launcher was SIGKILLed, is still found.
+``exitcode``, ``launcher.log`` and ``launch.lock`` (held while a launch looks and starts). Every
+process of a scope carries a marker variable in its environment (the cluster's or the segment's
+folder), so a process that left its group, or whose launcher was SIGKILLed, is still found.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import json
 import os
@@ -91,8 +92,18 @@ def launch(
     under the wrapper, output appended to ``launcher.log``; writes and returns ``process.json``'s
     record. ``env`` is its whole environment. Raises SegmentRunning, and writes nothing, while the
     segment launched in ``seg_dir`` before still runs (``marker``: as for status): a segment never
-    trains twice at once, however often its launch is retried."""
+    trains twice at once, however often and from wherever its launch is retried."""
     os.makedirs(seg_dir, exist_ok=True)
+    # Two launches of one segment may come at once (the trigger of the segment before and this
+    # segment's task, or its retry): the look and the start are one step under a lock on the folder.
+    with open(os.path.join(seg_dir, "launch.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _launch_unlocked(seg_dir, command, env, marker, files)
+
+
+def _launch_unlocked(
+    seg_dir: str, command: list[str], env: dict[str, str], marker: str, files: dict[str, str] | None
+) -> dict[str, Any]:
     before = status(seg_dir, marker)
     if before["state"] == RUNNING:
         raise SegmentRunning(seg_dir, before["pid"])

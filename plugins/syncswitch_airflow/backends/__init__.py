@@ -13,6 +13,7 @@ from syncswitch_airflow.backends.base import (
     ClusterBusy,
     ClusterCapacity,
     ClusterError,
+    SegmentAlreadyRunning,
     SegmentStatus,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "ClusterBusy",
     "ClusterCapacity",
     "ClusterError",
+    "SegmentAlreadyRunning",
     "SegmentStatus",
     "get_backend",
 ]

@@ -50,6 +50,11 @@ class ClusterError(RuntimeError):
     """The backend could not provision, launch or tear down; the message says what and why."""
 
 
+class SegmentAlreadyRunning(ClusterError):
+    """A launch refused, having started nothing: the segment launched before (by the trigger of the
+    segment before it, or an earlier try) still runs. Its task follows that one."""
+
+
 class ClusterBusy(ClusterError):
     """Every cluster slot of the backend is taken, or a host the run needs is held by another
     cluster (of a pool: fewer than ``need`` are free); provisioning waits (deferred) until
@@ -277,7 +282,9 @@ class ClusterBackend(Protocol):
         ...
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
-        """Start ``syncswitch train --spec`` for one segment, detached; returns the launch record."""
+        """Start ``syncswitch train --spec`` for one segment, detached; returns the launch record.
+        Raises SegmentAlreadyRunning, starting nothing, while the segment launched before still runs
+        (two launches at once: exactly one starts it)."""
         ...
 
     def segment_status(self, handle: Handle, index: int) -> SegmentStatus: ...

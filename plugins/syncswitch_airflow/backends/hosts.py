@@ -75,6 +75,7 @@ from syncswitch_airflow.backends.base import (
     ClusterCapacity,
     ClusterError,
     Handle,
+    SegmentAlreadyRunning,
     SegmentStatus,
     run_cluster_gone,
 )
@@ -638,7 +639,7 @@ class HostsBackend:
             command = f"cd / && {_python(chief, 'syncswitch.supervise', *launch)}"
             record = ssh.json(command, "launching the segment", stdin=json.dumps(files))
         if "running" in record:
-            raise ClusterError(f"run {handle.get('run')}: segment {spec.index} is already running")
+            raise SegmentAlreadyRunning(f"run {handle.get('run')}: segment {spec.index} is already running")
         record = {"index": spec.index, "host": chief["name"], **record}
         log.info(
             "run %s: launched segment %d on %s (pid %d), log %s",

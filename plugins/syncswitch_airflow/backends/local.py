@@ -51,6 +51,7 @@ from syncswitch_airflow.backends.base import (
     ClusterCapacity,
     ClusterError,
     Handle,
+    SegmentAlreadyRunning,
     SegmentStatus,
     default_work_root,
 )
@@ -225,7 +226,8 @@ class LocalBackend:
         try:
             record = {"index": index, **supervise.launch(seg_dir, command, env, SEGMENT_ENV, files)}
         except supervise.SegmentRunning:
-            raise ClusterError(f"run {handle.get('run')}: segment {index} is already running") from None
+            message = f"run {handle.get('run')}: segment {index} is already running"
+            raise SegmentAlreadyRunning(message) from None
         log.info(
             "run %s: launched segment %d (pid %d), log %s",
             handle.get("run"),

@@ -30,7 +30,7 @@ from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import State
 
-from syncswitch_airflow.backends import ClusterError, get_backend
+from syncswitch_airflow.backends import ClusterError, SegmentAlreadyRunning, get_backend
 from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import require_state
@@ -87,16 +87,19 @@ class SegmentOperator(BaseOperator):
         if entry["protocol"] != self.protocol:
             raise AirflowSkipException(f"segment {self.slot} runs {entry['protocol']}, not {self.protocol}")
         handle, job = state["cluster"], JobSpec.from_params(state["job"])
-        result = read_result(self.run_dir, self.slot, self.protocol)
-        if result is not None and is_finished(result, entry):
-            self.log.info(
-                "run %s: segment %d already ended; not launching it again", state["run_id"], self.slot
-            )
-            return self._record(result)
+        # The launcher's status first, then the result: the chief writes result.json before its
+        # launcher exits, so a segment that ends between the two looks is seen ended, not launched
+        # again (the other order relaunched a segment that ended just after its result was read).
         if get_backend(handle["backend"]).segment_status(handle, self.slot).running:
             # Launched by the trigger of the segment before, or by an earlier try of this task.
             self.log.info("run %s: segment %d is running; following it", state["run_id"], self.slot)
         else:
+            result = read_result(self.run_dir, self.slot, self.protocol)
+            if result is not None and is_finished(result, entry):
+                self.log.info(
+                    "run %s: segment %d already ended; not launching it again", state["run_id"], self.slot
+                )
+                return self._record(result)
             self._launch(state, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
@@ -118,6 +121,9 @@ class SegmentOperator(BaseOperator):
             storage.delete(self.layout.segment_result(self.slot, self.protocol))
         try:
             launch_entry(self.run_dir, state, entry, self.log)
+        except SegmentAlreadyRunning:
+            # Launched at the same moment by the trigger of the segment before: follow that launch.
+            self.log.info("run %s: segment %d was just launched; following it", state["run_id"], self.slot)
         except ClusterError as err:
             raise AirflowException(f"cannot launch segment {self.slot}: {err}") from None
 
