@@ -150,8 +150,8 @@ def _compile_worker_steps(
     replica_step = replica_step_fn(state["flat"], mean_loss)
 
     def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own, took = strategy.run(replica_step, args=(x, y, lr, momentum, started))
-        return tf.stack([loss, tf.cast(own, tf.float32), tf.cast(took, tf.float32)])
+        loss, own = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+        return tf.stack([loss, tf.cast(own, tf.float32)])
 
     @tf.function(autograph=False)  # see timed_steps
     def worker_steps(iterator: Any, closure: Any) -> Any:

@@ -119,8 +119,8 @@ def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedul
     replica_step = replica_step_fn(state["flat"], average_loss)
 
     def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own, step = strategy.run(replica_step, args=(x, y, lr, momentum, started))
-        local = [strategy.experimental_local_results(value)[0] for value in (loss, own, step)]
+        loss, own = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+        local = [strategy.experimental_local_results(value)[0] for value in (loss, own)]
         return tf.stack([tf.cast(value, tf.float32) for value in local])
 
     @tf.function(autograph=False)  # see timed_steps

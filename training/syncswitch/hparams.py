@@ -34,7 +34,7 @@ class HParams:
     optimizer_momentum_nesterov: bool = True
     weight_decay: float = 1e-4
     # Optimizer steps per tf.function execution (an ASP closure, a BSP call); 0 = automatic, about
-    # 250 ms of steps (syncswitch.trainer.steps_per_execution). Numerics do not depend on it.
+    # 330 ms of steps (syncswitch.trainer.steps_per_execution). Numerics do not depend on it.
     steps_per_execution: int = 0
     # model shape
     resnet_depth: int = 20

@@ -33,8 +33,10 @@ STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
 # Several optimizer steps run in one tf.function execution (an ASP closure, a BSP call): each
 # execution pays fixed costs (ASP: the coordinator's dispatch and fetch round trips; BSP: a host sync
-# and the stop-vote collective). Chosen so that one execution takes about this long.
-TARGET_EXECUTION_SECONDS = 0.25
+# and the stop-vote collective). Chosen so that one execution takes about this long. Steps are timed
+# with their waits (see timed_steps); 0.25 s was chosen on a time without BSP's all-reduce wait, and
+# 0.25 s of the true time made BSP calls smaller and BSP 3% slower on digits (3 alternating pairs).
+TARGET_EXECUTION_SECONDS = 0.33
 MAX_STEPS_PER_EXECUTION = 64
 # Executions of one step each, per worker, whose timing picks the automatic size.
 WARMUP_EXECUTIONS = 2
@@ -155,19 +157,17 @@ class Schedule:
 
 
 def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
-    """The step both protocols run on a replica, timed inside the graph: loss and gradients, then the
-    update (all-reduced in BSP, applied on the parameter servers in ASP). The step returns its loss
-    and the seconds from ``started`` to the gradients (this worker's own compute) and to the applied
-    update (with the all-reduce or the parameter-server round trips)."""
+    """The step both protocols run on a replica: loss and gradients, then the update (all-reduced in
+    BSP, applied on the parameter servers in ASP). The step returns its loss and the seconds from
+    ``started`` to the gradients (this worker's own compute)."""
     import tensorflow as tf
 
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any]:
+    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, loss_fn)
         with tf.control_dependencies(grads):
             computed = tf.timestamp()
         flat.apply(grads, statistics, lr, momentum)
-        applied = tf.timestamp()  # automatic control deps: after the all-reduce or the updates
-        return loss, computed - started, applied - started
+        return loss, computed - started
 
     return replica_step
 
@@ -175,8 +175,15 @@ def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
 def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run_step: Any) -> Any:
     """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
     timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
-    (float64); ``run_step(x, y, lr, momentum, started)``: its record, [loss, own seconds, step
-    seconds] as float32. Returns the records, shape [count, 3].
+    (float64); ``run_step(x, y, lr, momentum, started)``: its [loss, own seconds] as float32. Returns
+    the records [loss, own seconds, step seconds], shape [count, 3].
+
+    A step lasts until the next one starts (the last one until the loop has ended): an iteration
+    begins only once every stateful op of the one before has run (automatic control dependencies),
+    so this holds the update, and with it BSP's all-reduce (the wait for the peers) and ASP's
+    parameter-server round trips. A timestamp taken in the step after its update needed a control
+    dependency that cost BSP ~6% of its examples/s (3 alternating pairs); timed to the gradients,
+    BSP's waits fell between the timed steps and its step time equalled its compute time.
 
     An explicit ``tf.while_loop``, so that the step functions are traced with ``autograph=False``:
     AutoGraph rewrote the Python source of every function a step calls (ours, the model's layers,
@@ -186,21 +193,26 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
     its forward and backward pass the same way (syncswitch.check)."""
     import tensorflow as tf
 
-    def step(j: Any, records: Any) -> tuple[Any, Any]:
+    def step(j: Any, records: Any, starts: Any) -> tuple[Any, Any, Any]:
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             x, y = next(iterator)
         lr, momentum = schedule.tensors(step_at(j))
-        return j + 1, records.write(j, run_step(x, y, lr, momentum, started))
+        return j + 1, records.write(j, run_step(x, y, lr, momentum, started)), starts.write(j, started)
 
     # One step at a time (parallel_iterations=1): each step's timestamps are its own.
-    _, records = tf.while_loop(
-        lambda j, _records: j < count,
+    _, records, starts = tf.while_loop(
+        lambda j, _records, _starts: j < count,
         step,
-        (tf.constant(0), tf.TensorArray(tf.float32, size=count)),
+        (tf.constant(0), tf.TensorArray(tf.float32, size=count), tf.TensorArray(tf.float64, size=count)),
         parallel_iterations=1,
     )
-    return records.stack()
+    records, starts = records.stack(), starts.stack()
+    with tf.control_dependencies([records, starts]):
+        ended = tf.timestamp()
+    bounds = tf.concat([starts, tf.reshape(ended, [1])], 0)
+    seconds = tf.cast(bounds[1:] - bounds[:-1], tf.float32)
+    return tf.concat([records, tf.reshape(seconds, [-1, 1])], 1)
 
 
 def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
