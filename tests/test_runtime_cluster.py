@@ -154,6 +154,24 @@ def test_one_asp_closure_of_k_steps_equals_k_closures_of_one_step(tmp_path: Path
     assert digests[0] == digests[1], "a k-step closure must equal k one-step closures"
 
 
+def test_one_bsp_call_of_k_steps_equals_k_calls_of_one_step(tmp_path: Path) -> None:
+    """Two workers in lockstep: 8 optimizer steps per call end with bit-identical weights and velocity
+    as 8 calls of one step each (every step reads the weights its predecessor's all-reduced update
+    wrote, however the steps are timed), across a checkpoint boundary and a target that are not
+    multiples of 8."""
+    digests = []
+    for k in (1, 8):
+        run_dir = tmp_path / f"k{k}"
+        rc, result, stderr = train(
+            *("--protocol", "bsp", "--workers", "2", "--run-dir", str(run_dir), "--until-step", "30"),
+            *("--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
+        )
+        assert rc == 0, stderr[-3000:]
+        assert result["global_step"] == 30 and result["updates"] == 30
+        digests.append(checkpoints.latest(RunLayout(str(run_dir)))["digest"])
+    assert digests[0] == digests[1], "a call of k steps must equal k calls of one step"
+
+
 # ---- faults ----------------------------------------------------------------------------------------
 
 
