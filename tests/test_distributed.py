@@ -186,6 +186,32 @@ def task_instances(deployment: CeleryDeployment, run_id: str) -> dict[str, dict[
     return {ti["task_id"]: ti for ti in body["task_instances"]}
 
 
+def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
+    """For an assertion message: each run's task states, and the error lines of every failed task's
+    log, fetched through the api-server from the worker that ran it while the worker still has it (CI
+    keeps only the test's output, and a worker's logs go with its private folder)."""
+    lines = []
+    for run_id in run_ids:
+        tis = task_instances(deployment, run_id)
+        lines.append(f"run {run_id}: { ({t: (ti['state'], ti['try_number']) for t, ti in tis.items()}) }")
+        for task_id, ti in sorted(tis.items()):
+            if ti["state"] not in ("failed", "up_for_retry"):
+                continue
+            for try_number in range(1, int(ti.get("try_number") or 1) + 1):
+                try:
+                    log = task_log(deployment.airflow.api, run_id, task_id, try_number)
+                except (OSError, AirflowError) as exc:
+                    lines.append(f"  {task_id} try {try_number}: log unreadable ({exc})")
+                    continue
+                noteworthy = [
+                    line[:800]
+                    for line in log.splitlines()
+                    if '"level":"error"' in line or "Traceback" in line or "Error" in line
+                ]
+                lines += [f"  {task_id} try {try_number}: {line}" for line in noteworthy[-15:]]
+    return "\n".join(lines)
+
+
 def why_started_twice(api: Any, run_id: str, layout: RunLayout, tis: dict[str, dict[str, Any]]) -> str:
     """For the assertion message (CI keeps only the test's output): every segment_start event and
     what each try of each segment task logged about launching and following."""
@@ -337,7 +363,7 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
     finally:
         during.stop()
     tis = task_instances(deployment, run_id)
-    assert state == "success", {t: (ti["state"], ti["try_number"]) for t, ti in tis.items()}
+    assert state == "success", why_failed(deployment, [run_id])
 
     run_state = read_state(layout)
     plan = [(e["protocol"], e["origin"]) for e in run_state["plan"]]
@@ -384,7 +410,7 @@ def test_101_on_compute_engine_vms_with_every_task_on_another_worker_than_the_on
     run_id = api.trigger("sync_switch", conf)
     state = api.wait("sync_switch", run_id, timeout=1200)
     tis = task_instances(deployment, run_id)
-    assert state == "success", {t: ti["state"] for t, ti in tis.items()}
+    assert state == "success", why_failed(deployment, [run_id])
     layout = RunLayout.for_run(f"{bucket}/runs", "distgce", run_id)
     run_state = read_state(layout)
     assert [run_state["segments"][str(i)]["end_step"] for i in range(3)] == [100, 300, 350]
@@ -425,7 +451,7 @@ def test_two_runs_at_once_take_disjoint_hosts_of_a_pool_and_both_succeed(
     with LedgerWatch(f"{bucket}/_leases/hosts.json") as ledger:
         run_ids = [api.trigger("sync_switch", conf) for _ in range(2)]
         states = {run_id: api.wait("sync_switch", run_id, timeout=900) for run_id in run_ids}
-    assert set(states.values()) == {"success"}, states
+    assert set(states.values()) == {"success"}, why_failed(deployment, run_ids)
     assert ledger.shared == [], f"a host in two leases at once: {ledger.shared}"
     assert ledger.most_at_once() == 2, ledger.held
     held = [ledger.held[safe_run_id(run_id)]["hosts"] for run_id in run_ids]
