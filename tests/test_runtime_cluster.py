@@ -115,10 +115,10 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
         first_loss = segment_events(run_dir, index, protocol, "step")[0]["loss"]
         assert first_loss < max(0.5, 3 * max(last_loss)), (last_loss, first_loss)
 
-    # A worker's step is timed to its applied update, so a BSP step holds the gradient all-reduce (the
-    # wait for the peer) and an ASP step the parameter servers' round trips: the step ran past the
-    # gradients. (Timed to the gradients alone, the two differed by ~0.1% and BSP's waits fell between
-    # the timed steps: the report showed a straggler's peers stepping as fast as with none.)
+    # A worker's step lasts until its next one starts, so a BSP step holds the gradient all-reduce (the
+    # wait for the peer) and an ASP step the parameter servers' round trips. (Timed to the gradients
+    # alone, BSP's wait was 0.5% of its step, its real waits falling between the timed steps: the report
+    # showed a straggler's peers stepping as fast as with none.)
     for index, protocol in enumerate(("bsp", "asp")):
         timings = segment_events(run_dir, index, protocol, "worker_step")[2:]
         waited = sum(e["wait_time"] * e["steps"] for e in timings)
