@@ -133,43 +133,29 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
     assert len(storage.list_files(layout.tensorboard)) == 3
 
 
-def test_one_asp_closure_of_k_steps_equals_k_closures_of_one_step(tmp_path: Path) -> None:
-    """One worker, same data: 8 optimizer steps per closure end with bit-identical weights and velocity
-    (the checkpoint digest) as 8 closures of one step each, also across a checkpoint boundary and a
-    target that are not multiples of 8."""
+@pytest.mark.parametrize(("protocol", "workers"), [("asp", 1), ("bsp", 2)])
+def test_one_execution_of_k_steps_equals_k_executions_of_one_step(
+    protocol: str, workers: int, tmp_path: Path
+) -> None:
+    """Same data: 8 optimizer steps per execution (an ASP closure on one worker, a BSP call of two
+    workers in lockstep) end with bit-identical weights and velocity (the checkpoint digest) as 8
+    executions of one step each, also across a checkpoint boundary and a target that are not multiples
+    of 8: every step reads the weights its predecessor's update wrote, however the steps are timed."""
     digests = []
     for k in (1, 8):
         run_dir = tmp_path / f"k{k}"
         rc, result, stderr = train(
-            *("--protocol", "asp", "--workers", "1", "--run-dir", str(run_dir), "--until-step", "30"),
-            *("--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
+            *("--protocol", protocol, "--workers", str(workers), "--run-dir", str(run_dir)),
+            *("--until-step", "30", "--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
         )
         assert rc == 0, stderr[-3000:]
         assert result["global_step"] == 30 and result["updates"] == 30
         manifest = checkpoints.latest(RunLayout(str(run_dir)))
         assert manifest["global_step"] == 30
         digests.append(manifest["digest"])
-        (start,) = segment_events(str(run_dir), 0, "asp", "segment_start")
+        (start,) = segment_events(str(run_dir), 0, protocol, "segment_start")
         assert start["steps_per_execution"] == k
-    assert digests[0] == digests[1], "a k-step closure must equal k one-step closures"
-
-
-def test_one_bsp_call_of_k_steps_equals_k_calls_of_one_step(tmp_path: Path) -> None:
-    """Two workers in lockstep: 8 optimizer steps per call end with bit-identical weights and velocity
-    as 8 calls of one step each (every step reads the weights its predecessor's all-reduced update
-    wrote, however the steps are timed), across a checkpoint boundary and a target that are not
-    multiples of 8."""
-    digests = []
-    for k in (1, 8):
-        run_dir = tmp_path / f"k{k}"
-        rc, result, stderr = train(
-            *("--protocol", "bsp", "--workers", "2", "--run-dir", str(run_dir), "--until-step", "30"),
-            *("--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
-        )
-        assert rc == 0, stderr[-3000:]
-        assert result["global_step"] == 30 and result["updates"] == 30
-        digests.append(checkpoints.latest(RunLayout(str(run_dir)))["digest"])
-    assert digests[0] == digests[1], "a call of k steps must equal k calls of one step"
+    assert digests[0] == digests[1], "an execution of k steps must equal k executions of one step"
 
 
 # ---- faults ----------------------------------------------------------------------------------------
