@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,50 +186,54 @@ def task_instances(deployment: CeleryDeployment, run_id: str) -> dict[str, dict[
     return {ti["task_id"]: ti for ti in body["task_instances"]}
 
 
+def task_log_lines(
+    api: Any, run_id: str, task_id: str, tries: int, keep: Callable[[str], bool], width: int
+) -> list[str]:
+    """The lines of each try's log of a task that ``keep`` selects (cut to ``width``), fetched through the
+    api-server from the worker that ran it while the worker still has it (CI keeps only the test's
+    output, and a worker's logs go with its private folder)."""
+    lines = []
+    for try_number in range(1, tries + 1):
+        try:
+            log = task_log(api, run_id, task_id, try_number)
+        except (OSError, AirflowError) as exc:
+            lines.append(f"  {task_id} try {try_number}: log unreadable ({exc})")
+            continue
+        lines += [f"  {task_id} try {try_number}: {line[:width]}" for line in log.splitlines() if keep(line)]
+    return lines
+
+
 def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
-    """For an assertion message: each run's task states, and the error lines of every failed task's
-    log, fetched through the api-server from the worker that ran it while the worker still has it (CI
-    keeps only the test's output, and a worker's logs go with its private folder)."""
+    """For an assertion message: each run's task states, and the error lines of every failed task's log."""
+
+    def is_error(line: str) -> bool:
+        return '"level":"error"' in line or "Traceback" in line or "Error" in line
+
     lines = []
     for run_id in run_ids:
         tis = task_instances(deployment, run_id)
         lines.append(f"run {run_id}: { ({t: (ti['state'], ti['try_number']) for t, ti in tis.items()}) }")
         for task_id, ti in sorted(tis.items()):
-            if ti["state"] not in ("failed", "up_for_retry"):
-                continue
-            for try_number in range(1, int(ti.get("try_number") or 1) + 1):
-                try:
-                    log = task_log(deployment.airflow.api, run_id, task_id, try_number)
-                except (OSError, AirflowError) as exc:
-                    lines.append(f"  {task_id} try {try_number}: log unreadable ({exc})")
-                    continue
-                noteworthy = [
-                    line[:800]
-                    for line in log.splitlines()
-                    if '"level":"error"' in line or "Traceback" in line or "Error" in line
-                ]
-                lines += [f"  {task_id} try {try_number}: {line}" for line in noteworthy[-15:]]
+            if ti["state"] in ("failed", "up_for_retry"):
+                tries = int(ti.get("try_number") or 1)
+                lines += task_log_lines(deployment.airflow.api, run_id, task_id, tries, is_error, 800)[-15:]
     return "\n".join(lines)
 
 
 def why_started_twice(api: Any, run_id: str, layout: RunLayout, tis: dict[str, dict[str, Any]]) -> str:
-    """For the assertion message (CI keeps only the test's output): every segment_start event and
-    what each try of each segment task logged about launching and following."""
+    """For the assertion message: every segment_start event and what each try of each segment task
+    logged about launching and following."""
+
+    def is_about_launching(line: str) -> bool:
+        return any(word in line for word in ("launch", "following", "already ended", "error"))
+
     keys = ("segment", "start_step", "wall_time", "restored")
     starts = [{k: e.get(k) for k in keys} for e in read_events(layout.metrics, event="segment_start")]
     lines = [f"segment_start events: {starts}"]
     for task_id, ti in sorted(tis.items()):
-        if not task_id.startswith("segment_") or task_id.endswith("watch_stragglers"):
-            continue
-        for try_number in range(1, int(ti.get("try_number") or 1) + 1):
-            try:
-                log = task_log(api, run_id, task_id, try_number)
-            except (OSError, AirflowError) as exc:
-                lines.append(f"{task_id} try {try_number}: log unreadable ({exc})")
-                continue
-            for line in log.splitlines():
-                if any(word in line for word in ("launch", "following", "already ended", "error")):
-                    lines.append(f"{task_id} try {try_number}: {line[:400]}")
+        if task_id.startswith("segment_") and not task_id.endswith("watch_stragglers"):
+            tries = int(ti.get("try_number") or 1)
+            lines += task_log_lines(api, run_id, task_id, tries, is_about_launching, 400)
     return "a segment was started twice\n" + "\n".join(lines)
 
 
