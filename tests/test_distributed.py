@@ -210,6 +210,7 @@ def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
         return '"level":"error"' in line or "Traceback" in line or "Error" in line
 
     lines = []
+    scheduler_log = deployment.airflow.home / "logs" / "components" / "scheduler.log"
     for run_id in run_ids:
         tis = task_instances(deployment, run_id)
         lines.append(f"run {run_id}: { ({t: (ti['state'], ti['try_number']) for t, ti in tis.items()}) }")
@@ -217,7 +218,23 @@ def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
             if ti["state"] in ("failed", "up_for_retry"):
                 tries = int(ti.get("try_number") or 1)
                 lines += task_log_lines(deployment.airflow.api, run_id, task_id, tries, is_error, 800)[-15:]
+                # A task that the executor or the scheduler failed may have no log of its own.
+                about = [f"  scheduler: {line[:400]}" for line in _lines(scheduler_log) if task_id in line]
+                lines += [line for line in about if run_id in line][-10:]
+    # Airflow 3.2+ has known task_instance deadlocks on PostgreSQL (apache/airflow#66734).
+    lines += [
+        f"  postgres: {line[:400]}"
+        for line in _lines(deployment.root / "logs" / "postgres.log")
+        if "ERROR" in line and 'relation "log" does not exist' not in line
+    ][-10:]
     return "\n".join(lines)
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def why_started_twice(api: Any, run_id: str, layout: RunLayout, tis: dict[str, dict[str, Any]]) -> str:
