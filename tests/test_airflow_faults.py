@@ -193,6 +193,10 @@ def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airfl
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["state"] == "success"
     assert any("starting it again" in line for line in out.splitlines()), out
+    # The database the first instance migrated and wrote was left as it was: no second migration.
+    supervisor_log = (airflow.home / "embedded.log").read_text()
+    assert supervisor_log.count("migrating the metadata database") == 1, supervisor_log
+    assert "migrated for these Airflow packages and settings: no migration" in supervisor_log
     layout_root = Path(summary["run_dir"])
     assert sorted(p.name for p in (layout_root / "metrics").iterdir()) == ["seg-00-bsp", "seg-01-asp"]
     from syncswitch.layout import RunLayout

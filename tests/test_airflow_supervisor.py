@@ -1,15 +1,19 @@
 """The embedded Airflow supervisor's log rotation, with a real writer holding its log open as the
-components do (stdout in append mode)."""
+components do (stdout in append mode), and its migration stamp on a real migrated database."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from proc_utils import wait_for
-from syncswitch_airflow.tools.airflow_supervisor import rotate_log
+from syncswitch_airflow.tools.airflow_supervisor import MigrationStamp, rotate_log
 
 WRITER = """
 import sys, time
@@ -39,3 +43,55 @@ def test_a_rotated_log_keeps_its_old_lines_and_the_writer_goes_on_at_the_start(t
     first = int(after.decode().splitlines()[0].split()[1])
     last_kept = int(kept.splitlines()[-1].split()[1])
     assert first > last_kept  # the lines go on from where the copy ended (a few may fall between)
+
+
+# ---- the migration skipped where it would change nothing ---------------------------------------------
+
+
+def _migrated_copy(tmp_path: Path) -> dict[str, str]:
+    """A copy of the session's migrated SQLite database, and the settings of an instance on it."""
+    from airflow.configuration import conf
+
+    source = conf.get("database", "sql_alchemy_conn").removeprefix("sqlite:///")
+    shutil.copyfile(source, tmp_path / "airflow.db")
+    (tmp_path / "airflow.cfg").write_text("[core]\n")
+    return {
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path / 'airflow.db'}",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__API__PORT": "8080",
+        "PATH": "/usr/bin",
+    }
+
+
+@pytest.mark.usefixtures("airflow_db")
+def test_a_migration_is_skipped_only_while_the_revision_packages_and_settings_are_those_it_left(
+    tmp_path: Path,
+) -> None:
+    environ = _migrated_copy(tmp_path)
+    assert not MigrationStamp(tmp_path, environ).is_current()  # never recorded
+    MigrationStamp(tmp_path, environ).record()
+    assert MigrationStamp(tmp_path, environ).is_current()
+    # A port the next start picks, our own section, or a variable that is not Airflow's: nothing.
+    same = {**environ, "AIRFLOW__API__PORT": "8081", "AIRFLOW__SYNCSWITCH__GCP_CONN_ID": "x", "PATH": "/bin"}
+    assert MigrationStamp(tmp_path, same).is_current()
+    # Any other Airflow setting, or airflow.cfg, might (the log template, the auth manager's tables).
+    assert not MigrationStamp(tmp_path, {**environ, "AIRFLOW__CORE__PARALLELISM": "8"}).is_current()
+    assert not MigrationStamp(tmp_path, {**environ, "AIRFLOW__CORE__AUTH_MANAGER": "x.Y"}).is_current()
+    (tmp_path / "airflow.cfg").write_text("[logging]\nlog_filename_template = x\n")
+    assert not MigrationStamp(tmp_path, environ).is_current()
+    (tmp_path / "airflow.cfg").write_text("[core]\n")
+    assert MigrationStamp(tmp_path, environ).is_current()
+    # The database at another revision (another Airflow migrated or downgraded it), or gone.
+    with contextlib.closing(sqlite3.connect(tmp_path / "airflow.db")) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = 'abc123'")
+    assert not MigrationStamp(tmp_path, environ).is_current()
+    (tmp_path / "airflow.db").unlink()
+    assert not MigrationStamp(tmp_path, environ).is_current()
+
+
+@pytest.mark.usefixtures("airflow_db")
+def test_a_database_other_than_sqlite_is_always_migrated(tmp_path: Path) -> None:
+    environ = _migrated_copy(tmp_path)
+    MigrationStamp(tmp_path, environ).record()
+    postgres = {**environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql+psycopg2://u:p@h:5432/db"}
+    assert not MigrationStamp(tmp_path, postgres).is_current()

@@ -6,7 +6,9 @@ It replaces ``airflow standalone``, which starts the scheduler, dag-processor, t
 api-server once and never restarts them: a triggerer killed while a segment task was deferred left the
 run waiting until someone started one by hand. Here:
 
-- the metadata database is migrated first (``airflow db migrate``);
+- the metadata database is migrated first (``airflow db migrate``), unless it is a SQLite file that a
+  migration left at its revision under the same Airflow packages and settings (``migrated.json``):
+  then the ~4 s of a migration that would change nothing are skipped (a restart of ``syncswitch run``);
 - each component runs as ``airflow <component>`` with its output in ``logs/components/<name>.log``;
 - a component that exits is restarted after a backoff (1 s, doubling up to 60 s; reset once it has
   run for 10 minutes), with one line in this process's log (``embedded.log``) saying which, how it
@@ -31,13 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,12 +138,19 @@ class Supervisor:
         self.stopping = True
 
     def _migrate(self) -> bool:
+        stamp = MigrationStamp(self.home, os.environ)
+        if stamp.is_current():
+            log("the metadata database is migrated for these Airflow packages and settings: no migration")
+            return True
         log("migrating the metadata database")
+        stamp.forget()  # written again only once this migration has succeeded
         with open(self.log_dir / "db-migrate.log", "ab") as out:
             done = subprocess.run(_command("db") + ["migrate"], stdout=out, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             log(f"`airflow db migrate` failed with {done.returncode}; see {self.log_dir / 'db-migrate.log'}")
-        return done.returncode == 0
+            return False
+        stamp.record()
+        return True
 
     # ---- components ------------------------------------------------------------------------
 
@@ -273,6 +286,81 @@ class Supervisor:
         tmp.write_text(json.dumps(status, indent=2))
         tmp.replace(self.home / STATUS_FILE)
         self._status_written = time.monotonic()
+
+
+class MigrationStamp:
+    """What the last successful ``airflow db migrate`` of a SQLite database left: the database's
+    revision, and a digest of what a migration depends on (the installed apache-airflow packages,
+    whose versions and database managers decide the schema, and the ``AIRFLOW__*`` settings and
+    airflow.cfg, which decide the log template and the external managers it syncs). A migration is
+    skipped only while all of them are unchanged; any other database (PostgreSQL) is always migrated."""
+
+    FILE = "migrated.json"
+    OURS = "AIRFLOW__SYNCSWITCH__"  # this provider's section: it has no tables
+    # Ports an instance picks as it starts: no migration depends on them.
+    PER_START = frozenset(
+        f"AIRFLOW__{key}"
+        for key in (
+            "API__PORT",
+            "API__BASE_URL",
+            "CORE__EXECUTION_API_SERVER_URL",
+            "LOGGING__WORKER_LOG_SERVER_PORT",
+            "LOGGING__TRIGGER_LOG_SERVER_PORT",
+        )
+    )
+
+    def __init__(self, home: Path, environ: Mapping[str, str]) -> None:
+        self.path = home / self.FILE
+        self.home = home
+        self.environ = environ
+        url = environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
+        self.database = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+    def is_current(self) -> bool:
+        if self.database is None:
+            return False
+        try:
+            recorded = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        revision = self._revision()
+        return revision is not None and recorded == {"revision": revision, "digest": self._digest()}
+
+    def record(self) -> None:
+        revision = self._revision()
+        if revision is not None:
+            self.path.write_text(json.dumps({"revision": revision, "digest": self._digest()}))
+
+    def forget(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def _revision(self) -> str | None:
+        """The database's alembic revision (read-only, without importing Airflow); None if none."""
+        if self.database is None or not self.database.is_file():
+            return None
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{self.database}?mode=ro", uri=True)) as db:
+                rows = db.execute("SELECT version_num FROM alembic_version").fetchall()
+        except sqlite3.Error:
+            return None
+        return rows[0][0] if len(rows) == 1 else None
+
+    def _digest(self) -> str:
+        packages = sorted(
+            f"{dist.metadata['Name']}=={dist.version}"
+            for dist in importlib.metadata.distributions()
+            if (dist.metadata["Name"] or "").lower().startswith("apache-airflow")
+        )
+        settings = sorted(
+            f"{k}={v}"
+            for k, v in self.environ.items()
+            if k.startswith("AIRFLOW__") and k not in self.PER_START and not k.startswith(self.OURS)
+        )
+        try:
+            config = (self.home / "airflow.cfg").read_text()
+        except OSError:
+            config = ""
+        return hashlib.sha256("\n".join([*packages, *settings, config]).encode()).hexdigest()
 
 
 def read_status(home: Path) -> dict[str, Any] | None:
