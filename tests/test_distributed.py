@@ -454,7 +454,7 @@ def test_two_runs_at_once_take_disjoint_hosts_of_a_pool_and_both_succeed(
     (``hosts_per_cluster``), with room for two clusters (``[syncswitch] hosts_clusters``): the
     deployment's ledger (a bucket object, polled every 0.5 s) never names a host in two leases, the two
     clusters are held at the same time, and both runs succeed, each on its own two hosts, with no
-    lease left."""
+    lease left. Their reports, which end at about the same moment, create the job's assets."""
     key = bucket_key(bed, bucket)
     pool = training_testbed_hosts(bed) + [bed.hosts[2 + len(TRAINING_ROLES) + 1]]
     conf = {
@@ -475,6 +475,13 @@ def test_two_runs_at_once_take_disjoint_hosts_of_a_pool_and_both_succeed(
     assert set(states.values()) == {"success"}, why_failed(deployment, run_ids)
     assert ledger.shared == [], f"a host in two leases at once: {ledger.shared}"
     assert ledger.most_at_once() == 2, ledger.held
+    # The reports, which create the new job's assets, ran one after the other (a race lost on
+    # PostgreSQL's unique index failed one before: dag_factory).
+    reports = sorted(
+        (ti["start_date"], ti["end_date"])
+        for ti in (task_instances(deployment, r)["report"] for r in run_ids)
+    )
+    assert reports[0][1] <= reports[1][0], reports
     held = [ledger.held[safe_run_id(run_id)]["hosts"] for run_id in run_ids]
     assert all(len(hosts) == 2 for hosts in held) and not held[0] & held[1], held
     assert held[0] | held[1] <= {h.address for h in pool}

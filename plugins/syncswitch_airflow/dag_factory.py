@@ -83,7 +83,13 @@ def build_sync_switch_dag(
         evaluate = EvaluateRunOperator(
             task_id="evaluate", run_dir=RUN_DIR, trigger_rule=TriggerRule.NONE_FAILED
         )
-        report = ReportRunOperator(task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS])
+        # One report at a time across the DAG's runs: a job's first asset events create its assets,
+        # and Airflow 3.3 creates one without a guard, so two runs of a new job reporting at once on
+        # PostgreSQL hit its unique index and the api-server marks the second report failed (the
+        # task's own code had succeeded). A report waits for the other's few seconds instead.
+        report = ReportRunOperator(
+            task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS], max_active_tis_per_dag=1
+        )
         teardown = TeardownClusterOperator(task_id="teardown_cluster")
         finalize = FinalizeRunOperator(task_id="finalize", trigger_rule=TriggerRule.ALL_DONE)
         cross_downstream(last_slot, [evaluate, teardown])
