@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -13,11 +14,12 @@ from typing import Any
 from urllib.parse import quote
 
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent
-from proc_utils import wait_for
+from proc_utils import environ, wait_for
 from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
+from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.airflow_api import AirflowApi
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -221,3 +223,25 @@ def task_log(api: AirflowApi, run_id: str, task_id: str, try_number: int = 1) ->
         "?full_content=true"
     )
     return "\n".join(json.dumps(item) if isinstance(item, dict) else str(item) for item in body["content"])
+
+
+class LocalSegmentNodes:
+    """Finds the pids of the nodes (e.g. 'worker-1'; all of them if none is named) of a running segment
+    on a job's local cluster, from the launcher's process table. The cluster's folder is in its fork
+    server's environment; it is looked up in /proc until found, then kept (a throttle asks five times a
+    second)."""
+
+    def __init__(self, job_name: str, segment: int, *nodes: str) -> None:
+        self.job_name, self.segment, self.nodes = job_name, segment, nodes
+        self.cluster_dir = ""
+
+    def __call__(self) -> list[int]:
+        if not self.cluster_dir:
+            found = (environ(int(e)).get(CLUSTER_ENV, "") for e in os.listdir("/proc") if e.isdigit())
+            self.cluster_dir = next((d for d in found if f"/{self.job_name}-" in d), "")
+        table = Path(self.cluster_dir, "segments", f"seg-{self.segment:02d}", "scratch", "nodes.json")
+        try:
+            nodes = json.loads(table.read_text()) if self.cluster_dir else {}
+            return [int(nodes[name]["pid"]) for name in self.nodes or nodes]
+        except (OSError, ValueError, KeyError):
+            return []

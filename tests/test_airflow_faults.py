@@ -14,16 +14,19 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from airflow_runs import (
     DAG_ID,
+    LocalSegmentNodes,
     checkpoint_names,
     component_pid,
     latest_step,
     relaunch_evidence,
     segment_starts,
     state_of,
+    task_log,
     trigger,
     wait_for_restart,
     wait_for_step,
@@ -31,7 +34,9 @@ from airflow_runs import (
     wait_run,
 )
 from proc_utils import assert_no_processes, environ, wait_for
-from syncswitch import procs, storage
+from syncswitch import checkpoints, procs, storage
+from syncswitch.events import read_events
+from syncswitch_airflow import history
 from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -115,6 +120,67 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     assert segment_starts(layout) == {0: 1, 1: 1}, "clear retrained a finished segment"
     assert checkpoint_names(layout) == checkpoints
     assert state_of(layout)["status"] == "success"
+
+
+def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """A long run that failed mid-segment (here marked failed by hand, as one past its retries ends)
+    is resumed the way Airflow users resume a run: "Clear" of the failed segment with its downstream.
+    Airflow reruns the segment's setup (a new cluster) and teardown; the segment goes on from the last
+    checkpoint the failed one left, not from step 0; the run ends a success, in the job's history too."""
+    airflow = embedded_airflow
+    conf = {
+        "job_name": "resume",
+        "bucket_dir": str(tmp_path / "runs"),
+        "switch_order": "10",
+        "train_steps": [3000, 100],
+        "ckpt_frequency": [100, 100],
+    }
+    run_id, layout = trigger(airflow, conf)
+    wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
+    wait_for_step(layout, 0, "bsp", 250)
+    # Frozen from here on: the failure is what a run past its retries leaves (a segment stopped before
+    # its end), however fast this machine would train to the end while teardown comes.
+    for pid in LocalSegmentNodes("resume", 0)():
+        os.kill(pid, signal.SIGSTOP)
+    airflow.api.set_task_state(DAG_ID, run_id, "segment_0.bsp", "failed")
+    assert wait_run(airflow, run_id) == "failed"
+    assert_no_processes(r"/resume-", timeout=30)
+    left_at = checkpoints.latest(layout)["global_step"]
+    assert left_at >= 100
+
+    cleared = airflow.api.clear_tasks(DAG_ID, run_id, ["segment_0.bsp"], include_downstream=True)
+    assert {"provision_cluster", "segment_0.bsp", "segment_1.asp", "teardown_cluster", "finalize"} <= set(
+        cleared
+    )
+    assert wait_run(airflow, run_id) == "success", failed_tasks_and_logs(airflow, run_id)
+    state = state_of(layout)
+    assert state["final"]["global_step"] == 3100 and state["status"] == "success"
+    provision = airflow.api.get_json(
+        f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/provision_cluster"
+    )
+    assert provision["try_number"] == 2 and provision["state"] == "success"  # provisioned again
+    starts = [e for e in read_events(layout.metrics, event="segment_start") if e.get("segment") == 0]
+    assert len(starts) == 2 and starts[0]["start_step"] == 0, starts
+    assert starts[1]["start_step"] >= left_at, starts  # resumed, not retrained from step 0
+    records = history.read_records(conf["bucket_dir"], "resume")
+    assert [(r["run_id"], r["status"]) for r in records] == [(run_id, "success")], records
+    assert_no_processes(r"/resume-", timeout=30)
+
+
+def failed_tasks_and_logs(airflow: EmbeddedAirflow, run_id: str) -> str:
+    """For an assertion message: the run's failed tasks and the end of each one's latest log."""
+    lines = []
+    for task_id, task_state in sorted(airflow.api.task_states(DAG_ID, run_id).items()):
+        if task_state in ("failed", "upstream_failed"):
+            lines.append(f"{task_id}: {task_state}")
+            tries = airflow.api.get_json(
+                f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{task_id}"
+            )["try_number"]
+            if task_state == "failed" and tries:
+                lines.append(task_log(airflow.api, run_id, task_id, tries)[-2500:])
+    return "\n".join(lines)
 
 
 def test_mark_failed_on_a_running_segment_tears_down_and_leaves_no_process(

@@ -9,17 +9,15 @@ fixture stops it at the end of the session and checks the process table.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from airflow_runs import segment_starts, task_log
-from proc_utils import ProgressThrottle, assert_no_processes, environ, wait_for
+from airflow_runs import LocalSegmentNodes, segment_starts, task_log
+from proc_utils import ProgressThrottle, assert_no_processes, wait_for
 from syncswitch.layout import RunLayout
-from syncswitch_airflow.backends.base import CLUSTER_ENV
 from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -204,28 +202,6 @@ def assert_the_new_model_ran_the_downstream_dag(airflow: EmbeddedAirflow, summar
     assert model["test_accuracy"] == pytest.approx(summary["final_accuracy"])
     assert by_uri["syncswitch://cli-e2e/report"]["report"] == summary["report"]
     assert [run["dag_id"] for e in events for run in e["created_dagruns"]] == [CONSUMER_DAG]
-
-
-class LocalSegmentNodes:
-    """Finds the pids of the nodes (e.g. 'worker-1'; all of them if none is named) of a running segment
-    on a job's local cluster, from the launcher's process table. The cluster's folder is in its fork
-    server's environment; it is looked up in /proc until found, then kept (a throttle asks five times a
-    second)."""
-
-    def __init__(self, job_name: str, segment: int, *nodes: str) -> None:
-        self.job_name, self.segment, self.nodes = job_name, segment, nodes
-        self.cluster_dir = ""
-
-    def __call__(self) -> list[int]:
-        if not self.cluster_dir:
-            found = (environ(int(e)).get(CLUSTER_ENV, "") for e in os.listdir("/proc") if e.isdigit())
-            self.cluster_dir = next((d for d in found if f"/{self.job_name}-" in d), "")
-        table = Path(self.cluster_dir, "segments", f"seg-{self.segment:02d}", "scratch", "nodes.json")
-        try:
-            nodes = json.loads(table.read_text()) if self.cluster_dir else {}
-            return [int(nodes[name]["pid"]) for name in self.nodes or nodes]
-        except (OSError, ValueError, KeyError):
-            return []
 
 
 def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(

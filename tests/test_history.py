@@ -145,6 +145,23 @@ def test_records_are_immutable(bucket_dir: str) -> None:
     assert [r["final_accuracy"] for r in read_records(bucket_dir, JOB)] == [0.75, 0.5]
 
 
+def test_a_failed_record_gives_way_to_the_same_run_finishing_later_and_no_other(bucket_dir: str) -> None:
+    """A failed run resumed by clearing its failed tasks finishes again; its record says how it ended.
+    A success is final, and an older record never replaces a newer one."""
+    failed = record("manual__2024-01-05T10:00:00+00:00", accuracy=None, status="failed", finished_at=T0 + 10)
+    assert write_record(bucket_dir, JOB, failed) is True
+    with pytest.raises(RecordConflict):  # not finished after the failure: not a resumption
+        write_record(bucket_dir, JOB, {**failed, "status": "success", "finished_at": T0 + 5})
+    failed_again = {**failed, "finished_at": T0 + 20}  # resumed, and failed again
+    assert write_record(bucket_dir, JOB, failed_again) is True
+    resumed = {**failed, "status": "success", "final_accuracy": 0.9, "finished_at": T0 + 30}
+    assert write_record(bucket_dir, JOB, resumed) is True
+    assert write_record(bucket_dir, JOB, dict(resumed)) is False
+    with pytest.raises(RecordConflict, match="immutable"):
+        write_record(bucket_dir, JOB, {**resumed, "status": "failed", "finished_at": T0 + 40})
+    assert [(r["status"], r["final_accuracy"]) for r in read_records(bucket_dir, JOB)] == [("success", 0.9)]
+
+
 def test_run_ids_that_share_a_file_name_do_not_overwrite_each_other(tmp_path: Path) -> None:
     bucket = str(tmp_path)
     write_record(bucket, JOB, record("a:b"))

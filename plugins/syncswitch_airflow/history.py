@@ -10,12 +10,14 @@ Where (``syncswitch.layout.JobHistoryLayout``)::
 also the import format (one JSON object per line of a ``.jsonl`` file); docs/history.md describes
 every field and the fingerprint.
 
-Immutability: a record or claim, once written, is never replaced. Writing the same content again is
-a no-op (a retried task), different content for the same run id raises :class:`RecordConflict`. A
-record's check reads before it writes; that is enough because the only writer of a run's record is
-that run. Claims are one document updated atomically (``storage.update_json``), because a run decides
-from the other runs' claims: :func:`claim_decision` decides and claims in one step. A
-reprocessed logical date is a new DAG run with a new run id, so it gets its own record.
+Immutability: a record or claim, once written, is never replaced, with one exception: a failed run's
+record gives way to the record the same run writes when it finishes again later (a failed run resumed
+by clearing its failed tasks). Writing the same content again is a no-op (a retried task), other
+different content for the same run id raises :class:`RecordConflict`. A record's check reads before it
+writes; that is enough because the only writer of a run's record is that run. Claims are one
+document updated atomically (``storage.update_json``), because a run decides from the other runs'
+claims: :func:`claim_decision` decides and claims in one step. A reprocessed logical date is a new DAG
+run with a new run id, so it gets its own record.
 """
 
 from __future__ import annotations
@@ -317,10 +319,13 @@ _RECORD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
 
 
 def write_record(bucket_dir: str, job_name: str, record: dict[str, Any]) -> bool:
-    """Write a finished run's record; True if written, False if the same record was already there."""
+    """Write a finished run's record; True if written, False if the same record was already there.
+    A failed run's record gives way to the record of the same run finishing later: a failed run
+    resumed by clearing its failed tasks finishes again, and its history says how it ended."""
     record = validate_record(record)
     _check_same_job(job_name, record)
-    return _write_once(JobHistoryLayout.for_job(bucket_dir, job_name).record(record["run_id"]), record)
+    uri = JobHistoryLayout.for_job(bucket_dir, job_name).record(record["run_id"])
+    return _write_once(uri, record, replaces=_resumed)
 
 
 def claim_decision(
@@ -412,18 +417,28 @@ def _check_same_job(job_name: str, record: dict[str, Any]) -> None:
         raise RecordError("job_name", f"the record is of job {record['job_name']!r}, not {job_name!r}")
 
 
-def _write_once(uri: str, content: dict[str, Any]) -> bool:
+def _write_once(
+    uri: str, content: dict[str, Any], replaces: Callable[[dict[str, Any], dict[str, Any]], bool]
+) -> bool:
+    """Write ``content`` unless the same is there; a different entry only where ``replaces(existing,
+    content)``, else :class:`RecordConflict`."""
     content = _as_stored(content)  # so that a retried write is a no-op
     existing = storage.read_json(uri, default=None)
     if existing is not None:
         if existing == content:
             return False
-        raise RecordConflict(
-            f"run_id: a different entry for run {content['run_id']!r} already exists at {uri}; history is "
-            "immutable (a reprocessed date is a new DAG run with its own run id)"
-        )
+        if not replaces(existing, content):
+            raise RecordConflict(
+                f"run_id: a different entry for run {content['run_id']!r} already exists at {uri}; history "
+                "is immutable (a reprocessed date is a new DAG run with its own run id)"
+            )
     storage.write_json(uri, content)
     return True
+
+
+def _resumed(earlier: dict[str, Any], later: dict[str, Any]) -> bool:
+    """``later`` is the same run finishing again after ``earlier`` recorded its failure."""
+    return earlier.get("status") == "failed" and later["finished_at"] > float(earlier.get("finished_at") or 0)
 
 
 # ---- JSON lines: import and export -------------------------------------------------------------------

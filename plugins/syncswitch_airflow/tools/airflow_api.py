@@ -185,9 +185,18 @@ class AirflowApi:
             raise AirflowError(f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
         self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
 
-    def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str]) -> list[str]:
-        """Clear task instances of a run, as the UI's "Clear" does; returns what was cleared."""
-        payload = {"dag_run_id": run_id, "task_ids": task_ids, "dry_run": False, "only_failed": False}
+    def clear_tasks(
+        self, dag_id: str, run_id: str, task_ids: list[str], include_downstream: bool = False
+    ) -> list[str]:
+        """Clear task instances of a run, as the UI's "Clear" does (with its "Downstream" option:
+        ``include_downstream``); returns what was cleared."""
+        payload = {
+            "dag_run_id": run_id,
+            "task_ids": task_ids,
+            "dry_run": False,
+            "only_failed": False,
+            "include_downstream": include_downstream,
+        }
         status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/clearTaskInstances", payload)
         if status != 200:
             raise AirflowError(f"clearing {task_ids} answered {status}: {_error_text(body)}")
