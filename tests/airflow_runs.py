@@ -20,7 +20,7 @@ from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.base import CLUSTER_ENV
-from syncswitch_airflow.tools.airflow_api import AirflowApi
+from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 DAG_ID = "sync_switch"
@@ -214,6 +214,35 @@ def first_event(trigger: BaseTrigger, timeout: float = 30.0) -> dict[str, Any]:
         raise AssertionError("the trigger ended without an event")
 
     return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def task_instances(api: AirflowApi, run_id: str) -> dict[str, dict[str, Any]]:
+    """A sync_switch run's task instances by task id, in one request."""
+    body = api.get_json(f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances?limit=100")
+    return {ti["task_id"]: ti for ti in body["task_instances"]}
+
+
+def task_log_lines(
+    api: AirflowApi, run_id: str, task_id: str, tries: int, keep: Callable[[str], bool], width: int
+) -> list[str]:
+    """The lines of each try's log of a task that ``keep`` selects (cut to ``width``), fetched through the
+    api-server from where the task ran while that is still there (CI keeps only the test's output, and
+    a Celery worker's logs go with its private folder)."""
+    lines = []
+    for try_number in range(1, tries + 1):
+        try:
+            log = task_log(api, run_id, task_id, try_number)
+        except (OSError, AirflowError) as exc:
+            lines.append(f"  {task_id} try {try_number}: log unreadable ({exc})")
+            continue
+        lines += [f"  {task_id} try {try_number}: {line[:width]}" for line in log.splitlines() if keep(line)]
+    return lines
+
+
+def is_error_line(line: str) -> bool:
+    """An error of a task's log as :func:`task_log` gives it (a JSON line per event, ``json.dumps``
+    spacing) or a raw traceback."""
+    return '"level": "error"' in line or "Traceback" in line or "Error" in line
 
 
 def task_log(api: AirflowApi, run_id: str, task_id: str, try_number: int = 1) -> str:

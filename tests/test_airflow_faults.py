@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 from airflow_runs import (
@@ -22,11 +21,13 @@ from airflow_runs import (
     LocalSegmentNodes,
     checkpoint_names,
     component_pid,
+    is_error_line,
     latest_step,
     relaunch_evidence,
     segment_starts,
     state_of,
-    task_log,
+    task_instances,
+    task_log_lines,
     trigger,
     wait_for_restart,
     wait_for_step,
@@ -157,9 +158,7 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
     assert wait_run(airflow, run_id) == "success", failed_tasks_and_logs(airflow, run_id)
     state = state_of(layout)
     assert state["final"]["global_step"] == 3100 and state["status"] == "success"
-    provision = airflow.api.get_json(
-        f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/provision_cluster"
-    )
+    provision = task_instances(airflow.api, run_id)["provision_cluster"]
     assert provision["try_number"] == 2 and provision["state"] == "success"  # provisioned again
     starts = [e for e in read_events(layout.metrics, event="segment_start") if e.get("segment") == 0]
     assert len(starts) == 2 and starts[0]["start_step"] == 0, starts
@@ -170,16 +169,13 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
 
 
 def failed_tasks_and_logs(airflow: EmbeddedAirflow, run_id: str) -> str:
-    """For an assertion message: the run's failed tasks and the end of each one's latest log."""
+    """For an assertion message: the run's failed tasks and the error lines of their logs."""
     lines = []
-    for task_id, task_state in sorted(airflow.api.task_states(DAG_ID, run_id).items()):
-        if task_state in ("failed", "upstream_failed"):
-            lines.append(f"{task_id}: {task_state}")
-            tries = airflow.api.get_json(
-                f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{task_id}"
-            )["try_number"]
-            if task_state == "failed" and tries:
-                lines.append(task_log(airflow.api, run_id, task_id, tries)[-2500:])
+    for task_id, ti in sorted(task_instances(airflow.api, run_id).items()):
+        if ti["state"] in ("failed", "upstream_failed"):
+            lines.append(f"{task_id}: {ti['state']}")
+            if ti["state"] == "failed" and ti["try_number"]:
+                lines += task_log_lines(airflow.api, run_id, task_id, ti["try_number"], is_error_line, 2500)
     return "\n".join(lines)
 
 

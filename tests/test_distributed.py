@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,13 @@ from airflow_runs import (
     TaskTimeline,
     checkpoint_step,
     component_pid,
+    is_error_line,
     segment_starts,
     task_log,
+    task_log_lines,
     wait_for_restart,
 )
+from airflow_runs import task_instances as run_task_instances
 from celery_deployment import PROJECT_DIR, CeleryDeployment, LedgerWatch, missing_prerequisites
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
@@ -180,35 +183,11 @@ def training_hosts(bed: tb.Testbed, bucket: str) -> list[str]:
 
 
 def task_instances(deployment: CeleryDeployment, run_id: str) -> dict[str, dict[str, Any]]:
-    body = deployment.airflow.api.get_json(
-        f"/api/v2/dags/sync_switch/dagRuns/{run_id}/taskInstances?limit=100"
-    )
-    return {ti["task_id"]: ti for ti in body["task_instances"]}
-
-
-def task_log_lines(
-    api: Any, run_id: str, task_id: str, tries: int, keep: Callable[[str], bool], width: int
-) -> list[str]:
-    """The lines of each try's log of a task that ``keep`` selects (cut to ``width``), fetched through the
-    api-server from the worker that ran it while the worker still has it (CI keeps only the test's
-    output, and a worker's logs go with its private folder)."""
-    lines = []
-    for try_number in range(1, tries + 1):
-        try:
-            log = task_log(api, run_id, task_id, try_number)
-        except (OSError, AirflowError) as exc:
-            lines.append(f"  {task_id} try {try_number}: log unreadable ({exc})")
-            continue
-        lines += [f"  {task_id} try {try_number}: {line[:width]}" for line in log.splitlines() if keep(line)]
-    return lines
+    return run_task_instances(deployment.airflow.api, run_id)
 
 
 def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
     """For an assertion message: each run's task states, and the error lines of every failed task's log."""
-
-    def is_error(line: str) -> bool:
-        return '"level":"error"' in line or "Traceback" in line or "Error" in line
-
     lines = []
     scheduler_log = deployment.airflow.home / "logs" / "components" / "scheduler.log"
     for run_id in run_ids:
@@ -217,7 +196,8 @@ def why_failed(deployment: CeleryDeployment, run_ids: list[str]) -> str:
         for task_id, ti in sorted(tis.items()):
             if ti["state"] in ("failed", "up_for_retry"):
                 tries = int(ti.get("try_number") or 1)
-                lines += task_log_lines(deployment.airflow.api, run_id, task_id, tries, is_error, 800)[-15:]
+                api = deployment.airflow.api
+                lines += task_log_lines(api, run_id, task_id, tries, is_error_line, 800)[-15:]
                 # A task that the executor or the scheduler failed may have no log of its own.
                 about = [f"  scheduler: {line[:400]}" for line in _lines(scheduler_log) if task_id in line]
                 lines += [line for line in about if run_id in line][-10:]

@@ -325,7 +325,17 @@ def write_record(bucket_dir: str, job_name: str, record: dict[str, Any]) -> bool
     record = validate_record(record)
     _check_same_job(job_name, record)
     uri = JobHistoryLayout.for_job(bucket_dir, job_name).record(record["run_id"])
-    return _write_once(uri, record, replaces=_resumed)
+    record = _as_stored(record)  # so that a retried write is a no-op
+    existing = storage.read_json(uri, default=None)
+    if existing == record:
+        return False
+    if existing is not None and not _resumed(existing, record):
+        raise RecordConflict(
+            f"run_id: a different entry for run {record['run_id']!r} already exists at {uri}; history "
+            "is immutable (a reprocessed date is a new DAG run with its own run id)"
+        )
+    storage.write_json(uri, record)
+    return True
 
 
 def claim_decision(
@@ -415,25 +425,6 @@ def _check_same_job(job_name: str, record: dict[str, Any]) -> None:
     check_job_name(job_name)
     if record["job_name"] != job_name:
         raise RecordError("job_name", f"the record is of job {record['job_name']!r}, not {job_name!r}")
-
-
-def _write_once(
-    uri: str, content: dict[str, Any], replaces: Callable[[dict[str, Any], dict[str, Any]], bool]
-) -> bool:
-    """Write ``content`` unless the same is there; a different entry only where ``replaces(existing,
-    content)``, else :class:`RecordConflict`."""
-    content = _as_stored(content)  # so that a retried write is a no-op
-    existing = storage.read_json(uri, default=None)
-    if existing is not None:
-        if existing == content:
-            return False
-        if not replaces(existing, content):
-            raise RecordConflict(
-                f"run_id: a different entry for run {content['run_id']!r} already exists at {uri}; history "
-                "is immutable (a reprocessed date is a new DAG run with its own run id)"
-            )
-    storage.write_json(uri, content)
-    return True
 
 
 def _resumed(earlier: dict[str, Any], later: dict[str, Any]) -> bool:
