@@ -140,15 +140,20 @@ def test_one_execution_of_k_steps_equals_k_executions_of_one_step(
     """Same data: 8 optimizer steps per execution (an ASP closure on one worker, a BSP call of two
     workers in lockstep) end with bit-identical weights and velocity (the checkpoint digest) as 8
     executions of one step each, also across a checkpoint boundary and a target that are not multiples
-    of 8: every step reads the weights its predecessor's update wrote, however the steps are timed."""
+    of 8: every step reads the weights its predecessor's update wrote, however the steps are timed.
+    BSP's other worker also outlives the chief: the chief may still fetch that worker's share of the
+    last all-reduce from its server (a worker that exited first failed the chief, "Socket closed")."""
     digests = []
     for k in (1, 8):
-        run_dir = tmp_path / f"k{k}"
+        run_dir, work_dir = tmp_path / f"k{k}", tmp_path / f"work{k}"
         rc, result, stderr = train(
             *("--protocol", protocol, "--workers", str(workers), "--run-dir", str(run_dir)),
             *("--until-step", "30", "--ckpt-frequency", "12", "--hparams", f"steps_per_execution={k}"),
+            *("--work-dir", str(work_dir)),
         )
         assert rc == 0, stderr[-3000:]
+        if protocol == "bsp":
+            assert exit_order(work_dir)[0] == "ss-worker-0", exit_order(work_dir)
         assert result["global_step"] == 30 and result["updates"] == 30
         manifest = checkpoints.latest(RunLayout(str(run_dir)))
         assert manifest["global_step"] == 30
@@ -159,6 +164,12 @@ def test_one_execution_of_k_steps_equals_k_executions_of_one_step(
 
 
 # ---- faults ----------------------------------------------------------------------------------------
+
+
+def exit_order(work_dir: Path) -> list[str]:
+    """The cluster's nodes in the order their private fork server saw them exit."""
+    log = (work_dir / "forkserver" / "forkserver.log").read_text()
+    return re.findall(r"forkserver: (\S+) \(pid \d+\) exited with", log)
 
 
 def autograph_files(folder: str | Path) -> set[str]:

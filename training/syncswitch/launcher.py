@@ -247,6 +247,8 @@ class SegmentCluster:
     def start(self) -> None:
         """Fork every node from its host's fork server; each reads its role from TF_CONFIG."""
         self._check_stragglers()
+        # A retry reuses the folder: the killed try's progress must not read as this one's.
+        storage.delete(os.path.join(self.work_dir, "progress.json"))
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
         cores = os.cpu_count() or 1
@@ -310,7 +312,7 @@ class SegmentCluster:
             for node in self.nodes[1:]:
                 rc = node.process.poll()
                 if rc is None or (rc == 0 and self.spec.protocol == "bsp"):
-                    continue  # BSP workers exit 0 once training is done, before the chief's eval
+                    continue  # a BSP worker exits 0 once training is done and the chief is gone
                 if node.role == "ps":
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")

@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import NoReturn
 
+from syncswitch import peers
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec
 
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     result = run_bsp_worker(ctx, problem) if spec.protocol == "bsp" else run_asp_chief(ctx, problem)
     if result is not None:
         print(json.dumps(result), flush=True)
+    if spec.protocol == "bsp" and task != 0:
+        # This worker's last all-reduce can end before the chief has fetched this worker's share of
+        # it (each chunk is pulled from its owner's server): exiting at once closed that fetch's
+        # socket and failed the chief at the segment's end ("Collective ops is aborted by: Socket
+        # closed"). So a worker stays until the chief, whose server is up until it exits, is gone.
+        peers.wait_until_gone(tf_config["cluster"]["worker"][0])
     # Exit from here, while ctx still holds the segment's strategy, iterators and coordinator
     # (ctx.finished_objects): returning would destroy them, and their destructors wait on peers that
     # have exited (MultiWorkerMirroredStrategy's collectives until the coordination service's 10 s

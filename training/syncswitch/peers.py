@@ -5,6 +5,9 @@ in the all-reduce alike), so the detector also needs to know whose link is slow.
 connect (one SYN / SYN-ACK round trip) to each peer's TensorFlow server every second. A worker with
 a slow link sees it to every peer; a healthy worker only towards the slow one, so the minimum over
 the peers singles out the straggler (with at least three workers; two see the same link).
+
+A worker that has finished also waits here for the chief to exit (``wait_until_gone``): the chief may
+still be fetching the worker's share of the last all-reduce from the worker's server.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 
 PROBE_INTERVAL_SECONDS = 1.0
 CONNECT_TIMEOUT_SECONDS = 2.0
+# How long a finished BSP worker waits for the chief to go, at most (the launcher stops it sooner).
+CHIEF_WAIT_SECONDS = 60.0
 
 
 class PeerProbe:
@@ -49,6 +54,30 @@ class PeerProbe:
                 return time.perf_counter() - started
         except OSError:  # a peer that is gone or not listening yet says nothing about the link
             return None
+
+
+def wait_until_gone(address: str, *, timeout: float = CHIEF_WAIT_SECONDS) -> bool:
+    """Wait until nothing listens at ``address`` ("host:port") any more: its process exited (a
+    connect is refused) or its host is gone (a connect times out). One connection is held open
+    meanwhile, so the wait costs nothing until its peer closes it. True once gone, False after
+    ``timeout``."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=min(left, CONNECT_TIMEOUT_SECONDS))
+        except OSError:
+            return True
+        with conn:
+            conn.settimeout(left)
+            try:
+                while conn.recv(4096):  # whatever the server greets with, until it closes
+                    pass
+            except TimeoutError:
+                return False
+            except OSError:
+                pass  # reset by the peer: look again whether it still listens
+    return False
 
 
 def bsp_peers(tf_config: dict, task: int) -> list[str]:
