@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -51,3 +52,23 @@ def test_it_returns_once_the_listener_and_its_connections_close_and_not_before()
     returned_at = time.monotonic()
     thread.join()
     assert closed_at and returned_at >= closed_at[0]
+
+
+def test_a_server_that_keeps_talking_does_not_stretch_the_timeout() -> None:
+    server, address = listener()
+    stop = threading.Event()
+
+    def chatter() -> None:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):  # the waiter may close first
+            while not stop.wait(0.05):
+                conn.sendall(b".")
+
+    thread = threading.Thread(target=chatter)
+    thread.start()
+    try:
+        assert wait_until_gone(address, timeout=0.3) is False
+    finally:
+        stop.set()
+        thread.join()
+        server.close()

@@ -69,10 +69,10 @@ def wait_until_gone(address: str, *, timeout: float = CHIEF_WAIT_SECONDS) -> boo
         except OSError:
             return True
         with conn:
-            conn.settimeout(left)
             try:
+                conn.settimeout(left)
                 while conn.recv(4096):  # whatever the server greets with, until it closes
-                    pass
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
             except TimeoutError:
                 return False
             except OSError:
