@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from syncswitch.peers import wait_until_gone
+from syncswitch.peers import host_port, wait_until_gone
 
 
 def listener() -> tuple[socket.socket, str]:
@@ -72,3 +72,9 @@ def test_a_server_that_keeps_talking_does_not_stretch_the_timeout() -> None:
         stop.set()
         thread.join()
         server.close()
+
+
+def test_addresses_as_tf_config_writes_them() -> None:
+    assert host_port("10.0.0.2:2222") == ("10.0.0.2", 2222)
+    assert host_port("node-1:2222") == ("node-1", 2222)
+    assert host_port("[::1]:2222") == ("::1", 2222)

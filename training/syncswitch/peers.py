@@ -27,7 +27,7 @@ class PeerProbe:
     ``rtt`` is the latest round's minimum over the peers, in seconds (None before the first)."""
 
     def __init__(self, peers: list[str]) -> None:
-        self.peers = [(host, int(port)) for host, _, port in (p.rpartition(":") for p in peers)]
+        self.peers = [host_port(p) for p in peers]
         self.rtt: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-probe", daemon=True)
@@ -61,11 +61,10 @@ def wait_until_gone(address: str, *, timeout: float = CHIEF_WAIT_SECONDS) -> boo
     connect is refused) or its host is gone (a connect times out). One connection is held open
     meanwhile, so the wait costs nothing until its peer closes it. True once gone, False after
     ``timeout``."""
-    host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         try:
-            conn = socket.create_connection((host, int(port)), timeout=min(left, CONNECT_TIMEOUT_SECONDS))
+            conn = socket.create_connection(host_port(address), timeout=min(left, CONNECT_TIMEOUT_SECONDS))
         except OSError:
             return True
         with conn:
@@ -78,6 +77,12 @@ def wait_until_gone(address: str, *, timeout: float = CHIEF_WAIT_SECONDS) -> boo
             except OSError:
                 pass  # reset by the peer: look again whether it still listens
     return False
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """("host", port) of a TF_CONFIG address: "10.0.0.2:2222", "node-1:2222" or "[::1]:2222"."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def bsp_peers(tf_config: dict, task: int) -> list[str]:
