@@ -161,7 +161,10 @@ def test_launches_of_one_segment_at_once_start_it_once(
     with ThreadPoolExecutor(6) as pool:
         outcomes = list(pool.map(lambda _: launch(), range(6)))
     assert outcomes.count("refused") == 5, outcomes
-    assert len(find_processes(rf"syncswitch\.supervise wrap .*{re.escape(marker)}")) == 1
+    # The started wrapper may still be inside its exec, its command line not readable yet.
+    wrappers = rf"syncswitch\.supervise wrap .*{re.escape(marker)}"
+    wait_for(lambda: find_processes(wrappers), what="the started wrapper")
+    assert len(find_processes(wrappers)) == 1
     backend.stop_segment(handle, 2, grace_seconds=1.0)
 
 
