@@ -38,6 +38,7 @@ from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
+from syncswitch.trainer import ProgressFile
 
 POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
@@ -221,6 +222,7 @@ class SegmentCluster:
         # finished its first step) fails the segment, so that a retry resumes from the last checkpoint.
         self.stall = StallWatch(spec.stall_seconds)
         self.work_dir = work_dir
+        self.progress = ProgressFile(work_dir)  # the chief writes it
         self.data_dir = data_dir
         self.show_progress = show_progress
         self.layout = RunLayout(spec.run_dir)
@@ -248,7 +250,7 @@ class SegmentCluster:
         """Fork every node from its host's fork server; each reads its role from TF_CONFIG."""
         self._check_stragglers()
         # A retry reuses the folder: the killed try's progress must not read as this one's.
-        storage.delete(os.path.join(self.work_dir, "progress.json"))
+        self.progress.clear()
         spec_path = os.path.join(self.work_dir, "segment.json")
         storage.write_text(spec_path, self.spec.to_json())
         cores = os.cpu_count() or 1
@@ -359,7 +361,7 @@ class SegmentCluster:
         ``node_lost`` event, which the report lists (which host went, at which step, what followed)."""
         if log:
             self._log(f"{node.role} {node.task} exited with {exit_code}; {outcome}")
-        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None) or {}
+        progress = self.progress.read() or {}
         self._emit(
             "node_lost",
             node=node.name,
@@ -397,7 +399,7 @@ class SegmentCluster:
     # -- supervision helpers --
 
     def _check_stall(self) -> None:
-        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
+        progress = self.progress.read()
         self.stall.observe(progress.get("global_step") if progress else None)
         reason = self.stall.stalled()
         if reason:
@@ -529,7 +531,7 @@ class SegmentCluster:
             self._events.emit(event, **fields)
 
     def _print_progress(self) -> None:
-        progress = storage.read_json(os.path.join(self.work_dir, "progress.json"), default=None)
+        progress = self.progress.read()
         if progress is None:
             self._log(f"starting: {time.time() - self.launched_at:.0f}s since launch")
             return

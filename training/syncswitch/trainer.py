@@ -226,13 +226,21 @@ def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
 
 
 class ProgressFile:
-    """A small local file the launcher reads to show progress without parsing events."""
+    """A small local file the chief writes and the launcher reads to show progress without parsing
+    events: the chief's latest step, loss and rate."""
 
     def __init__(self, work_dir: str) -> None:
         self.path = os.path.join(work_dir, "progress.json")
 
     def write(self, **fields: Any) -> None:
         storage.write_json(self.path, fields)
+
+    def read(self) -> dict[str, Any] | None:
+        """The latest progress; None before the chief's first write."""
+        return storage.read_json(self.path, default=None)
+
+    def clear(self) -> None:
+        storage.delete(self.path)
 
 
 # ---- model, optimizer, checkpoint -----------------------------------------------------------------
