@@ -1,11 +1,13 @@
 """The WarmLocalExecutor's wait for a task's end: a worker's result, a deferred task that ended on the
-triggerer or a newly triggered run ends it (a run triggered since the previous wait ends the next one
-at once); the database is asked every 0.2 s while a task is deferred and every 0.5 s otherwise. And
+triggerer, any other change of the running runs' task states (the scheduler's own upstream_failed,
+a mark in the UI) or a newly triggered run ends it (a change since the previous wait ends the next
+one at once); the database is asked every 0.2 s while a task is deferred and every 0.5 s otherwise. And
 Airflow's task supervisor, which reaps a task process that closed its sockets without waiting out
 a heartbeat interval."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -18,17 +20,29 @@ from typing import Any
 
 import httpx
 import pytest
-from syncswitch_airflow.warm_start import reap_exiting_processes, reaps_exiting_processes, wait_for_an_end
+from syncswitch_airflow.warm_start import (
+    WaitingWork,
+    reap_exiting_processes,
+    reaps_exiting_processes,
+    wait_for_an_end,
+)
+
+
+def work(deferred: int, newest_run: int, **states: int) -> WaitingWork:
+    """What a look sees: ``deferred`` deferred task instances (and ``states``) in the running runs."""
+    counts = {"deferred": deferred, **states} if deferred else states
+    return WaitingWork(newest_run, tuple(sorted(counts.items())))
 
 
 class Looks:
     """(deferred tasks, newest run id) as the database would answer, look after look (None: it did
     not answer)."""
 
-    def __init__(self, *answers: tuple[int, int] | None) -> None:
-        self.answers, self.calls = list(answers), 0
+    def __init__(self, *answers: tuple[int, int] | WaitingWork | None) -> None:
+        self.answers = [work(*a) if isinstance(a, tuple) else a for a in answers]
+        self.calls = 0
 
-    def __call__(self) -> tuple[int, int] | None:
+    def __call__(self) -> WaitingWork | None:
         self.calls += 1
         return self.answers[min(self.calls, len(self.answers)) - 1]
 
@@ -47,32 +61,98 @@ def test_a_workers_result_ends_the_wait() -> None:
 def test_a_deferred_task_that_ends_on_the_triggerer_ends_the_wait() -> None:
     reader, _writer = multiprocessing.Pipe(duplex=False)
     looks = Looks((2, 7), (2, 7), (2, 7), (1, 7))
-    assert wait_for_an_end(reader.poll, looks, seconds=30.0, deferred_look_seconds=0.01) == (True, (1, 7))
+    assert wait_for_an_end(reader.poll, looks, seconds=30.0, deferred_look_seconds=0.01) == (True, work(1, 7))
     assert looks.calls == 4
 
 
 def test_a_triggered_run_ends_the_wait() -> None:
     reader, _writer = multiprocessing.Pipe(duplex=False)
     looks = Looks((0, 7), (0, 7), (0, 8))
-    assert wait_for_an_end(reader.poll, looks, seconds=30.0, queued_look_seconds=0.01) == (True, (0, 8))
+    assert wait_for_an_end(reader.poll, looks, seconds=30.0, queued_look_seconds=0.01) == (True, work(0, 8))
     assert looks.calls == 3
 
 
 def test_a_run_triggered_between_two_waits_ends_the_next_at_once() -> None:
     reader, _writer = multiprocessing.Pipe(duplex=False)
     looks = Looks((0, 8))
-    assert wait_for_an_end(reader.poll, looks, seconds=30.0, since=(0, 7)) == (True, (0, 8))
+    assert wait_for_an_end(reader.poll, looks, seconds=30.0, since=work(0, 7)) == (True, work(0, 8))
     assert looks.calls == 1
     # Nothing new since the last look: the wait runs its time.
-    assert wait_for_an_end(reader.poll, Looks((0, 8)), seconds=0.2, since=(0, 8)) == (False, (0, 8))
+    assert wait_for_an_end(reader.poll, Looks((0, 8)), seconds=0.2, since=work(0, 8)) == (False, work(0, 8))
+
+
+def test_a_state_the_scheduler_set_before_the_wait_ends_it_at_once() -> None:
+    """The scheduler marks one slot upstream_failed per loop after a failed segment: each such change,
+    made before the executor's wait, ends that wait at once, so that the next slot follows in the next
+    loop rather than 5 s later. So does a clear or a mark in the UI during a wait."""
+    reader, _writer = multiprocessing.Pipe(duplex=False)
+    before = work(1, 7, failed=1, none=12)
+    marked = work(1, 7, failed=1, upstream_failed=3, none=9)
+    assert wait_for_an_end(reader.poll, Looks(marked), seconds=30.0, since=before) == (True, marked)
+    cleared = work(1, 7, none=13)
+    looks = Looks(marked, marked, cleared)
+    assert wait_for_an_end(reader.poll, looks, seconds=30.0, since=marked, deferred_look_seconds=0.01) == (
+        True,
+        cleared,
+    )
+
+
+LOOKING_DAG = """
+import json, sys
+from airflow.sdk import DAG, task
+from syncswitch_airflow.warm_start import waiting_work
+
+with DAG("warm_start_look", schedule=None) as dag:
+
+    @task
+    def before():
+        pass
+
+    @task
+    def look():
+        print("LOOK " + json.dumps(waiting_work().__dict__), file=sys.stderr)
+
+    @task
+    def after():
+        pass
+
+    before() >> look() >> after()
+"""
+
+
+@pytest.mark.usefixtures("airflow_db")
+def test_a_look_counts_the_task_states_of_the_running_runs_in_airflows_database(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look's query against a real metadata database, from a task of a running run (dag.test()
+    runs it in this process): its own task running, the one before it done, the one after it not yet
+    scheduled. A look that failed would return None, and the wait would fall back to the plain one."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    (tmp_path / "warm_start_look.py").write_text(LOOKING_DAG)
+    bundle = {"path": str(tmp_path), "refresh_interval": 0}
+    classpath = "airflow.dag_processing.bundles.local.LocalDagBundle"
+    # dag.test() finds the DAG through the configured bundles: this test's folder, for this test only.
+    monkeypatch.setenv(
+        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST",
+        json.dumps([{"name": "warm-start-look", "classpath": classpath, "kwargs": bundle}]),
+    )
+    bag = DagBag(dag_folder=str(tmp_path))
+    assert bag.import_errors == {}
+    bag.dags["warm_start_look"].test()
+    [line] = [x for x in capfd.readouterr().err.splitlines() if x.startswith("LOOK ")]
+    work = WaitingWork(**json.loads(line.removeprefix("LOOK ")))
+    assert work.newest_run > 0
+    assert {s: n for s, n in work.task_states} == {"success": 1, "running": 1, "none": 1}, work
+    assert work.deferred == 0
 
 
 def test_nothing_deferred_is_asked_less_often_and_a_silent_database_changes_nothing() -> None:
     reader, _writer = multiprocessing.Pipe(duplex=False)
     idle, busy, silent = Looks((0, 7)), Looks((3, 7)), Looks(None, (0, 7), None)
     timing = {"seconds": 0.3, "deferred_look_seconds": 0.01, "queued_look_seconds": 0.1}
-    assert wait_for_an_end(reader.poll, idle, **timing) == (False, (0, 7))
-    assert wait_for_an_end(reader.poll, busy, **timing) == (False, (3, 7))
+    assert wait_for_an_end(reader.poll, idle, **timing) == (False, work(0, 7))
+    assert wait_for_an_end(reader.poll, busy, **timing) == (False, work(3, 7))
     assert 2 <= idle.calls <= 5 and busy.calls > 10
     assert not wait_for_an_end(reader.poll, silent, **timing)[0]
 

@@ -21,17 +21,20 @@ the task log timestamps showed, for tasks that ran 0.2-2 s. Its heartbeat now wa
 result for up to ``RESULT_WAIT_SECONDS`` unless it has just handed out work, and the embedded
 Airflow's idle sleep is the rest of a 5 s loop: an idle scheduler loops less often than Airflow's
 (less CPU), and a task that ends ends that wait at once. What does not end it waits up to 5 s: a
-clear or a mark in the UI, a scheduled run's creation, the scheduler's timers.
+scheduled run's creation, the scheduler's timers.
 
 A task that ends on the triggerer (a segment task: ``end_from_trigger``) sends no result to a worker,
-so the wait also ends when the number of deferred task instances changes, read every
-``DEFERRED_LOOK_SECONDS`` while any is deferred (one count on the ``ti_state`` index). Without it the
-next segment's task started 0.8-1.9 s after the previous one ended, in every switch gap. A newly
-triggered run sends nothing either: the wait also ends when a DAG run newer than the newest one the
-last look saw exists (read with the deferred count), looked at every ``QUEUED_LOOK_SECONDS`` when no
-task is deferred. The newest run is remembered from one wait to the next, so a run triggered while
-the scheduler was busy ends the next wait at once. Without it a run started 1.2-2.4 s after its
-trigger.
+and neither does a state that the scheduler or a user sets: so the wait also ends when the task
+states of the running DAG runs change (how many task instances are in each state: one grouped count),
+read every ``DEFERRED_LOOK_SECONDS`` while any is deferred. Without it the next segment's task started
+0.8-1.9 s after the previous one ended, in every switch gap; a failed segment's run was torn down
+22 s after the failure, as the scheduler marked one later slot ``upstream_failed`` per 5 s loop (a
+change of its own, made before this wait, which its first look now sees); and a clear or a mark in
+the UI waited up to 5 s. A newly triggered run sends nothing either: the wait also ends when a DAG
+run newer than the newest one the last look saw exists (read with the states), looked at every
+``QUEUED_LOOK_SECONDS`` when no task is deferred. What a look saw is remembered from one wait to the
+next, so a change made while the scheduler was busy ends the next wait at once. Without it a run
+started 1.2-2.4 s after its trigger.
 
 A task's end also reached the executor late: Airflow's supervisor learns of its task process's exit
 only by polling, after the process's sockets have closed, and the process closes them (its last
@@ -55,9 +58,11 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from airflow.executors.local_executor import LocalExecutor
+from airflow.utils.state import DagRunState, TaskInstanceState
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ class WarmLocalExecutor(LocalExecutor):
         import_warm_modules()
         reap_exiting_processes()
         self._handed_out_work = False
-        self._waiting: tuple[int, int] | None = None
+        self._waiting: WaitingWork | None = None
         self._standby = StandbyForkServer()
         self._standby_looked_at = 0.0
         super().start()
@@ -177,37 +182,57 @@ class WarmLocalExecutor(LocalExecutor):
             log.warning("cannot keep a standby fork server: %s", exc)
 
 
-def waiting_work() -> tuple[int, int] | None:
-    """(deferred task instances, the newest DAG run's id) now; None where the database does not
-    answer (the wait is then the plain one: this is only a shortcut, and must never stop the
-    scheduler)."""
+@dataclass(frozen=True)
+class WaitingWork:
+    """What one look at the database saw: the newest DAG run's id, and how many task instances of the
+    running DAG runs are in each state (``none`` for no state yet)."""
+
+    newest_run: int
+    task_states: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def deferred(self) -> int:
+        return dict(self.task_states).get(TaskInstanceState.DEFERRED.value, 0)
+
+
+def waiting_work() -> WaitingWork | None:
+    """What the running DAG runs wait for now; None where the database does not answer (the wait is
+    then the plain one: this is only a shortcut, and must never stop the scheduler)."""
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
-    from airflow.utils.state import TaskInstanceState
+    from sqlalchemy import and_, func
 
+    of_its_run = and_(DagRun.dag_id == TaskInstance.dag_id, DagRun.run_id == TaskInstance.run_id)
     try:
         with create_session() as session:
-            deferred = session.query(TaskInstance).filter(TaskInstance.state == TaskInstanceState.DEFERRED)
+            counts = (
+                session.query(TaskInstance.state, func.count())
+                .join(DagRun, of_its_run)
+                .filter(DagRun.state == DagRunState.RUNNING)
+                .group_by(TaskInstance.state)
+                .all()
+            )
             newest_run = session.query(DagRun.id).order_by(DagRun.id.desc()).limit(1).scalar()
-            return deferred.count(), newest_run or 0
+        states = tuple(sorted((str(getattr(state, "value", state) or "none"), n) for state, n in counts))
+        return WaitingWork(newest_run or 0, states)
     except Exception as exc:  # noqa: BLE001 - e.g. a locked or restarting database
-        log.debug("cannot count the deferred tasks or read the newest run: %s", exc)
+        log.debug("cannot read the running runs' task states or the newest run: %s", exc)
         return None
 
 
 def wait_for_an_end(
     result_ready: Callable[[float], bool],
-    look: Callable[[], tuple[int, int] | None],
+    look: Callable[[], WaitingWork | None],
     seconds: float,
     *,
-    since: tuple[int, int] | None = None,
+    since: WaitingWork | None = None,
     deferred_look_seconds: float = DEFERRED_LOOK_SECONDS,
     queued_look_seconds: float = QUEUED_LOOK_SECONDS,
-) -> tuple[bool, tuple[int, int] | None]:
+) -> tuple[bool, WaitingWork | None]:
     """Wait up to ``seconds`` for a worker's result (``result_ready(timeout)``) or for ``look()``
-    ((deferred tasks, newest run id)) to differ from what was seen ``since`` (the previous wait's last
-    look; this one's first when None). Looks every ``deferred_look_seconds`` while a task is deferred,
+    (``waiting_work``) to differ from what was seen ``since`` (the previous wait's last look; this
+    one's first when None). Looks every ``deferred_look_seconds`` while a task is deferred,
     else every ``queued_look_seconds``. Returns (whether either came before the time was up, the
     last look), where a look that fails counts as no change."""
     deadline = time.monotonic() + seconds
@@ -215,7 +240,7 @@ def wait_for_an_end(
     if since is not None and seen is not None and seen != since:
         return True, seen
     while (left := deadline - time.monotonic()) > 0:
-        interval = deferred_look_seconds if seen and seen[0] else queued_look_seconds
+        interval = deferred_look_seconds if seen and seen.deferred else queued_look_seconds
         if result_ready(min(left, interval)):
             return True, seen
         now = look()

@@ -95,7 +95,7 @@ class StragglerTrigger(BaseTrigger):
         protocol: str,
         segment_task: dict[str, str],
         poll_interval: float = 2.0,
-        task_check_seconds: float = 5.0,
+        task_check_seconds: float = 1.0,
         recheck_seconds: float = 0.0,
         detector: dict[str, Any] | None = None,
         start_after: float | None = None,
@@ -115,6 +115,7 @@ class StragglerTrigger(BaseTrigger):
         self.start_after = start_after
         self.straggling_since = straggling_since
         self.straggling_workers = list(straggling_workers or [])
+        self._next_task_check = 0.0  # monotonic time of the next look at the segment task's state
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -150,7 +151,7 @@ class StragglerTrigger(BaseTrigger):
             straggling_since=self.straggling_since,
             straggling_workers=self.straggling_workers,
         )
-        next_task_check = time.monotonic()
+        task_ended: str | None = None
         while True:
             try:
                 ended = await self.bucket.in_thread(storage.exists, result_uri)
@@ -161,6 +162,16 @@ class StragglerTrigger(BaseTrigger):
             if ended:
                 self.log.info("segment %d (%s) ended; stop watching", self.index, self.protocol)
                 yield await self._segment_end_event(layout)
+                return
+            if task_ended is not None:  # and no result came with it
+                self.log.info(
+                    "segment %d (%s): its task %s is %s; stop watching",
+                    self.index,
+                    self.protocol,
+                    self.segment_task.get("task_id"),
+                    task_ended,
+                )
+                yield self._end(WatchStatus.SEGMENT_TASK_ENDED, task_state=task_ended)
                 return
             fired = self._judge(detector, records)
             if fired is not None:
@@ -177,20 +188,7 @@ class StragglerTrigger(BaseTrigger):
                     self._payload(WatchStatus.VERDICT, change=change, verdict=verdict.to_dict())
                 )
                 return
-            if time.monotonic() >= next_task_check:
-                next_task_check = time.monotonic() + self.task_check_seconds
-                state = await self._segment_task_state()
-                if state in FINISHED_TASK_STATES:
-                    self.log.info(
-                        "segment %d (%s): its task %s is %s; stop watching",
-                        self.index,
-                        self.protocol,
-                        self.segment_task.get("task_id"),
-                        state,
-                    )
-                    yield self._end(WatchStatus.SEGMENT_TASK_ENDED, task_state=state)
-                    return
-            await self._sleep_unless_ended(result_uri)
+            task_ended = await self._wait_for_next_poll(result_uri)
 
     async def _segment_end_event(self, layout: RunLayout) -> TriggerEvent:
         """The plan's last segment hands its end back to the sensor, which skips the later slots'
@@ -211,15 +209,24 @@ class StragglerTrigger(BaseTrigger):
             self.log.warning("cannot read the state of %s: %s", self.segment_task.get("task_id"), exc)
             return None
 
-    async def _sleep_unless_ended(self, result_uri: str) -> None:
+    async def _wait_for_next_poll(self, result_uri: str) -> str | None:
         """Sleep one poll interval, but look for the segment's end more often: the next segment
-        waits for this watcher, so a late "segment_ended" would add to the switch gap."""
+        waits for this watcher, so a late "segment_ended" would add to the switch gap; and ask for
+        the segment task's state every ``task_check_seconds``: a failed segment's teardown waits for
+        this watcher too. Returns the task's state once it has finished (the caller looks for a
+        result first: a task that succeeded has one), else None."""
         deadline = time.monotonic() + self.poll_interval
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(END_CHECK_SECONDS, left))
             with contextlib.suppress(storage.BucketUnavailable):
                 if await self.bucket.in_thread(storage.exists, result_uri):
-                    return
+                    return None
+            if time.monotonic() >= self._next_task_check:
+                self._next_task_check = time.monotonic() + self.task_check_seconds
+                state = await self._segment_task_state()
+                if state in FINISHED_TASK_STATES:
+                    return state
+        return None
 
     def _judge(
         self, detector: StragglerDetector, records: list[dict[str, Any]]
