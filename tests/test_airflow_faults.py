@@ -126,10 +126,11 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
 def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
     embedded_airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:
-    """A long run that failed mid-segment (here marked failed by hand, as one past its retries ends)
-    is resumed the way Airflow users resume a run: "Clear" of the failed segment with its downstream.
-    Airflow reruns the segment's setup (a new cluster) and teardown; the segment goes on from the last
-    checkpoint the failed one left, not from step 0; the run ends a success, in the job's history too."""
+    """A long run that failed mid-segment, past its retries (the job allows none: segment_retries 0),
+    fails at once, without a retry; it is resumed the way Airflow users resume a run: "Clear" of the
+    failed segment with its downstream. Airflow reruns the segment's setup (a new cluster) and
+    teardown; the segment goes on from the last checkpoint the failed one left, not from step 0; the
+    run ends a success, in the job's history too."""
     airflow = embedded_airflow
     conf = {
         "job_name": "resume",
@@ -137,16 +138,16 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
         "switch_order": "10",
         "train_steps": [3000, 100],
         "ckpt_frequency": [100, 100],
+        "segment_retries": 0,
     }
     run_id, layout = trigger(airflow, conf)
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 250)
-    # Frozen from here on: the failure is what a run past its retries leaves (a segment stopped before
-    # its end), however fast this machine would train to the end while teardown comes.
-    for pid in LocalSegmentNodes("resume", 0)():
-        os.kill(pid, signal.SIGSTOP)
-    airflow.api.set_task_state(DAG_ID, run_id, "segment_0.bsp", "failed")
+    for pid in LocalSegmentNodes("resume", 0)():  # the cluster crashes
+        os.kill(pid, signal.SIGKILL)
     assert wait_run(airflow, run_id) == "failed"
+    segment = task_instances(airflow.api, run_id)["segment_0.bsp"]
+    assert (segment["state"], segment["try_number"]) == ("failed", 1), segment  # no retry left: none
     assert_no_processes(r"/resume-", timeout=30)
     left_at = checkpoints.latest(layout)["global_step"]
     assert left_at >= 100

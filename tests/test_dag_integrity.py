@@ -15,6 +15,7 @@ from airflow.dag_processing.dagbag import DagBag
 from airflow.sdk import TriggerRule
 from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import ParamValidationError
+from syncswitch.fields import MAX_SEGMENT_RETRIES
 from syncswitch.plan import MAX_SEGMENTS as MAX_SEGMENT_SLOTS
 from syncswitch.spec import JobSpec, SpecError
 
@@ -112,7 +113,9 @@ def test_segment_tasks(dag) -> None:  # noqa: ANN001
         sensor = dag.get_task(f"segment_{slot}.watch_stragglers")
         assert sensor.segment_tasks == {"bsp": bsp.task_id, "asp": asp.task_id}
         assert (bsp.slot, bsp.protocol, asp.slot, asp.protocol) == (slot, "bsp", slot, "asp")
-        assert bsp.retries == 1 and asp.retries == 1
+        # The ceiling of the job's segment_retries (the other tasks keep the DAG's one retry).
+        assert bsp.retries == asp.retries == MAX_SEGMENT_RETRIES
+        assert sensor.retries == 1
         assert sensor.priority_weight < bsp.priority_weight
         assert "xcom_pull(task_ids='plan')" in bsp.run_dir
 

@@ -55,6 +55,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "pin_cores": (True, [], {}),
     "evaluate_checkpoints": (True, [], {}),
     "stall_seconds": (45.0, ["45"], {}),
+    "segment_retries": (4, ["4"], {}),
     "timing_policy": ("search", ["search"], {}),
     "timing_repeats": (2, ["2"], {}),
     "timing_tolerance": (0.01, ["0.01"], {}),

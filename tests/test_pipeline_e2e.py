@@ -243,18 +243,22 @@ def test_a_killed_segment_is_retried_from_its_checkpoint(dag, tmp_path: Path, wo
     assert_cluster_gone(work_root)
 
 
+@pytest.mark.parametrize("segment_retries", [0, 2])
 def test_a_failing_segment_fails_the_run_and_teardown_cleans_up(
     dag,  # noqa: ANN001
     tmp_path: Path,
     work_root: Path,
+    segment_retries: int,
 ) -> None:
+    """The launcher crashes in every try (a retry's as soon as it starts): the job's segment_retries
+    retries, then the run fails, without a try more."""
     bucket = str(tmp_path / "runs")
     training = any_file(f"{bucket}/e2e/*/checkpoints/*/manifest.json")
-    # The launcher crashes in both attempts (the retry's as soon as it starts).
-    with LaunchKiller(work_root, index=0, times=2, ready=training, group=False) as killer:
-        dag_run = run_dag(dag, {**SMALL_JOB, "train_steps": [300, 30], "bucket_dir": bucket})
+    conf = {**SMALL_JOB, "train_steps": [300, 30], "bucket_dir": bucket, "segment_retries": segment_retries}
+    with LaunchKiller(work_root, index=0, times=4, ready=training, group=False) as killer:
+        dag_run = run_dag(dag, conf)
 
-    assert len(killer.killed) == 2
+    assert len(killer.killed) == segment_retries + 1
     assert dag_run.state == "failed"
     states = task_states(dag_run)
     assert states["segment_0.bsp"] == "failed"

@@ -1,5 +1,6 @@
 """SegmentOperator's choice on a real run folder and a real local cluster: follow a running segment,
-record an ended one, launch only one that neither runs nor ended."""
+record an ended one, launch only one that neither runs nor ended, and only while the job's
+``segment_retries`` last."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.layout import RunLayout
@@ -19,7 +21,7 @@ from syncswitch.state import new_state, read_state, update_state
 from syncswitch_airflow.backends.base import EXITED, RUNNING
 from syncswitch_airflow.backends.local import LocalBackend
 from syncswitch_airflow.operators import segment as segment_module
-from syncswitch_airflow.operators.segment import SegmentOperator
+from syncswitch_airflow.operators.segment import SegmentOperator, retries_so_far
 
 # A segment that ends when told to: it writes its finished result.json once the go file exists.
 ENDS_WHEN_TOLD = """
@@ -52,6 +54,15 @@ def operator(layout: RunLayout) -> SegmentOperator:
     return SegmentOperator(task_id="segment_0.bsp", slot=0, protocol="bsp", run_dir=layout.root)
 
 
+def try_context(try_number: int = 1, max_tries: int | None = None) -> dict[str, Any]:
+    """The part of Airflow's task context the operator reads: its task instance's try counters
+    (``max_tries`` is the task's retries on a first round)."""
+    retries = operator(RunLayout("unused")).retries
+    return {
+        "ti": SimpleNamespace(try_number=try_number, max_tries=retries if max_tries is None else max_tries)
+    }
+
+
 def test_a_segment_ending_while_its_retry_looks_is_recorded_not_launched_again(
     run: tuple[RunLayout, LocalBackend, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -79,7 +90,7 @@ def test_a_segment_ending_while_its_retry_looks_is_recorded_not_launched_again(
     monkeypatch.setattr(segment_module, "read_result", end_after_the_first_look(segment_module.read_result))
     monkeypatch.setattr(LocalBackend, "segment_status", end_after_the_first_look(LocalBackend.segment_status))
     try:
-        operator(layout).execute({})
+        operator(layout).execute(try_context())
     except TaskDeferred:
         pass  # it follows the segment: its trigger finds the result and records it
     else:  # it found the result: recorded, the plan's next entry (none here) launched
@@ -109,6 +120,47 @@ def test_a_task_launching_as_the_segment_before_launches_it_follows_that_launch(
 
     monkeypatch.setattr(LocalBackend, "segment_status", status_then_the_trigger_launches)
     with pytest.raises(TaskDeferred):
-        operator(layout).execute({})
+        operator(layout).execute(try_context())
     record = json.loads((Path(backend.segment_dir(handle, 0)) / "process.json").read_text())
     assert record["pid"] == launched[0]["pid"]
+
+
+def test_retries_are_counted_since_the_last_clear() -> None:
+    """Airflow counts tries across clears (a clear raises max_tries to the tries so far plus the
+    task's retries): a cleared task starts a new round of the job's segment_retries."""
+    retries = 20
+    assert [retries_so_far(SimpleNamespace(try_number=n, max_tries=retries), retries) for n in (1, 2, 3)] == [
+        0,
+        1,
+        2,
+    ]
+    # Failed at try 3, cleared: max_tries = 3 + 20; the next try is 4, the new round's first.
+    assert retries_so_far(SimpleNamespace(try_number=4, max_tries=23), retries) == 0
+    assert retries_so_far(SimpleNamespace(try_number=5, max_tries=23), retries) == 1
+    # A run whose task instance was created when the task had 1 retry: its own tries so far.
+    assert retries_so_far(SimpleNamespace(try_number=2, max_tries=1), retries) == 1
+
+
+@pytest.mark.parametrize("segment_retries", [0, 2])
+def test_a_try_past_the_jobs_segment_retries_fails_for_good_without_launching(
+    run: tuple[RunLayout, LocalBackend, dict[str, Any]], segment_retries: int
+) -> None:
+    """The try after the job's last retry (one whose failure ended without handing it back, e.g. on
+    a lost Airflow worker) fails at once, naming the field, and launches nothing; the job's last try
+    launches, and its trigger hands a failure back rather than ending the task on the triggerer."""
+    layout, backend, handle = run
+    update_state(layout, lambda state: state["job"].update(segment_retries=segment_retries))
+    with pytest.raises(AirflowFailException, match=f"segment_retries={segment_retries}"):
+        operator(layout).execute(try_context(try_number=segment_retries + 2))
+    assert backend.segment_status(handle, 0).state != RUNNING
+    assert not (Path(backend.segment_dir(handle, 0)) / "process.json").exists()
+
+    # A running segment (launched as the trigger of the segment before would) is followed.
+    backend.launch_command(handle, 0, [sys.executable, "-c", "import time; time.sleep(30)", str(layout.root)])
+    with pytest.raises(TaskDeferred) as deferred:
+        operator(layout).execute(try_context(try_number=segment_retries + 1))
+    assert deferred.value.trigger.last_try
+    if segment_retries:
+        with pytest.raises(TaskDeferred) as deferred:
+            operator(layout).execute(try_context(try_number=segment_retries))
+        assert not deferred.value.trigger.last_try

@@ -24,6 +24,9 @@ MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
 JOB_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+# The most retries a job may ask for per segment: the segment tasks' own ``retries`` (Airflow's
+# ceiling), of which a run uses its job's ``segment_retries``.
+MAX_SEGMENT_RETRIES = 20
 # Four or five k=v pairs; StragglerSpec.parse checks the keys and values and names what is wrong.
 STRAGGLER_PATTERN = r"^(\s*\w+\s*=\s*[^,=\s]+\s*,){3,4}\s*\w+\s*=\s*[^,=\s]+\s*$"
 
@@ -316,6 +319,16 @@ FIELDS: tuple[Field, ...] = (
         "A segment whose global step does not move for this long (or for 20x its usual "
         "time between steps, if longer) is stopped and retried from its last checkpoint.",
         minimum=10,
+    ),
+    Field(
+        "segment_retries",
+        "integer",
+        "Retries per segment",
+        "How many times a failed segment is retried, each time from its last checkpoint: a lost host, "
+        "a preempted spot VM, a stall or a lost Airflow worker costs one. A long job on spot VMs wants "
+        "several. Past them the run fails; Clear resumes it.",
+        minimum=0,
+        maximum=MAX_SEGMENT_RETRIES,
     ),
     Field(
         "timing_policy",

@@ -262,6 +262,7 @@ class JobSpec:
     evaluate_segments: bool = True
     evaluate_checkpoints: bool = False
     stall_seconds: float = DEFAULT_STALL_SECONDS
+    segment_retries: int = 1  # Airflow retries of a failed segment task, each from the last checkpoint
     # The offline timing policy (syncswitch_airflow.timing): "fixed" runs bsp_fraction as given;
     # "search" lets the job's history choose it (halving search, then the smallest accepted fraction).
     timing_policy: str = "fixed"

@@ -14,7 +14,11 @@ which is time in every switch gap. Under ``dag.test()`` the trigger's end event 
 Retries: an Airflow retry relaunches the same SegmentSpec, and the runtime resumes it from the run's
 latest checkpoint, still stopping exactly at ``until_step``. A retry that finds the segment already
 finished (result.json at its target) or still running (the previous attempt died after launching)
-does not launch again.
+does not launch again. The task's own ``retries`` is the ceiling (``MAX_SEGMENT_RETRIES``); a run
+gets its job's ``segment_retries`` of them, counted since the task was last cleared. The try that
+has none left hands a failure back to ``execute_complete`` rather than ending on the triggerer,
+which fails it for good (AirflowFailException); an earlier try's failure ends on the triggerer, and
+Airflow retries it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from syncswitch import plan as plans
 from syncswitch import storage
+from syncswitch.fields import MAX_SEGMENT_RETRIES
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import State
@@ -62,7 +67,7 @@ class SegmentOperator(BaseOperator):
         log_seconds: float = 30.0,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retries", 1)
+        kwargs.setdefault("retries", MAX_SEGMENT_RETRIES)  # a run uses its job's segment_retries
         kwargs.setdefault("retry_delay", timedelta(seconds=10))
         super().__init__(**kwargs)
         self.slot = slot
@@ -87,6 +92,7 @@ class SegmentOperator(BaseOperator):
         if entry["protocol"] != self.protocol:
             raise AirflowSkipException(f"segment {self.slot} runs {entry['protocol']}, not {self.protocol}")
         handle, job = state["cluster"], JobSpec.from_params(state["job"])
+        retried = retries_so_far(context["ti"], self.retries)
         # The launcher's status first, then the result: the chief writes result.json before its
         # launcher exits, so a segment that ends between the two looks is seen ended, not launched
         # again (the other order relaunched a segment that ended just after its result was read).
@@ -100,6 +106,16 @@ class SegmentOperator(BaseOperator):
                     "run %s: segment %d already ended; not launching it again", state["run_id"], self.slot
                 )
                 return self._record(result)
+            if retried > job.segment_retries:  # a try that ended without handing its failure back
+                raise AirflowFailException(self._out_of_retries(retried, job))
+            if retried:
+                self.log.info(
+                    "run %s: segment %d, retry %d of %d, resumes from the last checkpoint",
+                    state["run_id"],
+                    self.slot,
+                    retried,
+                    job.segment_retries,
+                )
             self._launch(state, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
@@ -111,6 +127,7 @@ class SegmentOperator(BaseOperator):
                 stall_seconds=job.stall_seconds,
                 poll_seconds=self.poll_seconds,
                 log_seconds=self.log_seconds,
+                last_try=retried >= job.segment_retries,
             ),
             method_name="execute_complete",
         )
@@ -129,12 +146,24 @@ class SegmentOperator(BaseOperator):
 
     @with_bucket_credentials
     def execute_complete(self, context: Context, event: Any) -> dict[str, Any]:
-        """Only under ``dag.test()``: the trigger already recorded the result, or the failure (its
-        reason and the launcher's log tail are in this task's log above)."""
+        """Under ``dag.test()``: the trigger already recorded the result, or the failure (its reason
+        and the launcher's log tail are in this task's log above). Under the scheduler: the failure
+        of the try with no retry left."""
         if event == "success":
             result = read_result(self.run_dir, self.slot, self.protocol)
             return self._record(result)
-        raise AirflowException(f"segment {self.slot} ({self.protocol}) failed; see the log above")
+        failed = f"segment {self.slot} ({self.protocol}) failed; see the log above"
+        job = JobSpec.from_params(require_state(self.run_dir)["job"])
+        retried = retries_so_far(context["ti"], self.retries)
+        if retried >= job.segment_retries:
+            raise AirflowFailException(f"{failed}. {self._out_of_retries(retried + 1, job)}")
+        raise AirflowException(failed)
+
+    def _out_of_retries(self, failures: int, job: JobSpec) -> str:
+        return (
+            f"Segment {self.slot} has failed {failures} time(s) and its job allows segment_retries="
+            f"{job.segment_retries}: the run fails. Clear the task to resume it from its last checkpoint."
+        )
 
     def _record(self, result: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -145,3 +174,12 @@ class SegmentOperator(BaseOperator):
         # loops); nothing then launched the next one yet.
         launch_next(self.run_dir, self.slot, self.protocol, self.log)
         return summary
+
+
+def retries_so_far(ti: Any, retries: int) -> int:
+    """How many times this task instance has been retried since it was last cleared. Airflow counts
+    tries across clears: a clear raises ``max_tries`` to the tries so far plus the task's ``retries``,
+    so this round's first try is ``max_tries - retries + 1`` (as Airflow's own reschedule lookup
+    reads it). Never more than the tries before this one (a run from before a change of ``retries``)."""
+    first_try = ti.max_tries - retries + 1
+    return max(0, min(ti.try_number - first_try, ti.try_number - 1))

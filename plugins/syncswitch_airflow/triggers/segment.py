@@ -8,7 +8,9 @@ segment task itself (``end_from_trigger``):
               entry (launch_next), then TaskSuccessEvent with the task's XCom (the segment summary)
     failure   log the reason and the launcher's log tail, stop whatever of the segment still runs (so
               that a retry starts cleanly from the latest checkpoint), then TaskFailedEvent (Airflow
-              turns it into up_for_retry while retries are left)
+              turns it into up_for_retry); on the try with no retry left (``last_try``: the job's
+              ``segment_retries`` are used up) a "failed" event back to the task instead, which
+              fails it for good (Airflow's own retries are the ceiling, not the job's count)
 
 Storage and ``/proc`` reads run in a thread, with the bucket connection's credentials
 (``BucketHook.in_thread``), so the triggerer's event loop is never blocked. Progress goes to the task
@@ -186,6 +188,7 @@ class SegmentTrigger(BaseTrigger):
         poll_seconds: float = 0.25,
         progress_seconds: float = 2.0,
         log_seconds: float = 30.0,
+        last_try: bool = False,
     ) -> None:
         super().__init__()
         self.bucket = BucketHook()
@@ -199,6 +202,7 @@ class SegmentTrigger(BaseTrigger):
         self.poll_seconds = poll_seconds
         self.progress_seconds = progress_seconds
         self.log_seconds = log_seconds
+        self.last_try = last_try
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -214,6 +218,7 @@ class SegmentTrigger(BaseTrigger):
                 "poll_seconds": self.poll_seconds,
                 "progress_seconds": self.progress_seconds,
                 "log_seconds": self.log_seconds,
+                "last_try": self.last_try,
             },
         )
 
@@ -277,7 +282,7 @@ class SegmentTrigger(BaseTrigger):
             summary = await self.bucket.in_thread(record_result, self.run_dir, self.index, result, self.log)
         except Exception as exc:  # noqa: BLE001 - the task must end either way, with the reason logged
             self.log.error("%s: cannot record its result: %s", self.label, exc)
-            return TaskFailedEvent()
+            return self._failure()
         await self.bucket.in_thread(launch_next, self.run_dir, self.index, self.protocol, self.log)
         return TaskSuccessEvent(xcoms={"return_value": summary})
 
@@ -297,7 +302,12 @@ class SegmentTrigger(BaseTrigger):
             await self.bucket.in_thread(backend.stop_segment, self.handle, self.index)
         except Exception as exc:  # noqa: BLE001 - teardown_cluster kills whatever is left
             self.log.error("%s: stopping its processes failed: %s", self.label, exc)
-        return TaskFailedEvent()
+        return self._failure()
+
+    def _failure(self) -> TriggerEvent:
+        """Airflow retries a TaskFailedEvent up to the task's ``retries``: the last try of the job's
+        own count ends on a worker, whose ``execute_complete`` fails the task without a retry."""
+        return TriggerEvent("failed") if self.last_try else TaskFailedEvent()
 
     def _log_progress(self, progress: Progress | None, elapsed: float) -> None:
         if progress is None:
