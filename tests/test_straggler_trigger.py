@@ -8,6 +8,7 @@ asyncio.run; no Airflow database is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -183,6 +184,32 @@ def test_the_watch_ends_when_its_segment_task_ends_without_a_result(
         "protocol": "bsp",
     }
     assert segment_task_states == [final_state]
+
+
+def test_the_segment_task_is_asked_about_often_only_while_no_step_comes(
+    layout: RunLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each question is an execution API call (~0.017 cores of the triggerer at one a second): every
+    second while a poll brings no step timings (the segment may have failed, and its teardown waits
+    for this watcher), every ``task_check_seconds`` while steps come."""
+    asked: list[float] = []
+
+    def running(**_kwargs: str) -> str:
+        asked.append(time.monotonic())
+        return "running"
+
+    monkeypatch.setattr(straggler_trigger, "task_state", running)
+
+    async def watch(seconds: float) -> None:
+        trigger = trigger_for(layout, poll_interval=0.5, task_check_seconds=30.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(anext(trigger.run()), seconds)
+
+    asyncio.run(watch(3.6))
+    quiet, asked[:] = len(asked), []
+    with writer_for(layout, "bsp", 2, clean):
+        asyncio.run(watch(3.6))
+    assert quiet >= 3 and len(asked) <= 2, (quiet, asked)
 
 
 def test_an_unanswered_task_state_question_does_not_end_the_watch(

@@ -23,7 +23,8 @@ or hands a verdict back to the sensor, whose policy decides on the worker:
                                        of event time while a straggler lasts (0 = never)
 
 The watcher has no timeouts of its own: it lives exactly as long as the segment task it watches
-(asked through the task SDK's execution API every ``task_check_seconds``). A segment task that waits
+(asked through the task SDK's execution API every ``task_check_seconds`` while its steps come, every
+second when a poll brought none: it has failed, or starts, or evaluates). A segment task that waits
 for a retry (``up_for_retry``) is still alive: its retry relaunches the segment. Storage reads block,
 so they run in a thread, with the bucket connection's credentials (``BucketHook.in_thread``).
 """
@@ -48,6 +49,11 @@ from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdi
 from syncswitch_airflow.hooks.bucket import BucketHook
 
 END_CHECK_SECONDS = 0.5
+# How often the segment task's state is asked for while a poll brought no step timings (the segment
+# starts, evaluates, or has failed: a failed segment's teardown waits for this watcher). Each ask is
+# an execution API call, ~0.017 cores of the triggerer at one a second, so while steps come it is
+# asked every ``task_check_seconds`` instead.
+QUIET_TASK_CHECK_SECONDS = 1.0
 # Task states after which a segment task will not run again in this DAG run (no retry pending).
 FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
@@ -95,7 +101,7 @@ class StragglerTrigger(BaseTrigger):
         protocol: str,
         segment_task: dict[str, str],
         poll_interval: float = 2.0,
-        task_check_seconds: float = 1.0,
+        task_check_seconds: float = 5.0,
         recheck_seconds: float = 0.0,
         detector: dict[str, Any] | None = None,
         start_after: float | None = None,
@@ -115,7 +121,7 @@ class StragglerTrigger(BaseTrigger):
         self.start_after = start_after
         self.straggling_since = straggling_since
         self.straggling_workers = list(straggling_workers or [])
-        self._next_task_check = 0.0  # monotonic time of the next look at the segment task's state
+        self._task_checked_at = 0.0  # monotonic time of the last look at the segment task's state
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -188,7 +194,7 @@ class StragglerTrigger(BaseTrigger):
                     self._payload(WatchStatus.VERDICT, change=change, verdict=verdict.to_dict())
                 )
                 return
-            task_ended = await self._wait_for_next_poll(result_uri)
+            task_ended = await self._wait_for_next_poll(result_uri, steps_came=bool(records))
 
     async def _segment_end_event(self, layout: RunLayout) -> TriggerEvent:
         """The plan's last segment hands its end back to the sensor, which skips the later slots'
@@ -209,20 +215,21 @@ class StragglerTrigger(BaseTrigger):
             self.log.warning("cannot read the state of %s: %s", self.segment_task.get("task_id"), exc)
             return None
 
-    async def _wait_for_next_poll(self, result_uri: str) -> str | None:
+    async def _wait_for_next_poll(self, result_uri: str, *, steps_came: bool) -> str | None:
         """Sleep one poll interval, but look for the segment's end more often: the next segment
         waits for this watcher, so a late "segment_ended" would add to the switch gap; and ask for
-        the segment task's state every ``task_check_seconds``: a failed segment's teardown waits for
-        this watcher too. Returns the task's state once it has finished (the caller looks for a
-        result first: a task that succeeded has one), else None."""
+        the segment task's state, every ``task_check_seconds`` while steps come, every
+        ``QUIET_TASK_CHECK_SECONDS`` when the last poll brought none. Returns the task's state once
+        it has finished (the caller looks for a result first: a task that succeeded has one)."""
+        check_every = self.task_check_seconds if steps_came else QUIET_TASK_CHECK_SECONDS
         deadline = time.monotonic() + self.poll_interval
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(END_CHECK_SECONDS, left))
             with contextlib.suppress(storage.BucketUnavailable):
                 if await self.bucket.in_thread(storage.exists, result_uri):
                     return None
-            if time.monotonic() >= self._next_task_check:
-                self._next_task_check = time.monotonic() + self.task_check_seconds
+            if time.monotonic() - self._task_checked_at >= check_every:
+                self._task_checked_at = time.monotonic()
                 state = await self._segment_task_state()
                 if state in FINISHED_TASK_STATES:
                     return state
