@@ -15,6 +15,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from proc_utils import wait_for
 from syncswitch import storage
+from syncswitch.fields import MAX_SEGMENT_RETRIES
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, update_state
@@ -54,13 +55,10 @@ def operator(layout: RunLayout) -> SegmentOperator:
     return SegmentOperator(task_id="segment_0.bsp", slot=0, protocol="bsp", run_dir=layout.root)
 
 
-def try_context(try_number: int = 1, max_tries: int | None = None) -> dict[str, Any]:
-    """The part of Airflow's task context the operator reads: its task instance's try counters
-    (``max_tries`` is the task's retries on a first round)."""
-    retries = operator(RunLayout("unused")).retries
-    return {
-        "ti": SimpleNamespace(try_number=try_number, max_tries=retries if max_tries is None else max_tries)
-    }
+def try_context(try_number: int = 1) -> dict[str, Any]:
+    """The part of Airflow's task context the operator reads: its task instance's try counters on a
+    first round (``max_tries`` is the task's retries until a clear)."""
+    return {"ti": SimpleNamespace(try_number=try_number, max_tries=MAX_SEGMENT_RETRIES)}
 
 
 def test_a_segment_ending_while_its_retry_looks_is_recorded_not_launched_again(
