@@ -117,10 +117,14 @@ def test_a_task_launching_as_the_segment_before_launches_it_follows_that_launch(
         return answer
 
     monkeypatch.setattr(LocalBackend, "segment_status", status_then_the_trigger_launches)
-    with pytest.raises(TaskDeferred):
-        operator(layout).execute(try_context())
+    # An earlier try's events: the watcher of a try this task launches starts after them.
+    earlier_try = layout.segment_events(0, "bsp", "worker", 0)
+    storage.write_text(earlier_try, json.dumps({"event": "step", "global_step": 20.0}) + "\n")
+    with pytest.raises(TaskDeferred) as deferred:
+        operator(layout).execute(try_context(try_number=2))
     record = json.loads((Path(backend.segment_dir(handle, 0)) / "process.json").read_text())
     assert record["pid"] == launched[0]["pid"]
+    assert deferred.value.trigger.event_offsets == {earlier_try: len(storage.read_bytes(earlier_try))}
 
 
 def test_retries_are_counted_since_the_last_clear() -> None:
@@ -158,6 +162,7 @@ def test_a_try_past_the_jobs_segment_retries_fails_for_good_without_launching(
     with pytest.raises(TaskDeferred) as deferred:
         operator(layout).execute(try_context(try_number=segment_retries + 1))
     assert deferred.value.trigger.last_try
+    assert deferred.value.trigger.event_offsets == {}  # a followed segment's events are all its own
     if segment_retries:
         with pytest.raises(TaskDeferred) as deferred:
             operator(layout).execute(try_context(try_number=segment_retries))

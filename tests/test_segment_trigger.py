@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import storage
-from syncswitch.events import EventWriter
+from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, record_cluster, update_state
@@ -148,6 +148,33 @@ def test_a_segment_whose_steps_stop_is_failed_after_the_limit(
     assert re.search(r"failed: no new step for \d+ s \(at step 5", logged.out + logged.err)
     # Nothing of the segment is left running, so that the retry starts cleanly.
     assert LocalBackend(launcher["work_dir"]).segment_status(launcher, 0).state == "exited"
+
+
+def test_a_retry_shows_its_own_steps_not_those_of_the_try_it_replaces(
+    layout: RunLayout, launcher: dict, capfd: pytest.CaptureFixture
+) -> None:
+    """The killed try got to step 50 and its retry resumes from an earlier checkpoint: the retry's
+    watcher reports the retry's steps (the operator hands it where they begin), never step 50."""
+    with ChiefWriter(layout, "bsp", interval=0.001, steps=50) as killed_try:
+        killed_try.thread.join()
+    offsets = EventTail(layout.segment_metrics(0, "bsp")).skip_existing()
+    with ChiefWriter(layout, "bsp", interval=0.3, steps=3):
+        timer = threading.Timer(
+            1.5, lambda: storage.write_json(layout.segment_result(0, "bsp"), {"index": 0, "end_step": 3})
+        )
+        timer.start()
+        retry = trigger(layout, "bsp", launcher, stall_seconds=30.0)
+        retry = SegmentTrigger(**{**retry.serialize()[1], "event_offsets": offsets})
+        event = first_event(retry)
+        timer.join()
+    assert isinstance(event, TaskSuccessEvent)
+    logged = capfd.readouterr()
+    lines = logged.out + logged.err
+    progress = re.findall(r"segment 0 \(bsp\): (waiting for the first step|step [\d.]+) ", lines)
+    assert progress, lines[-2000:]
+    assert "step 50.0" not in progress
+    assert progress[0] == "waiting for the first step"  # the killed try's last step before it
+    assert {"step 1.0", "step 2.0"} & set(progress)
 
 
 def run_with_next_entry(layout: RunLayout, handle: dict[str, Any]) -> None:

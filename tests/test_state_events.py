@@ -194,11 +194,15 @@ def test_a_second_writer_of_a_stream_keeps_what_the_first_wrote(layout: RunLayou
         first.emit("segment_start", global_step=0.0)
         first.emit("step", global_step=1.0)
     assert [r["global_step"] for r in tail.read_new()] == [0.0, 1.0]
+    # The retry's own watcher starts where the retry's events begin (taken before its launch).
+    offsets = events.EventTail(layout.metrics).skip_existing()
+    assert offsets and all(size > 0 for size in offsets.values())
     with _writer(layout, "chief", 0) as retry:
         retry.emit("segment_start", global_step=1.0)
         retry.emit("step", global_step=2.0)
     assert [r["event"] for r in events.read_events(layout.metrics)] == ["segment_start", "step"] * 2
     assert [r["global_step"] for r in tail.read_new()] == [1.0, 2.0]
+    assert [r["global_step"] for r in events.EventTail(layout.metrics, offsets).read_new()] == [1.0, 2.0]
     uri = layout.segment_events(0, "bsp", "chief", 0)
     expected = [uri] if not storage.is_remote(uri) else [uri, events.part_uri(uri, 1)]
     assert storage.list_files(layout.metrics) == expected

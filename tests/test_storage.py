@@ -84,6 +84,13 @@ def test_list_files_is_recursive_sorted_and_filters_suffix(root: str) -> None:
     # a trailing slash means the same prefix
     assert storage.list_files(join(root, "a") + "/", suffix=".json") == [join(root, "a/deep/result.json")]
     assert storage.list_files(join(root, "missing")) == []
+    # the same listing with each file's size
+    storage.write_text(join(root, "a/x.jsonl"), "12345")
+    assert storage.file_sizes(join(root, "a"), suffix=".jsonl") == {
+        join(root, "a/deep/y.jsonl"): 2,
+        join(root, "a/x.jsonl"): 5,
+    }
+    assert storage.file_sizes(join(root, "missing")) == {}
 
 
 def test_list_dirs_gives_immediate_children_only(root: str) -> None:

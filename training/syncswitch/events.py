@@ -314,9 +314,15 @@ class EventTail:
     kept for the next call. A folder that does not exist yet reads as empty.
     """
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, offsets: dict[str, int] | None = None) -> None:
         self.folder = folder
-        self.offsets: dict[str, int] = {}
+        self.offsets: dict[str, int] = dict(offsets or {})
+
+    def skip_existing(self) -> dict[str, int]:
+        """Read on only what is appended from now on (a retry's events, not its killed try's);
+        returns the offsets, for a reader that goes on elsewhere (``EventTail(folder, offsets)``)."""
+        self.offsets = storage.file_sizes(self.folder, suffix=".jsonl")
+        return dict(self.offsets)
 
     def read_new(self, event: str | None = None) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []

@@ -438,11 +438,24 @@ def list_files(prefix: str, suffix: str = "") -> list[str]:
     return sorted(u for u in _walk_local(prefix) if u.endswith(suffix))
 
 
+def file_sizes(prefix: str, suffix: str = "") -> dict[str, int]:
+    """``list_files``'s files with their sizes in bytes, from one listing."""
+    if is_remote(prefix):
+        sized = _gcs("list", prefix, lambda: list(_walk_gcs_sized(prefix)))
+    else:
+        sized = [(path, os.path.getsize(path)) for path in _walk_local(prefix)]
+    return {uri: size for uri, size in sorted(sized) if uri.endswith(suffix)}
+
+
 def _walk_gcs(prefix: str) -> Iterator[str]:
+    return (uri for uri, _size in _walk_gcs_sized(prefix))
+
+
+def _walk_gcs_sized(prefix: str) -> Iterator[tuple[str, int]]:
     bucket, key = split_gs(prefix)
     key = key.rstrip("/") + "/" if key else ""
     for blob in gcs_client().list_blobs(bucket, prefix=key, **_NO_RETRY):
-        yield f"{GS_PREFIX}{bucket}/{blob.name}"
+        yield f"{GS_PREFIX}{bucket}/{blob.name}", blob.size or 0
 
 
 def _walk_local(prefix: str) -> Iterator[str]:

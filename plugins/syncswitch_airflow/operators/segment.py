@@ -30,6 +30,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from syncswitch import plan as plans
 from syncswitch import storage
+from syncswitch.events import EventTail
 from syncswitch.fields import MAX_SEGMENT_RETRIES
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
@@ -93,6 +94,7 @@ class SegmentOperator(BaseOperator):
             raise AirflowSkipException(f"segment {self.slot} runs {entry['protocol']}, not {self.protocol}")
         handle, job = state["cluster"], JobSpec.from_params(state["job"])
         retried = retries_so_far(context["ti"], self.retries)
+        event_offsets: dict[str, int] = {}
         # The launcher's status first, then the result: the chief writes result.json before its
         # launcher exits, so a segment that ends between the two looks is seen ended, not launched
         # again (the other order relaunched a segment that ended just after its result was read).
@@ -116,7 +118,7 @@ class SegmentOperator(BaseOperator):
                     retried,
                     job.segment_retries,
                 )
-            self._launch(state, entry, stale_result=result is not None)
+            event_offsets = self._launch(state, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
                 run_dir=self.run_dir,
@@ -128,14 +130,19 @@ class SegmentOperator(BaseOperator):
                 poll_seconds=self.poll_seconds,
                 log_seconds=self.log_seconds,
                 last_try=retried >= job.segment_retries,
+                event_offsets=event_offsets,
             ),
             method_name="execute_complete",
         )
 
-    def _launch(self, state: State, entry: dict[str, Any], stale_result: bool) -> None:
+    def _launch(self, state: State, entry: dict[str, Any], stale_result: bool) -> dict[str, int]:
+        """Launch the segment; where its events will begin in the segment's event files."""
         if stale_result:
             # The trigger must not mistake an earlier attempt's result for this one's.
             storage.delete(self.layout.segment_result(self.slot, self.protocol))
+        # Nor an earlier try's steps for this one's progress (a retry, or a cleared run, resumes
+        # from a checkpoint behind the step its killed try had logged).
+        event_offsets = EventTail(self.layout.segment_metrics(self.slot, self.protocol)).skip_existing()
         try:
             launch_entry(self.run_dir, state, entry, self.log)
         except SegmentAlreadyRunning:
@@ -143,6 +150,7 @@ class SegmentOperator(BaseOperator):
             self.log.info("run %s: segment %d was just launched; following it", state["run_id"], self.slot)
         except ClusterError as err:
             raise AirflowException(f"cannot launch segment {self.slot}: {err}") from None
+        return event_offsets
 
     @with_bucket_credentials
     def execute_complete(self, context: Context, event: Any) -> dict[str, Any]:

@@ -12,6 +12,10 @@ segment task itself (``end_from_trigger``):
               ``segment_retries`` are used up) a "failed" event back to the task instead, which
               fails it for good (Airflow's own retries are the ceiling, not the job's count)
 
+A try that its task launched reads only the events written after the launch (``event_offsets``,
+taken by the task just before it): a retry resumes from a checkpoint behind the step its killed try
+had logged, and its progress and stall check start from its own steps.
+
 Storage and ``/proc`` reads run in a thread, with the bucket connection's credentials
 (``BucketHook.in_thread``), so the triggerer's event loop is never blocked. Progress goes to the task
 log every ``log_seconds``. A segment whose step stops moving is failed by the rule of
@@ -189,6 +193,7 @@ class SegmentTrigger(BaseTrigger):
         progress_seconds: float = 2.0,
         log_seconds: float = 30.0,
         last_try: bool = False,
+        event_offsets: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.bucket = BucketHook()
@@ -203,6 +208,9 @@ class SegmentTrigger(BaseTrigger):
         self.progress_seconds = progress_seconds
         self.log_seconds = log_seconds
         self.last_try = last_try
+        # Where this try's events begin in the segment's event files (an earlier, killed try's
+        # steps come before), so that its progress and stall check start from this try's own.
+        self.event_offsets = event_offsets or {}
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -219,6 +227,7 @@ class SegmentTrigger(BaseTrigger):
                 "progress_seconds": self.progress_seconds,
                 "log_seconds": self.log_seconds,
                 "last_try": self.last_try,
+                "event_offsets": self.event_offsets,
             },
         )
 
@@ -228,7 +237,8 @@ class SegmentTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(self.handle["backend"])
-        tail = EventTail(RunLayout(self.run_dir).segment_metrics(self.index, self.protocol))
+        metrics = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
+        tail = EventTail(metrics, self.event_offsets)
         stall = StallWatch(self.stall_seconds)
         progress: Progress | None = None
         started = time.monotonic()
