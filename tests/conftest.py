@@ -108,6 +108,7 @@ EMBEDDED_AIRFLOW_TESTS = (
     "tests/test_recurring_jobs.py::",
     "tests/test_trigger_form.py::",
     "tests/test_hosts_backend.py::test_a_network_straggler_",
+    "tests/test_sweep.py::test_a_sweep_started_again_",
 )
 # Queued first, in this order, so that the two longest groups start at once on different workers.
 LONGEST_GROUPS = ("embedded-airflow", "tests/test_distributed.py")

@@ -1,4 +1,5 @@
-"""`syncswitch sweep`: the sweep file is validated (naming the key and the config) before anything runs."""
+"""`syncswitch sweep`: the sweep file is validated (naming the key and the config) before anything runs,
+and a sweep started again resumes (on the session's embedded Airflow)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT_DIR
 from syncswitch_airflow.job_files import read_job_file
-from syncswitch_airflow.tools.sweep import SweepError, read_sweep
+from syncswitch_airflow.tools.sweep import (
+    PROGRESS_FILE,
+    SweepError,
+    earlier_run,
+    read_progress,
+    read_sweep,
+    run_sweep,
+)
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 
@@ -76,3 +84,63 @@ def test_every_shipped_sweep_file_validates(path: Path) -> None:
 def test_every_shipped_job_file_validates(path: Path) -> None:
     job_file = read_job_file(path)
     assert job_file.job.job_name == path.stem
+
+
+RESUMABLE = """\
+name: resumable
+repeats: 1
+baseline: bsp
+base: {{total_steps: 40, num_workers: 2, bucket_dir: "{bucket}"}}
+configs:
+  bsp: {{switch_order: "1"}}
+  asp: {{switch_order: "0"}}
+"""
+
+
+class Interrupted(Exception):
+    """Stands in for the Ctrl-C (or the closed terminal) that stops a sweep part-way."""
+
+
+def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and_reruns_a_changed_one(
+    embedded_airflow, tmp_path: Path
+) -> None:
+    path, bucket = tmp_path / "resumable.yaml", tmp_path / "bucket"
+    path.write_text(RESUMABLE.format(bucket=bucket))
+    progress = str(tmp_path / "report" / PROGRESS_FILE)
+    lines: list[str] = []
+
+    def interrupted_once_the_second_run_is_triggered(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[2/2]") and ": run " in line:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_sweep(read_sweep(path), embedded_airflow, interrupted_once_the_second_run_is_triggered, progress)
+    first = read_progress(progress)
+    assert (first[("bsp", 0)]["state"], first[("asp", 0)]["state"]) == ("success", "queued")
+
+    # Started again: the finished run is kept, the one in flight followed to its end; nothing triggered.
+    lines.clear()
+    runs = run_sweep(read_sweep(path), embedded_airflow, lines.append, progress)
+    assert [(r["label"], r["state"], r["kept"]) for r in runs] == [
+        ("bsp", "success", True),
+        ("asp", "success", False),
+    ]
+    assert [r["run_id"] for r in runs] == [first[("bsp", 0)]["run_id"], first[("asp", 0)]["run_id"]]
+    assert lines[0].startswith("resuming: 2 run(s) recorded"), lines
+    assert any(line.startswith("[2/2] asp repeat 1: following run") for line in lines), lines
+    assert not any(": run " in line for line in lines), "a run was triggered again"
+
+    # The asp config changed in the sweep file: it alone runs again, and the record says which run counts.
+    path.write_text(RESUMABLE.format(bucket=bucket).replace('"0"}', '"0", total_steps: 50}'))
+    again = run_sweep(read_sweep(path), embedded_airflow, lines.append, progress)
+    assert again[0]["run_id"] == runs[0]["run_id"] and again[0]["kept"]
+    assert again[1]["run_id"] != runs[1]["run_id"] and again[1]["state"] == "success"
+    assert read_progress(progress)[("asp", 0)]["run_id"] == again[1]["run_id"]
+    runs_of_asp = [p.name for p in (bucket / "resumable-asp").iterdir() if not p.name.startswith("_")]
+    assert len(runs_of_asp) == 2, runs_of_asp
+
+    # A recorded run that this Airflow does not know (a wiped AIRFLOW_HOME) and did not succeed runs again.
+    gone = {**again[1], "run_id": "manual__gone", "state": "running"}
+    assert earlier_run(embedded_airflow, gone, gone["conf_digest"]) is None
+    assert earlier_run(embedded_airflow, again[1], "other params") is None

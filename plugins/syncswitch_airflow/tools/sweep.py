@@ -23,11 +23,18 @@ configs (repeat 1 of each, then repeat 2, ...) so that a slow patch of a shared 
 on one config, and repeat r runs with seed = base seed + r. Each run has its own job_name
 ``<name>-<label>`` and run folder; the report goes to ``<bucket_dir>/_sweeps/<name>/`` (or --out).
 The last stdout line is one JSON object: the comparison's numbers and where the report is.
+
+A sweep takes hours. It records its runs in the report folder (``sweep-runs.json``) as it goes, so
+that starting it again after an interruption (Ctrl-C, a closed terminal, a reboot) resumes it: a run
+that succeeded with the same params is kept, one that is still running is followed, and the rest run
+(again). ``--fresh`` forgets the record and runs everything. Only params are compared: after a change
+to the user code that the configs name, use ``--fresh``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -41,7 +48,7 @@ from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.job_files import usr_dir_beside
-from syncswitch_airflow.tools.airflow_api import AirflowError
+from syncswitch_airflow.tools.airflow_api import TERMINAL_RUN_STATES, AirflowError, AirflowUnavailable
 from syncswitch_airflow.tools.cli import DAG_ID, dag_conf, default_project_dir
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -49,6 +56,8 @@ PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 RUN_TIMEOUT_SECONDS = 24 * 3600.0
+# In the report folder: every run of the sweep as triggered and as ended, for a start that resumes it.
+PROGRESS_FILE = "sweep-runs.json"
 
 
 class SweepError(ValueError):
@@ -111,23 +120,86 @@ def _config(path: Path, name: str, label: str, base: dict, params: Any) -> JobSp
 # ---- running ----------------------------------------------------------------------------------------
 
 
-def run_sweep(sweep: Sweep, airflow: EmbeddedAirflow, say: Any) -> list[dict[str, Any]]:
-    """Every run of the sweep, one after another; returns {label, repeat, run_id, run_dir, state}."""
+def run_sweep(
+    sweep: Sweep, airflow: EmbeddedAirflow, say: Any, progress_uri: str | None = None
+) -> list[dict[str, Any]]:
+    """Every run of the sweep, one after another; returns {label, repeat, run_id, run_dir, state,
+    conf_digest, kept}.
+
+    With ``progress_uri`` the sweep records each run there as it is triggered and as it ends, and
+    picks up what an earlier start of it recorded: a run that succeeded with the same params is kept,
+    one still running is followed to its end, and any other runs again (failed, gone from this
+    Airflow, or its params changed in the sweep file)."""
+    earlier = read_progress(progress_uri) if progress_uri else {}
+    if earlier:
+        say(
+            f"resuming: {len(earlier)} run(s) recorded by an earlier start in {progress_uri} "
+            "(--fresh runs everything again)"
+        )
+    recorded = dict(earlier)
     done: list[dict[str, Any]] = []
     plan = [(repeat, label, job) for repeat in range(sweep.repeats) for label, job in sweep.configs.items()]
     for number, (repeat, label, job) in enumerate(plan, start=1):
         conf = {**dag_conf(job), "seed": job.seed + repeat}
-        started = time.monotonic()
-        run_id = airflow.api.trigger(DAG_ID, conf)
-        layout = RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id)
+        digest = conf_digest(conf)
         which = f"[{number}/{len(plan)}] {label} repeat {repeat + 1}"
-        say(f"{which}: run {run_id}")
-        state = airflow.api.wait(DAG_ID, run_id, timeout=RUN_TIMEOUT_SECONDS)
-        say(f"{which}: {state} in {time.monotonic() - started:.0f} s")
-        done.append(
-            {"label": label, "repeat": repeat, "run_id": run_id, "run_dir": layout.root, "state": state}
-        )
+        started = time.monotonic()
+        run = earlier_run(airflow, earlier.get((label, repeat)), digest)
+        if run is not None and run["state"] == "success":
+            say(f"{which}: kept run {run['run_id']} (success, from an earlier start of this sweep)")
+            done.append({**run, "kept": True})
+            continue
+        if run is not None:
+            say(f"{which}: following run {run['run_id']}, still {run['state']} from an earlier start")
+        else:
+            run_id = airflow.api.trigger(DAG_ID, conf)
+            run_dir = RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id).root
+            run = {"label": label, "repeat": repeat, "run_id": run_id, "run_dir": run_dir}
+            run.update(state="queued", conf_digest=digest)
+            _record(progress_uri, recorded, run)
+            say(f"{which}: run {run_id}")
+        run["state"] = airflow.api.wait(DAG_ID, run["run_id"], timeout=RUN_TIMEOUT_SECONDS)
+        _record(progress_uri, recorded, run)
+        say(f"{which}: {run['state']} in {time.monotonic() - started:.0f} s")
+        done.append({**run, "kept": False})
     return done
+
+
+def conf_digest(conf: dict[str, Any]) -> str:
+    """What identifies a run's params across starts of a sweep (its seed included)."""
+    return hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_progress(uri: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """The runs an earlier start of the sweep recorded, by (label, repeat)."""
+    runs = storage.read_json(uri, default={}).get("runs", [])
+    return {(run["label"], int(run["repeat"])): run for run in runs}
+
+
+def _record(uri: str | None, recorded: dict[tuple[str, int], dict[str, Any]], run: dict[str, Any]) -> None:
+    if uri is None:
+        return
+    recorded[(run["label"], run["repeat"])] = dict(run)
+    storage.write_json(uri, {"runs": sorted(recorded.values(), key=lambda r: (r["repeat"], r["label"]))})
+
+
+def earlier_run(airflow: EmbeddedAirflow, run: dict[str, Any] | None, digest: str) -> dict[str, Any] | None:
+    """The earlier start's run of this config and repeat, with its state now, if it is worth keeping
+    or following: the same params, and a success whose run folder still holds its state, or a run
+    that this Airflow still runs. None: run it again."""
+    if run is None or run.get("conf_digest") != digest:
+        return None
+    try:
+        state = airflow.api.run_state(DAG_ID, run["run_id"])
+    except AirflowUnavailable:
+        raise
+    except AirflowError:
+        state = run["state"] if run["state"] == "success" else "gone"  # another (or a wiped) Airflow home
+    if state == "success" and storage.exists(RunLayout(run["run_dir"]).state):
+        return {**run, "state": state}
+    if state not in TERMINAL_RUN_STATES and state != "gone":
+        return {**run, "state": state}
+    return None
 
 
 def report_dir(sweep: Sweep, out: str | None) -> str:
@@ -144,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="report folder (default <bucket_dir>/_sweeps/<name>)")
     parser.add_argument("--airflow-home", default=None, help="AIRFLOW_HOME (default <project>/.airflow)")
     parser.add_argument("--keep-ui", action="store_true", help="leave the embedded Airflow running")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every config again: forget the runs that an earlier start of this sweep recorded in "
+        f"the report folder ({PROGRESS_FILE}), which it otherwise keeps or follows",
+    )
     args = parser.parse_args(argv)
     try:
         sweep = read_sweep(args.sweep_file)
@@ -158,16 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     airflow = EmbeddedAirflow(
         default_project_dir(), Path(args.airflow_home).resolve() if args.airflow_home else None
     )
+    out = report_dir(sweep, args.out)
+    progress_uri = join(out, PROGRESS_FILE)
+    if args.fresh:
+        storage.delete(progress_uri)
     try:
         airflow.start(wait_for_dags=(DAG_ID,))
-        runs = run_sweep(sweep, airflow, say)
+        runs = run_sweep(sweep, airflow, say, progress_uri)
     except AirflowError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         if not args.keep_ui:
             airflow.stop()
-    out = report_dir(sweep, args.out)
     refs = [RunRef(label=r["label"], run_dir=r["run_dir"]) for r in runs if r["state"] == "success"]
     comparison = build_comparison(
         refs, out, baseline=sweep.baseline, target_accuracy=sweep.target_accuracy, references=sweep.references
