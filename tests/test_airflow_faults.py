@@ -197,6 +197,41 @@ def test_mark_failed_on_a_running_segment_tears_down_and_leaves_no_process(
     assert state_of(layout)["status"] == "failed"
 
 
+def test_a_run_marked_failed_as_a_whole_ends_failed_torn_down_running_or_queued(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """The UI's "Mark run as failed" (and `syncswitch run`'s Ctrl-C): Airflow fails the running tasks
+    and skips every pending one but the teardown tasks, and, with a teardown pending, leaves the run's
+    state to them. The run ends failed, not success: finalize (a teardown itself) fails it, a training
+    run after its cluster is torn down, a queued one once it starts, without training."""
+    airflow = embedded_airflow
+    running, layout = trigger(airflow, job(tmp_path, "markrun", switch_order="1", total_steps=100000))
+    wait_for_task(airflow, running, "segment_0.bsp", ("deferred",))
+    assert airflow.api.fail_run(DAG_ID, running, teardown_seconds=120, poll_seconds=0.5)
+    assert airflow.api.run_state(DAG_ID, running) == "failed"
+    tasks = airflow.api.task_states(DAG_ID, running)
+    assert (tasks["segment_0.bsp"], tasks["teardown_cluster"], tasks["finalize"]) == (
+        "failed",
+        "success",
+        "failed",
+    )
+    assert state_of(layout)["status"] == "failed"
+    assert_no_processes(r"/markrun-", timeout=30)
+
+    airflow.api.pause(DAG_ID)  # its new runs stay queued
+    try:
+        queued, queued_layout = trigger(airflow, job(tmp_path, "markqueued"))
+        assert airflow.api.run_state(DAG_ID, queued) == "queued"
+        airflow.api.mark_failed(DAG_ID, queued)
+    finally:
+        airflow.api.unpause(DAG_ID)
+    assert wait_run(airflow, queued) == "failed"
+    tasks = airflow.api.task_states(DAG_ID, queued)
+    assert tasks.pop("finalize") == "failed", tasks
+    assert set(tasks.values()) == {"skipped"}, tasks  # nothing provisioned, nothing trained
+    assert not storage.exists(queued_layout.state)
+
+
 def test_a_bucket_outage_mid_segment_under_the_scheduler(
     embedded_airflow: EmbeddedAirflow, gcs_server, gcs_bucket: str, tmp_path: Path
 ) -> None:

@@ -12,9 +12,12 @@ skips every later group at once, so that no task of an unused group starts.
 The cluster starts as soon as the params are valid, beside the timing policy and the plan, because its
 nodes' start (importing TensorFlow) is the longest wait before the first step. It is torn down as soon
 as the last segment has ended, beside evaluation and the report, which need only the bucket: a cloud
-cluster is not billed while the report renders. finalize runs after both whatever happened (ALL_DONE):
-it records the run's outcome in state.json, the report and the job's history, then fails if another
-task failed: it is the one leaf that decides the DAG run's state (teardown tasks do not count).
+cluster is not billed while the report renders. finalize runs after both whatever happened: it
+records the run's outcome in state.json, the report and the job's history, then fails if another task
+failed or the run was stopped before its report: it is the one leaf that decides the DAG run's state.
+It is a teardown task itself (of no setup, ``on_failure_fail_dagrun``): marking a run failed by hand
+skips every pending task except the teardowns and leaves the run's state to its leaves, so a finalize
+that was skipped would have let a stopped run end "success".
 """
 
 from __future__ import annotations
@@ -91,11 +94,15 @@ def build_sync_switch_dag(
             task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS], max_active_tis_per_dag=1
         )
         teardown = TeardownClusterOperator(task_id="teardown_cluster")
-        finalize = FinalizeRunOperator(task_id="finalize", trigger_rule=TriggerRule.ALL_DONE)
+        finalize = FinalizeRunOperator(task_id="finalize")
         cross_downstream(last_slot, [evaluate, teardown])
         evaluate >> report >> finalize
         teardown >> finalize
         teardown.as_teardown(setups=provision)
+        # A teardown of no setup, so that it runs whatever happened (its upstream all done), even
+        # after the run is marked failed by hand, which skips every pending task but the teardowns;
+        # and one that fails the run when it fails, as it decides the run's state.
+        finalize.as_teardown(on_failure_fail_dagrun=True)
     return dag
 
 

@@ -7,7 +7,10 @@ runs included (they never count as evidence for the timing policy, but they are 
 
 It is also the run's watcher (the idiom of Airflow's own system tests): as the DAG's only leaf that
 counts, it decides the DAG run's state, so once the outcome is recorded it fails when any other task
-failed, naming them.
+failed, naming them, or when the run was stopped before its report (the run marked failed by hand:
+Airflow fails its running tasks, skips every pending one but the teardown tasks, and leaves the run's
+state to its leaves. finalize is a teardown task for that reason, one that fails the run when it
+fails: ``on_failure_fail_dagrun``).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ class FinalizeRunOperator(BaseOperator):
 
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, timing_task_id: str = "timing_policy", **kwargs: Any) -> None:
+    def __init__(
+        self, *, timing_task_id: str = "timing_policy", report_task_id: str = "report", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.timing_task_id = timing_task_id
+        self.report_task_id = report_task_id
 
     @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
@@ -80,12 +86,17 @@ class FinalizeRunOperator(BaseOperator):
 
     def _failed_tasks(self, context: Context) -> list[str]:
         """The other tasks of this run that failed; those that could not run because one did only when
-        none failed itself (a task marked failed by hand leaves its downstream upstream_failed)."""
+        none failed itself (a task marked failed by hand leaves its downstream upstream_failed); the
+        report, named as skipped, when none failed but the run was stopped before it."""
         ti = context["ti"]
         states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
         others = {task: state for task, state in states.items() if task != ti.task_id}
         failed = sorted(task for task, state in others.items() if state == "failed")
-        return failed or sorted(task for task, state in others.items() if state in FAILED_STATES)
+        failed = failed or sorted(task for task, state in others.items() if state in FAILED_STATES)
+        report = others.get(self.report_task_id)
+        if not failed and report is not None and report != "success":
+            return [f"{self.report_task_id} ({report}: the run was stopped)"]
+        return failed
 
     def _refresh_report(self, layout: RunLayout, outcome: str, state: dict[str, Any]) -> None:
         from syncswitch_airflow.report import refresh_status

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 TERMINAL_RUN_STATES = ("success", "failed")
+# Task instance states after which a task of a run ends and will not run again.
+FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 _HTTP_TIMEOUT_S = 30.0
 BACKFILL_ATTEMPTS = 4
 BACKFILL_RETRY_SECONDS = 5.0
@@ -205,13 +207,32 @@ class AirflowApi:
         return cleared
 
     def mark_failed(self, dag_id: str, run_id: str) -> None:
-        """Fail the run by hand; Airflow still runs its teardown tasks."""
+        """Fail the run by hand, as the UI's "Mark run as failed" does: Airflow fails its running
+        tasks and skips the pending ones but the teardown tasks, which run; with a teardown pending
+        the run's state is left to them (and to the leaves) rather than set at once."""
         status, body = self.request(
             "PATCH", f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}", {"state": "failed"}
         )
         if status != 200:
             raise AirflowError(f"marking {run_id} failed answered {status}: {body}")
         self._log.info("marked %s run %s failed", dag_id, run_id)
+
+    def fail_run(
+        self, dag_id: str, run_id: str, teardown_seconds: float = 120.0, poll_seconds: float = 2.0
+    ) -> bool:
+        """Fail the run by hand and wait until it has ended, and every task of it: Airflow runs its
+        teardown tasks after the mark, and a cluster must not outlive its run. Whether it did within
+        ``teardown_seconds``."""
+        self.mark_failed(dag_id, run_id)
+        deadline = time.monotonic() + teardown_seconds
+        while time.monotonic() < deadline:
+            ended = self.run_state(dag_id, run_id) in TERMINAL_RUN_STATES
+            if ended and all(
+                state in FINISHED_TASK_STATES for state in self.task_states(dag_id, run_id).values()
+            ):
+                return True
+            time.sleep(poll_seconds)
+        return False
 
     def wait(
         self,

@@ -36,7 +36,7 @@ from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
+from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError, TriggerRejected
 from syncswitch_airflow.tools.embedded import AirflowGone, EmbeddedAirflow
 from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
 
@@ -48,7 +48,6 @@ _PROGRESS_EVERY_SECONDS = 5.0
 _TEARDOWN_WAIT_SECONDS = 120.0
 # How often one `syncswitch run` starts the embedded Airflow again after it went away.
 _AIRFLOW_RESTARTS = 3
-_FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
 
 # Flags of the original main.py that this command takes and ignores (the backend names the cluster).
 IGNORED_FLAGS = ("--cluster-name", "--eval-name")
@@ -220,13 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         if options.stop_ui:
             airflow.stop()
             return EXIT_OK
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
-        try:
+        with interrupt_on_sigterm():
             return RunSession(airflow, spec, options).run()
-        finally:
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, previous_sigterm)
 
 
 @contextlib.contextmanager
@@ -247,8 +241,43 @@ def _event_log_to_stderr() -> Iterator[None]:
         logger.level, logger.propagate = saved
 
 
+def fail_run_for_teardown(api: AirflowApi, run_id: str) -> None:
+    """After Ctrl-C: mark the run failed so that Airflow runs teardown_cluster, and give it time to
+    finish (a second Ctrl-C skips the wait)."""
+    try:
+        print(f"failing run {run_id} so its teardown runs (Ctrl-C again to skip)", file=sys.stderr)
+        if not api.fail_run(DAG_ID, run_id, _TEARDOWN_WAIT_SECONDS, _POLL_SECONDS):
+            print(
+                f"run {run_id}: its tasks did not finish within {_TEARDOWN_WAIT_SECONDS:.0f} s",
+                file=sys.stderr,
+            )
+    except (KeyboardInterrupt, AirflowError) as exc:
+        print(f"teardown wait skipped: {exc or 'interrupted'}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside (from the main thread; elsewhere it changes nothing),
+    so that it gets Ctrl-C's clean stop: the run in flight failed and torn down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_airflow(airflow: EmbeddedAirflow) -> None:
+    try:
+        airflow.stop()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while stopping: finish the stop anyway, nothing may be left behind.
+        airflow.stop(timeout=5.0)
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    # SIGTERM gets the same clean shutdown as Ctrl-C.
     raise KeyboardInterrupt
 
 
@@ -352,31 +381,15 @@ class RunSession:
         return f"{time.monotonic() - self.started:6.0f}s"
 
     def _fail_run_for_teardown(self) -> None:
-        """Mark the run failed so Airflow runs teardown_cluster, and give it time to finish."""
-        if self.run_id is None:
-            return
-        try:
-            print(f"failing run {self.run_id} so its teardown runs (Ctrl-C again to skip)", file=sys.stderr)
-            self.airflow.api.mark_failed(DAG_ID, self.run_id)
-            deadline = time.monotonic() + _TEARDOWN_WAIT_SECONDS
-            while time.monotonic() < deadline:
-                states = self.airflow.api.task_states(DAG_ID, self.run_id).values()
-                if all(s in _FINISHED_TASK_STATES for s in states):
-                    return
-                time.sleep(_POLL_SECONDS)
-        except (KeyboardInterrupt, AirflowError) as exc:
-            print(f"teardown wait skipped: {exc or 'interrupted'}", file=sys.stderr)
+        if self.run_id is not None:
+            fail_run_for_teardown(self.airflow.api, self.run_id)
 
     def _stop_or_keep(self) -> None:
         if self.options.keep_ui and self.airflow.is_running():
             self.say(f"Airflow UI: {self.airflow.url}  (user {ADMIN_USER}, password {ADMIN_PASSWORD})")
             self.say(f"stop it with: {PROG} --stop-ui" + self._home_flag())
             return
-        try:
-            self.airflow.stop()
-        except KeyboardInterrupt:
-            # A second Ctrl-C while stopping: finish the stop anyway, nothing may be left behind.
-            self.airflow.stop(timeout=5.0)
+        stop_airflow(self.airflow)
 
     def _home_flag(self) -> str:
         return f" --airflow-home {self.options.airflow_home}" if self.options.airflow_home else ""
