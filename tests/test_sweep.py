@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 from conftest import PROJECT_DIR
+from proc_utils import wait_for
 from syncswitch_airflow.job_files import read_job_file
+from syncswitch_airflow.tools.cli import DAG_ID
 from syncswitch_airflow.tools.sweep import (
     PROGRESS_FILE,
     SweepError,
+    SweepProgress,
     earlier_run,
-    read_progress,
     read_sweep,
     run_sweep,
 )
@@ -93,54 +95,80 @@ baseline: bsp
 base: {{total_steps: 40, num_workers: 2, bucket_dir: "{bucket}"}}
 configs:
   bsp: {{switch_order: "1"}}
-  asp: {{switch_order: "0"}}
+  asp: {{switch_order: "0", total_steps: 300}}
 """
 
 
-class Interrupted(Exception):
-    """Stands in for the Ctrl-C (or the closed terminal) that stops a sweep part-way."""
+class Killed(Exception):
+    """Stands in for a sweep process killed outright (SIGKILL, a lost terminal): nothing of it runs
+    after this, unlike Ctrl-C."""
 
 
-def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and_reruns_a_changed_one(
+def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and_reruns_a_stopped_one(
     embedded_airflow, tmp_path: Path
 ) -> None:
     path, bucket = tmp_path / "resumable.yaml", tmp_path / "bucket"
     path.write_text(RESUMABLE.format(bucket=bucket))
-    progress = str(tmp_path / "report" / PROGRESS_FILE)
+    sweep, progress = read_sweep(path), str(tmp_path / "report" / PROGRESS_FILE)
     lines: list[str] = []
 
-    def interrupted_once_the_second_run_is_triggered(line: str) -> None:
+    def killed_once_the_second_run_is_triggered(line: str) -> None:
         lines.append(line)
         if line.startswith("[2/2]") and ": run " in line:
-            raise Interrupted
+            raise Killed
 
-    with pytest.raises(Interrupted):
-        run_sweep(read_sweep(path), embedded_airflow, interrupted_once_the_second_run_is_triggered, progress)
-    first = read_progress(progress)
+    with pytest.raises(Killed):
+        run_sweep(sweep, embedded_airflow, killed_once_the_second_run_is_triggered, progress)
+    first = SweepProgress(progress).earlier
     assert (first[("bsp", 0)]["state"], first[("asp", 0)]["state"]) == ("success", "queued")
+    in_flight = first[("asp", 0)]["run_id"]
 
-    # Started again: the finished run is kept, the one in flight followed to its end; nothing triggered.
+    # Started again: the finished run is kept and the one in flight followed, until Ctrl-C while it
+    # trains, which fails that run and lets its teardown run before the sweep stops.
+    def ctrl_c_while_following(line: str) -> None:
+        lines.append(line)
+        if ": following run" in line:
+            wait_for(
+                lambda: (
+                    embedded_airflow.api.task_states(DAG_ID, in_flight).get("segment_0.asp") == "deferred"
+                ),
+                timeout=120,
+                poll=0.2,
+                what="the followed run's segment training",
+            )
+            raise KeyboardInterrupt
+
     lines.clear()
-    runs = run_sweep(read_sweep(path), embedded_airflow, lines.append, progress)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(sweep, embedded_airflow, ctrl_c_while_following, progress)
+    assert lines[0].startswith("resuming: 2 run(s) recorded"), lines
+    assert lines[1].startswith(f"[1/2] bsp repeat 1: kept run {first[('bsp', 0)]['run_id']} (success"), lines
+    assert lines[2].startswith(f"[2/2] asp repeat 1: following run {in_flight}"), lines
+    assert embedded_airflow.api.run_state(DAG_ID, in_flight) == "failed"
+    tasks = embedded_airflow.api.task_states(DAG_ID, in_flight)
+    # (finalize, a teardown too, is what fails the run: Airflow leaves the state of a run marked failed
+    # to its teardowns and leaves while a teardown is pending.)
+    assert (tasks["segment_0.asp"], tasks["teardown_cluster"], tasks["finalize"]) == (
+        "failed",
+        "success",
+        "failed",
+    )
+    assert SweepProgress(progress).earlier[("asp", 0)]["state"] == "failed"
+
+    # Started a third time: the stopped run runs again, as a new run; the kept one is not touched.
+    runs = run_sweep(sweep, embedded_airflow, lines.append, progress)
     assert [(r["label"], r["state"], r["kept"]) for r in runs] == [
         ("bsp", "success", True),
         ("asp", "success", False),
     ]
-    assert [r["run_id"] for r in runs] == [first[("bsp", 0)]["run_id"], first[("asp", 0)]["run_id"]]
-    assert lines[0].startswith("resuming: 2 run(s) recorded"), lines
-    assert any(line.startswith("[2/2] asp repeat 1: following run") for line in lines), lines
-    assert not any(": run " in line for line in lines), "a run was triggered again"
-
-    # The asp config changed in the sweep file: it alone runs again, and the record says which run counts.
-    path.write_text(RESUMABLE.format(bucket=bucket).replace('"0"}', '"0", total_steps: 50}'))
-    again = run_sweep(read_sweep(path), embedded_airflow, lines.append, progress)
-    assert again[0]["run_id"] == runs[0]["run_id"] and again[0]["kept"]
-    assert again[1]["run_id"] != runs[1]["run_id"] and again[1]["state"] == "success"
-    assert read_progress(progress)[("asp", 0)]["run_id"] == again[1]["run_id"]
-    runs_of_asp = [p.name for p in (bucket / "resumable-asp").iterdir() if not p.name.startswith("_")]
+    assert runs[0]["run_id"] == first[("bsp", 0)]["run_id"] and runs[1]["run_id"] != in_flight
+    assert SweepProgress(progress).earlier[("asp", 0)] == {k: v for k, v in runs[1].items() if k != "kept"}
+    runs_of_asp = [p.name for p in (bucket / "resumable-asp").iterdir()]
     assert len(runs_of_asp) == 2, runs_of_asp
 
-    # A recorded run that this Airflow does not know (a wiped AIRFLOW_HOME) and did not succeed runs again.
-    gone = {**again[1], "run_id": "manual__gone", "state": "running"}
+    # Changed params, or a run that this Airflow does not know (a wiped AIRFLOW_HOME) and that did not
+    # succeed: run again.
+    assert earlier_run(embedded_airflow, runs[1], "other params") is None
+    gone = {**runs[1], "run_id": "manual__gone", "state": "running"}
     assert earlier_run(embedded_airflow, gone, gone["conf_digest"]) is None
-    assert earlier_run(embedded_airflow, again[1], "other params") is None
+    assert earlier_run(embedded_airflow, runs[1], runs[1]["conf_digest"])["state"] == "success"

@@ -49,12 +49,19 @@ from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.job_files import usr_dir_beside
 from syncswitch_airflow.tools.airflow_api import TERMINAL_RUN_STATES, AirflowError, AirflowUnavailable
-from syncswitch_airflow.tools.cli import DAG_ID, dag_conf, default_project_dir
+from syncswitch_airflow.tools.cli import (
+    DAG_ID,
+    dag_conf,
+    default_project_dir,
+    fail_run_for_teardown,
+    interrupt_on_sigterm,
+    stop_airflow,
+)
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_TIMEOUT_SECONDS = 24 * 3600.0
 # In the report folder: every run of the sweep as triggered and as ended, for a start that resumes it.
 PROGRESS_FILE = "sweep-runs.json"
@@ -129,40 +136,56 @@ def run_sweep(
     With ``progress_uri`` the sweep records each run there as it is triggered and as it ends, and
     picks up what an earlier start of it recorded: a run that succeeded with the same params is kept,
     one still running is followed to its end, and any other runs again (failed, gone from this
-    Airflow, or its params changed in the sweep file)."""
-    earlier = read_progress(progress_uri) if progress_uri else {}
-    if earlier:
+    Airflow, or its params changed in the sweep file). Ctrl-C fails the run in flight (its teardown
+    runs) before it stops the sweep."""
+    progress = SweepProgress(progress_uri)
+    if progress.earlier:
         say(
-            f"resuming: {len(earlier)} run(s) recorded by an earlier start in {progress_uri} "
+            f"resuming: {len(progress.earlier)} run(s) recorded by an earlier start in {progress_uri} "
             "(--fresh runs everything again)"
         )
-    recorded = dict(earlier)
     done: list[dict[str, Any]] = []
     plan = [(repeat, label, job) for repeat in range(sweep.repeats) for label, job in sweep.configs.items()]
     for number, (repeat, label, job) in enumerate(plan, start=1):
         conf = {**dag_conf(job), "seed": job.seed + repeat}
-        digest = conf_digest(conf)
         which = f"[{number}/{len(plan)}] {label} repeat {repeat + 1}"
         started = time.monotonic()
-        run = earlier_run(airflow, earlier.get((label, repeat)), digest)
+        run = earlier_run(airflow, progress.earlier.get((label, repeat)), conf_digest(conf))
         if run is not None and run["state"] == "success":
             say(f"{which}: kept run {run['run_id']} (success, from an earlier start of this sweep)")
             done.append({**run, "kept": True})
             continue
-        if run is not None:
-            say(f"{which}: following run {run['run_id']}, still {run['state']} from an earlier start")
-        else:
-            run_id = airflow.api.trigger(DAG_ID, conf)
-            run_dir = RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id).root
-            run = {"label": label, "repeat": repeat, "run_id": run_id, "run_dir": run_dir}
-            run.update(state="queued", conf_digest=digest)
-            _record(progress_uri, recorded, run)
-            say(f"{which}: run {run_id}")
-        run["state"] = airflow.api.wait(DAG_ID, run["run_id"], timeout=RUN_TIMEOUT_SECONDS)
-        _record(progress_uri, recorded, run)
+        try:
+            if run is None:
+                run = _trigger(airflow, job, conf, label, repeat)
+                progress.record(run)
+                say(f"{which}: run {run['run_id']}")
+            else:
+                say(f"{which}: following run {run['run_id']}, still {run['state']} from an earlier start")
+            run["state"] = airflow.api.wait(DAG_ID, run["run_id"], timeout=RUN_TIMEOUT_SECONDS)
+        except KeyboardInterrupt:
+            if run is not None:  # the run in flight is failed and torn down, and runs again on resume
+                fail_run_for_teardown(airflow.api, run["run_id"])
+                progress.record({**run, "state": "failed"})
+            raise
+        progress.record(run)
         say(f"{which}: {run['state']} in {time.monotonic() - started:.0f} s")
         done.append({**run, "kept": False})
     return done
+
+
+def _trigger(
+    airflow: EmbeddedAirflow, job: JobSpec, conf: dict[str, Any], label: str, repeat: int
+) -> dict[str, Any]:
+    run_id = airflow.api.trigger(DAG_ID, conf)
+    return {
+        "label": label,
+        "repeat": repeat,
+        "run_id": run_id,
+        "run_dir": RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id).root,
+        "state": "queued",
+        "conf_digest": conf_digest(conf),
+    }
 
 
 def conf_digest(conf: dict[str, Any]) -> str:
@@ -170,17 +193,24 @@ def conf_digest(conf: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_progress(uri: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """The runs an earlier start of the sweep recorded, by (label, repeat)."""
-    runs = storage.read_json(uri, default={}).get("runs", [])
-    return {(run["label"], int(run["repeat"])): run for run in runs}
+class SweepProgress:
+    """The sweep's record of its runs (``PROGRESS_FILE`` in the report folder), by (label, repeat):
+    ``earlier`` as an earlier start left it, written again at each ``record``. No file: nothing kept."""
 
+    def __init__(self, uri: str | None) -> None:
+        self.uri = uri
+        self.earlier: dict[tuple[str, int], dict[str, Any]] = {}
+        if uri is not None:
+            for run in storage.read_json(uri, default={}).get("runs", []):
+                self.earlier[(run["label"], int(run["repeat"]))] = run
+        self._runs = dict(self.earlier)
 
-def _record(uri: str | None, recorded: dict[tuple[str, int], dict[str, Any]], run: dict[str, Any]) -> None:
-    if uri is None:
-        return
-    recorded[(run["label"], run["repeat"])] = dict(run)
-    storage.write_json(uri, {"runs": sorted(recorded.values(), key=lambda r: (r["repeat"], r["label"]))})
+    def record(self, run: dict[str, Any]) -> None:
+        if self.uri is None:
+            return
+        self._runs[(run["label"], run["repeat"])] = dict(run)
+        runs = sorted(self._runs.values(), key=lambda r: (r["repeat"], r["label"]))
+        storage.write_json(self.uri, {"runs": runs})
 
 
 def earlier_run(airflow: EmbeddedAirflow, run: dict[str, Any] | None, digest: str) -> dict[str, Any] | None:
@@ -193,11 +223,11 @@ def earlier_run(airflow: EmbeddedAirflow, run: dict[str, Any] | None, digest: st
         state = airflow.api.run_state(DAG_ID, run["run_id"])
     except AirflowUnavailable:
         raise
-    except AirflowError:
-        state = run["state"] if run["state"] == "success" else "gone"  # another (or a wiped) Airflow home
+    except AirflowError:  # not in this Airflow (another AIRFLOW_HOME, or a wiped one)
+        state = "success" if run["state"] == "success" else "gone"
     if state == "success" and storage.exists(RunLayout(run["run_dir"]).state):
         return {**run, "state": state}
-    if state not in TERMINAL_RUN_STATES and state != "gone":
+    if state not in (*TERMINAL_RUN_STATES, "gone"):
         return {**run, "state": state}
     return None
 
@@ -241,14 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:
         storage.delete(progress_uri)
     try:
-        airflow.start(wait_for_dags=(DAG_ID,))
-        runs = run_sweep(sweep, airflow, say, progress_uri)
+        with interrupt_on_sigterm():
+            airflow.start(wait_for_dags=(DAG_ID,))
+            runs = run_sweep(sweep, airflow, say, progress_uri)
     except AirflowError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the same command resumes the sweep ({progress_uri})", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         if not args.keep_ui:
-            airflow.stop()
+            stop_airflow(airflow)
     refs = [RunRef(label=r["label"], run_dir=r["run_dir"]) for r in runs if r["state"] == "success"]
     comparison = build_comparison(
         refs, out, baseline=sweep.baseline, target_accuracy=sweep.target_accuracy, references=sweep.references
