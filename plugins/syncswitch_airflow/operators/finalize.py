@@ -1,9 +1,10 @@
 """The last task of a run: its outcome, in state.json and in the job's history.
 
-It runs after report and teardown_cluster whatever happened (trigger rule ALL_DONE), so it sees the
-run's true outcome, which the report task (beside teardown) cannot: it marks state.json, corrects the
-report's status, and writes the run's one immutable history record (syncswitch_airflow.history), failed
-runs included (they never count as evidence for the timing policy, but they are part of the job's story).
+It runs after report and teardown_cluster whatever happened (once both are done: a teardown task of
+no setup), so it sees the run's true outcome, which the report task (beside teardown) cannot: it marks
+state.json, corrects the report's status, and writes the run's one immutable history record
+(syncswitch_airflow.history), failed runs included (they never count as evidence for the timing
+policy, but they are part of the job's story).
 
 It is also the run's watcher (the idiom of Airflow's own system tests): as the DAG's only leaf that
 counts, it decides the DAG run's state, so once the outcome is recorded it fails when any other task
