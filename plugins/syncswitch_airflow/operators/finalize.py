@@ -96,7 +96,7 @@ class FinalizeRunOperator(BaseOperator):
         failed = failed or sorted(task for task, state in others.items() if state in FAILED_STATES)
         report = others.get(self.report_task_id)
         if not failed and report is not None and report != "success":
-            return [f"{self.report_task_id} ({report}: the run was stopped)"]
+            return [f"{self.report_task_id} ({report}: the run was stopped by hand before its report)"]
         return failed
 
     def _refresh_report(self, layout: RunLayout, outcome: str, state: dict[str, Any]) -> None:
