@@ -270,6 +270,7 @@ def interrupt_on_sigterm() -> Iterator[None]:
 
 
 def stop_airflow(airflow: EmbeddedAirflow) -> None:
+    """Stop the embedded Airflow, even through a second Ctrl-C."""
     try:
         airflow.stop()
     except KeyboardInterrupt:
@@ -317,7 +318,8 @@ class RunSession:
             state, code = "error", EXIT_FAILED
         except KeyboardInterrupt:
             error = "interrupted"
-            self._fail_run_for_teardown()
+            if self.run_id is not None:
+                fail_run_for_teardown(self.airflow.api, self.run_id)
             state, code = "interrupted", EXIT_INTERRUPTED
         if error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -379,10 +381,6 @@ class RunSession:
 
     def _elapsed(self) -> str:
         return f"{time.monotonic() - self.started:6.0f}s"
-
-    def _fail_run_for_teardown(self) -> None:
-        if self.run_id is not None:
-            fail_run_for_teardown(self.airflow.api, self.run_id)
 
     def _stop_or_keep(self) -> None:
         if self.options.keep_ui and self.airflow.is_running():
