@@ -248,6 +248,51 @@ def test_a_bucket_outage_mid_segment_under_the_scheduler(
     assert_no_processes(r"/outage-", timeout=30)
 
 
+def test_ctrl_c_on_syncswitch_run_fails_its_run_and_tears_it_down(
+    embedded_airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """A user's Ctrl-C mid-training: the CLI fails its run (which ended success before finalize was
+    a teardown task), waits for the teardown, and exits 130; the kept UI stays up."""
+    airflow = embedded_airflow
+    runs = tmp_path / "runs"
+    cli = subprocess.Popen(
+        [str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"]
+        + [
+            "--bucket-dir",
+            str(runs),
+            "--job-name",
+            "ctrlc",
+            "--switch-order",
+            "1",
+            "--total-steps",
+            "100000",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: any(runs.glob("ctrlc/*/metrics/seg-00-bsp/worker-0.jsonl")) or cli.poll() is not None,
+            timeout=300,
+            what="training",
+        )
+        cli.send_signal(signal.SIGINT)
+        out, err = cli.communicate(timeout=300)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 130, f"stdout:\n{out}\nstderr:\n{err}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["state"] == "interrupted" and "failing run" in err, err
+    assert airflow.api.run_state(DAG_ID, summary["run_id"]) == "failed"
+    tasks = airflow.api.task_states(DAG_ID, summary["run_id"])
+    assert (tasks["teardown_cluster"], tasks["finalize"]) == ("success", "failed"), tasks
+    assert_no_processes(r"/ctrlc-", timeout=30)
+    assert airflow.is_running()
+
+
 def test_syncswitch_run_carries_on_through_a_restart_of_the_whole_embedded_airflow(
     embedded_airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:

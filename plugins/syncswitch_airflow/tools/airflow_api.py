@@ -155,9 +155,12 @@ class AirflowApi:
         """``POST /api/v2/backfills``: runs of ``dag_id`` for the schedule's dates in [from, to].
 
         On SQLite (the embedded Airflow) a write that meets the scheduler's is refused with 503
-        "Database is locked"; Airflow then deletes the partial backfill "so the user can retry"
-        (models/backfill.py), which this does, a few times, while no unfinished backfill of the DAG
-        is listed (one that got in after all would make a retry a second one)."""
+        "Database is locked". Airflow has committed the backfill itself by then, rolls its runs back
+        and deletes it "so the user can retry" (models/backfill.py), but that clean-up can meet the
+        lock too and leave the backfill, unfinished and empty, in the way of any other. This tries
+        again, a few times: first cancelling what its own refused request left (a backfill that
+        was not there before, while no run of the DAG was queued afresh), or returning it where its
+        runs did get in after all."""
         request = {
             "dag_id": dag_id,
             "from_date": from_date,
@@ -165,19 +168,37 @@ class AirflowApi:
             "reprocess_behavior": reprocess_behavior,
             "max_active_runs": max_active_runs,
         }
+        known = {backfill["id"] for backfill in self.backfills(dag_id)}
+        queued_before = self._queued_at(dag_id)
         for attempt in range(1, BACKFILL_ATTEMPTS + 1):
             status, body = self.request("POST", "/api/v2/backfills", request)
             locked = status == 503 and "locked" in _error_text(body).lower()
             if not locked or attempt == BACKFILL_ATTEMPTS:
                 break
-            if any(not backfill.get("completed_at") for backfill in self.backfills(dag_id)):
-                break
             self._log.info("creating a backfill of %s met a locked database; again (%d)", dag_id, attempt)
             time.sleep(BACKFILL_RETRY_SECONDS)
+            left = [b for b in self.backfills(dag_id) if not b.get("completed_at") and b["id"] not in known]
+            if left and self._queued_at(dag_id) != queued_before:
+                status, body = 200, left[0]  # its runs got in: the backfill is there after all
+                break
+            for backfill in left:
+                self._cancel_backfill(backfill["id"])
         if status != 200:
             raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
         self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
         return body
+
+    def _queued_at(self, dag_id: str) -> dict[str, str | None]:
+        """run id -> when it was last queued: a backfill's new or cleared runs change it."""
+        return {run["dag_run_id"]: run.get("queued_at") for run in self.dag_runs(dag_id)}
+
+    def _cancel_backfill(self, backfill_id: int) -> None:
+        """Cancel an empty backfill that a refused create left behind (see create_backfill)."""
+        status, body = self.request("PUT", f"/api/v2/backfills/{backfill_id}/cancel")
+        if status == 200:
+            self._log.info("cancelled backfill %s, left empty by a refused create", backfill_id)
+        else:  # the next attempt is refused while it stays, and says so
+            self._log.info("cancelling backfill %s answered %s: %s", backfill_id, status, _error_text(body))
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
         """Mark one task instance by hand, as the UI's "Mark as" does."""
