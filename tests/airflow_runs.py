@@ -96,6 +96,16 @@ class TaskTimeline:
         return "\n".join(self.changes)
 
 
+def assert_stopped_by_hand(api: AirflowApi, run_id: str, segment_task: str) -> None:
+    """A run marked failed while ``segment_task`` trained: that task failed, the cluster was torn down,
+    and finalize (a teardown task too: Airflow leaves the state of a run marked failed to its
+    teardowns and leaves while one is pending) failed the run."""
+    assert api.run_state(DAG_ID, run_id) == "failed"
+    tasks = api.task_states(DAG_ID, run_id)
+    stopped = (tasks[segment_task], tasks["teardown_cluster"], tasks["finalize"])
+    assert stopped == ("failed", "success", "failed"), tasks
+
+
 def segment_starts(layout: RunLayout) -> dict[int, int]:
     """How many times each segment was started (its segment_start events): 1 = never relaunched."""
     counts: dict[int, int] = {}

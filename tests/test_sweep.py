@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from airflow_runs import DAG_ID, assert_stopped_by_hand
 from conftest import PROJECT_DIR
 from proc_utils import wait_for
 from syncswitch_airflow.job_files import read_job_file
-from syncswitch_airflow.tools.cli import DAG_ID
 from syncswitch_airflow.tools.sweep import (
     PROGRESS_FILE,
     SweepError,
@@ -144,15 +144,7 @@ def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and
     assert lines[0].startswith("resuming: 2 run(s) recorded"), lines
     assert lines[1].startswith(f"[1/2] bsp repeat 1: kept run {first[('bsp', 0)]['run_id']} (success"), lines
     assert lines[2].startswith(f"[2/2] asp repeat 1: following run {in_flight}"), lines
-    assert embedded_airflow.api.run_state(DAG_ID, in_flight) == "failed"
-    tasks = embedded_airflow.api.task_states(DAG_ID, in_flight)
-    # (finalize, a teardown too, is what fails the run: Airflow leaves the state of a run marked failed
-    # to its teardowns and leaves while a teardown is pending.)
-    assert (tasks["segment_0.asp"], tasks["teardown_cluster"], tasks["finalize"]) == (
-        "failed",
-        "success",
-        "failed",
-    )
+    assert_stopped_by_hand(embedded_airflow.api, in_flight, "segment_0.asp")
     assert SweepProgress(progress).earlier[("asp", 0)]["state"] == "failed"
 
     # Started a third time: the stopped run runs again, as a new run; the kept one is not touched.
