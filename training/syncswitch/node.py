@@ -10,6 +10,7 @@ Roles:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -51,6 +52,9 @@ def use_segment_temp_dir(work_dir: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash inside TensorFlow's C++ (a chief that exited with -11 once in ~60 suites) otherwise
+    # leaves nothing in the node's log: this writes every thread's Python stack there first.
+    faulthandler.enable()
     args = parse_args(argv)
     timings = {"launch": float(os.environ.get("SYNCSWITCH_LAUNCH_TIME", time.time()))}
     tf_config = json.loads(os.environ["TF_CONFIG"])
