@@ -149,15 +149,15 @@ def run_sweep(
     for number, (repeat, label, job) in enumerate(plan, start=1):
         conf = {**dag_conf(job), "seed": job.seed + repeat}
         which = f"[{number}/{len(plan)}] {label} repeat {repeat + 1}"
-        started = time.monotonic()
-        run = earlier_run(airflow, progress.earlier.get((label, repeat)), conf_digest(conf))
+        started, digest = time.monotonic(), conf_digest(conf)
+        run = earlier_run(airflow, progress.earlier.get((label, repeat)), digest)
         if run is not None and run["state"] == "success":
             say(f"{which}: kept run {run['run_id']} (success, from an earlier start of this sweep)")
             done.append({**run, "kept": True})
             continue
         try:
             if run is None:
-                run = _trigger(airflow, job, conf, label, repeat)
+                run = _trigger(airflow, job, conf, digest, label, repeat)
                 progress.record(run)
                 say(f"{which}: run {run['run_id']}")
             else:
@@ -175,7 +175,7 @@ def run_sweep(
 
 
 def _trigger(
-    airflow: EmbeddedAirflow, job: JobSpec, conf: dict[str, Any], label: str, repeat: int
+    airflow: EmbeddedAirflow, job: JobSpec, conf: dict[str, Any], digest: str, label: str, repeat: int
 ) -> dict[str, Any]:
     run_id = airflow.api.trigger(DAG_ID, conf)
     return {
@@ -184,7 +184,7 @@ def _trigger(
         "run_id": run_id,
         "run_dir": RunLayout.for_run(conf["bucket_dir"], job.job_name, run_id).root,
         "state": "queued",
-        "conf_digest": conf_digest(conf),
+        "conf_digest": digest,
     }
 
 
