@@ -246,6 +246,7 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     session's GCS emulator. Stopped at the end by ``syncswitch run --stop-ui`` (one instance serves
     that check too: a second one costs a minute or two), and nothing of it may be left running."""
     from syncswitch import procs
+    from syncswitch_airflow.tools.airflow_supervisor import HUNG_SECONDS_ENV
     from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     # Runs triggered with the DAG's defaults (the Trigger form) go to a throwaway bucket folder, not
@@ -263,6 +264,10 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     # hook), as on a deployment that keeps its key in one: a named connection must exist, so a task
     # that did not read it would fail.
     os.environ[BUCKET_CONN_ENV] = ANONYMOUS_GOOGLE_CONNECTION
+    # The hung api-server test waits this long for its restart rather than the default minute (the
+    # instance the CLI starts again in the whole-Airflow restart test reads it from here too).
+    saved[HUNG_SECONDS_ENV] = os.environ.get(HUNG_SECONDS_ENV)
+    os.environ[HUNG_SECONDS_ENV] = "20"
     settings = {"SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID}
     # Any free port: 8080 is left to a demo or another test session on the same machine.
     instance = EmbeddedAirflow(

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from syncswitch import checkpoints, procs, storage
 from syncswitch.events import read_events
 from syncswitch_airflow import history
 from syncswitch_airflow.backends.base import CLUSTER_ENV
+from syncswitch_airflow.tools.airflow_supervisor import PROBE_SECONDS, hung_seconds
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
@@ -85,14 +87,20 @@ def kill_component(airflow: EmbeddedAirflow, name: str) -> None:
     )
 
 
-def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retrain(
+def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_and_clear_does_not_retrain(
     embedded_airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:
+    """While a run trains, the api-server hangs (SIGSTOP: alive, its port open, no answers) and
+    meanwhile the triggerer and then the scheduler are SIGKILLed. The supervisor restarts each, the
+    hung one once its health probe has gone unanswered for the limit (20 s in the test session); the
+    run's tasks and this test's client wait for it. The run succeeds with each segment started once."""
     airflow = embedded_airflow
     run_id, layout = trigger(airflow, job(tmp_path, "kills"))
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 20)
 
+    api_server = component_pid(airflow, "api-server")
+    os.kill(api_server, signal.SIGSTOP)
     kill_component(airflow, "triggerer")
     # Training goes on under the new triggerer, unless the segment's 800 steps were done already
     # (a fast machine runs them during the restart): the final step and segment starts below tell.
@@ -104,13 +112,17 @@ def test_killed_triggerer_and_scheduler_lose_no_training_and_clear_does_not_retr
     )
 
     kill_component(airflow, "scheduler")
+    limit = hung_seconds(os.environ)  # the session's instance has the environment of this process
+    wait_for_restart(airflow, "api-server", api_server, timeout=limit + 2 * PROBE_SECONDS + 60)
+    assert "killing it (hung)" in airflow.log_path.read_text()
 
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
     assert state["final"]["global_step"] == 1600
     assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     restarts = airflow.component_restarts()
-    assert restarts["triggerer"]["last_exit"] == restarts["scheduler"]["last_exit"] == -signal.SIGKILL
+    exits = [restarts[name]["last_exit"] for name in ("triggerer", "scheduler", "api-server")]
+    assert exits == [-signal.SIGKILL] * 3, restarts
     assert_no_processes(r"/kills-", timeout=30)
 
     # "Clear" of a finished segment: Airflow reruns it (and its setup and teardown), and it finds
@@ -248,7 +260,40 @@ def start_syncswitch_run(airflow: EmbeddedAirflow, tmp_path: Path, *flags: str) 
     ``tmp_path / "runs"``."""
     command = [str(SYNCSWITCH), "run", "--airflow-home", str(airflow.home), "--keep-ui"]
     command += ["--bucket-dir", str(tmp_path / "runs"), *flags]
-    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_from_a_terminal,  # noqa: PLW1509 - one signal call
+    )
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's SIGINT reaches the CLI as from a terminal, whatever this test process inherited (a
+    process that starts with SIGINT ignored, a background job of a script, keeps it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def end_syncswitch_run(airflow: EmbeddedAirflow, cli: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The CLI's output once it exits. One still running after ``timeout`` fails the test with what
+    it was doing (its signal masks and every thread's stack: ``kill -USR1``), after it is killed and
+    its runs failed and torn down, so that the next tests find the local cluster slot free."""
+    try:
+        return cli.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    status = Path(f"/proc/{cli.pid}/status").read_text().splitlines()
+    masks = [line for line in status if line.startswith("Sig")]
+    cli.send_signal(signal.SIGUSR1)
+    time.sleep(2.0)
+    cli.kill()
+    out, err = cli.communicate()
+    for run in airflow.api.dag_runs(DAG_ID):
+        if run["state"] in ("queued", "running"):
+            airflow.api.fail_run(DAG_ID, run["dag_run_id"], teardown_seconds=120, poll_seconds=0.5)
+    pytest.fail(f"syncswitch run ran on {timeout:.0f} s; {masks}\nout:\n{out[-3000:]}\nerr:\n{err[-8000:]}")
 
 
 def test_ctrl_c_on_syncswitch_run_fails_its_run_and_tears_it_down(
@@ -269,7 +314,7 @@ def test_ctrl_c_on_syncswitch_run_fails_its_run_and_tears_it_down(
             what="training",
         )
         cli.send_signal(signal.SIGINT)
-        out, err = cli.communicate(timeout=300)
+        out, err = end_syncswitch_run(airflow, cli, timeout=300)
     finally:
         if cli.poll() is None:
             cli.kill()

@@ -1,19 +1,31 @@
 """The embedded Airflow supervisor's log rotation, with a real writer holding its log open as the
-components do (stdout in append mode), and its migration stamp on a real migrated database."""
+components do (stdout in append mode), its migration stamp on a real migrated database, and its
+api-server probe against real sockets (the probe's kill and restart of a hung api-server:
+test_airflow_faults)."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from proc_utils import wait_for
-from syncswitch_airflow.tools.airflow_supervisor import MigrationStamp, rotate_log
+from syncswitch_airflow.tools.airflow_supervisor import (
+    HUNG_SECONDS,
+    HUNG_SECONDS_ENV,
+    MigrationStamp,
+    answers,
+    hung_seconds,
+    rotate_log,
+)
 
 WRITER = """
 import sys, time
@@ -95,3 +107,37 @@ def test_a_database_other_than_sqlite_is_always_migrated(tmp_path: Path) -> None
     MigrationStamp(tmp_path, environ).record()
     postgres = {**environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql+psycopg2://u:p@h:5432/db"}
     assert not MigrationStamp(tmp_path, postgres).is_current()
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_error(500, "database error")
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_the_api_server_probe_counts_any_http_answer_and_not_a_silent_or_closed_port() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert answers(f"http://127.0.0.1:{server.server_port}/api/v2/monitor/health", timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    # A hung server: the kernel accepts the connection (the listen backlog), nothing answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        assert not answers(f"http://127.0.0.1:{silent.getsockname()[1]}/", timeout=0.5)
+        assert time.monotonic() - started < 5
+        closed = silent.getsockname()[1]
+    assert not answers(f"http://127.0.0.1:{closed}/", timeout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("raw", "limit"), [("", HUNG_SECONDS), ("25", 25.0), ("0", HUNG_SECONDS), ("x", HUNG_SECONDS)]
+)
+def test_the_hung_api_server_limit_is_a_positive_number_of_seconds(raw: str, limit: float) -> None:
+    assert hung_seconds({HUNG_SECONDS_ENV: raw} if raw else {}) == limit

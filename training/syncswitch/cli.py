@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -259,6 +262,10 @@ PIPELINE_COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a command that seems
+    # stuck (a `syncswitch run` following a week-long job) is doing, without stopping it.
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file descriptor
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     runtime = {"train": train_main, "check": check_main, "registry": registry_main}
     names = [*runtime, *PIPELINE_COMMANDS]
     if not argv or argv[0] not in names:

@@ -24,6 +24,13 @@ run waiting until someone started one by hand. Here:
   supervisor (PR_SET_PDEATHSIG), and SIGTERM stops them all in order; a local cluster that their
   tasks start inherits that niceness (run above them, it measured no faster, and its switches
   slower: docs/benchmarks.md, "Training at the supervisor's priority");
+- the api-server is also probed: its health endpoint is asked every ``PROBE_SECONDS``, and once it has
+  answered since its start, ``HUNG_SECONDS`` without an answer (alive but hung: seen in the test
+  suite, a minute without answers and a SIGTERM ignored; ``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``
+  sets another limit) gets it SIGKILLed and restarted like a dead one. Every task of the instance
+  talks to it (the execution API), so a hung one would stall every run while its clusters train on;
+  tasks retry their API calls for ~5 minutes, longer than a restart takes. Any HTTP answer counts,
+  even an error (a database error is not the api-server's to fix);
 - a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
   writes in append mode, so it goes on at the start), so a week-long job keeps at most twice that per
   component (the api-server logs every request: ~1 MB an hour while ``syncswitch run`` follows a run).
@@ -43,6 +50,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +70,11 @@ STOP_GRACE_SECONDS = 30.0
 LEFTOVER_GRACE_SECONDS = 3.0
 LOG_BYTES = 16 * 1024 * 1024
 NICENESS = 10
+PROBED = "api-server"
+PROBE_SECONDS = 10.0
+PROBE_TIMEOUT_SECONDS = 5.0
+HUNG_SECONDS = 60.0  # unanswered this long (six probes) once it has answered: killed, restarted
+HUNG_SECONDS_ENV = "SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS"  # another limit (a test instance's shorter one)
 _TICK_SECONDS = 1.0
 _ORPHAN_SCAN_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
@@ -86,6 +100,8 @@ class Component:
     last_exit: int | None = None
     next_start: float = 0.0
     backoff: float = FIRST_BACKOFF_SECONDS
+    answered_at: float | None = None  # the probed component's last answer since its start (monotonic)
+    next_probe: float = 0.0
 
     def status(self) -> dict[str, Any]:
         return {
@@ -105,6 +121,8 @@ class Supervisor:
         self.components = {name: Component(name, str(self.log_dir / f"{name}.log")) for name in COMPONENTS}
         self.phase = "starting"
         self.stopping = False
+        self.health_url = _health_url(os.environ)
+        self.hung_seconds = hung_seconds(os.environ)
         self._status_written = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -161,6 +179,8 @@ class Supervisor:
             if code is None:
                 if component.started_at and time.time() - component.started_at > HEALTHY_RUN_SECONDS:
                     component.backoff = FIRST_BACKOFF_SECONDS
+                if component.name == PROBED and self.health_url:
+                    self._probe(component, now)
                 return False
             component.process, component.last_exit = None, code
             component.next_start = now + component.backoff
@@ -176,6 +196,25 @@ class Supervisor:
             self._write_status()
         return False
 
+    def _probe(self, component: Component, now: float) -> None:
+        """Ask the api-server's health endpoint every PROBE_SECONDS; SIGKILL it (the restart follows
+        on the next tick) once it has gone ``hung_seconds`` without an answer after answering since
+        its start. Before its first answer it is booting, which takes minutes on a loaded machine."""
+        if now < component.next_probe:
+            return
+        component.next_probe = now + PROBE_SECONDS
+        if answers(self.health_url, PROBE_TIMEOUT_SECONDS):
+            component.answered_at = time.monotonic()
+            return
+        if component.answered_at is None or time.monotonic() - component.answered_at < self.hung_seconds:
+            return
+        log(
+            f"{component.name} (pid {component.pid}) has not answered {self.health_url} for "
+            f"{time.monotonic() - component.answered_at:.0f} s: killing it (hung)"
+        )
+        component.process.kill()
+        component.process.wait()
+
     def _start(self, component: Component) -> None:
         with open(component.log_path, "ab") as out:
             component.process = subprocess.Popen(
@@ -186,6 +225,7 @@ class Supervisor:
                 preexec_fn=_component_preexec,  # noqa: PLW1509 - only prctl and nice
             )
         component.pid, component.started_at = component.process.pid, time.time()
+        component.answered_at, component.next_probe = None, 0.0
         what = "started" if component.restarts == 0 else "restarted"
         log(f"{component.name} {what} as pid {component.pid} (log {component.log_path})")
 
@@ -379,6 +419,42 @@ def rotate_log(path: str) -> None:
     os.truncate(path, 0)
     name = os.path.basename(path)
     log(f"{name} passed {LOG_BYTES // (1024 * 1024)} MB: the older lines are in {name}.1")
+
+
+def _health_url(environ: Mapping[str, str]) -> str | None:
+    """The api-server's health endpoint on its own host and port (the instance's settings); None where
+    the port is not set (nothing to probe)."""
+    port = environ.get("AIRFLOW__API__PORT")
+    if not port:
+        return None
+    host = environ.get("AIRFLOW__API__HOST", "127.0.0.1")
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/api/v2/monitor/health"
+
+
+def hung_seconds(environ: Mapping[str, str]) -> float:
+    """``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``, or HUNG_SECONDS where unset or not a positive number."""
+    raw = environ.get(HUNG_SECONDS_ENV, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value > 0:
+        return value
+    if raw:
+        log(f"{HUNG_SECONDS_ENV}={raw!r} is not a positive number of seconds: {HUNG_SECONDS:.0f} s instead")
+    return HUNG_SECONDS
+
+
+def answers(url: str, timeout: float) -> bool:
+    """Whether ``url`` gives any HTTP answer (an error status too) within ``timeout`` seconds."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+    try:
+        with direct.open(url, timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _component_preexec() -> None:
