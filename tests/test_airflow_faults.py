@@ -95,7 +95,8 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     hung one once its health probe has gone unanswered for the limit (20 s in the test session); the
     run's tasks and this test's client wait for it. The run succeeds with each segment started once."""
     airflow = embedded_airflow
-    run_id, layout = trigger(airflow, job(tmp_path, "kills"))
+    # The faults come during BSP's 800 steps; the ASP segment after them only has to run once.
+    run_id, layout = trigger(airflow, job(tmp_path, "kills", train_steps=[BSP_STEPS, 200]))
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 20)
 
@@ -118,7 +119,7 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
 
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
-    assert state["final"]["global_step"] == 1600
+    assert state["final"]["global_step"] == BSP_STEPS + 200
     assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     restarts = airflow.component_restarts()
     exits = [restarts[name]["last_exit"] for name in ("triggerer", "scheduler", "api-server")]
@@ -149,7 +150,7 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
         "job_name": "resume",
         "bucket_dir": str(tmp_path / "runs"),
         "switch_order": "10",
-        "train_steps": [3000, 100],
+        "train_steps": [1200, 100],
         "ckpt_frequency": [100, 100],
         "segment_retries": 0,
     }
@@ -171,7 +172,7 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
     )
     assert wait_run(airflow, run_id) == "success", failed_tasks_and_logs(airflow, run_id)
     state = state_of(layout)
-    assert state["final"]["global_step"] == 3100 and state["status"] == "success"
+    assert state["final"]["global_step"] == 1300 and state["status"] == "success"
     provision = task_instances(airflow.api, run_id)["provision_cluster"]
     assert provision["try_number"] == 2 and provision["state"] == "success"  # provisioned again
     starts = [e for e in read_events(layout.metrics, event="segment_start") if e.get("segment") == 0]
@@ -243,12 +244,13 @@ def test_a_bucket_outage_mid_segment_under_the_scheduler(
     embedded_airflow: EmbeddedAirflow, gcs_server, gcs_bucket: str, tmp_path: Path
 ) -> None:
     airflow = embedded_airflow
-    run_id, layout = trigger(airflow, job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs"))
+    conf = job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs", train_steps=[400, 200])
+    run_id, layout = trigger(airflow, conf)
     wait_for_step(layout, 0, "bsp", 30)
-    gcs_server.outage(60.0).join()  # the issue's minute; BSP waits at its next checkpoint
+    gcs_server.outage(60.0).join()  # the issue's minute; BSP waits at its next checkpoint (100)
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
-    assert state["final"]["global_step"] == 1600
+    assert state["final"]["global_step"] == 600
     assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     names = checkpoint_names(layout)
     assert all(storage.exists(f"{layout.checkpoints}/{n}/manifest.json") for n in names), names
