@@ -11,11 +11,13 @@ import pytest
 from airflow_runs import DAG_ID, assert_stopped_by_hand
 from conftest import PROJECT_DIR
 from proc_utils import wait_for
+from syncswitch import usercode
 from syncswitch_airflow.job_files import read_job_file
 from syncswitch_airflow.tools.sweep import (
     PROGRESS_FILE,
     SweepError,
     SweepProgress,
+    conf_digest,
     earlier_run,
     read_sweep,
     run_sweep,
@@ -164,3 +166,22 @@ def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and
     gone = {**runs[1], "run_id": "manual__gone", "state": "running"}
     assert earlier_run(embedded_airflow, gone, gone["conf_digest"]) is None
     assert earlier_run(embedded_airflow, runs[1], runs[1]["conf_digest"])["state"] == "success"
+
+
+def test_a_run_of_a_resumed_sweep_is_kept_only_with_the_same_params_seed_and_user_code(
+    tmp_path: Path,
+) -> None:
+    """The record's digest: params and seed, and the files of the user code a config names, so that
+    a sweep started again after the model changed runs everything again (built-ins: params alone,
+    their digest as before)."""
+    code = tmp_path / "my_model"
+    code.mkdir()
+    (code / "__init__.py").write_text("from . import model\n")
+    (code / "model.py").write_text("WIDTH = 64\n")
+    conf = {"job_name": "mine", "usr_dir": str(code), "seed": 1}
+    first = conf_digest(conf, usercode.digest(str(code)))
+    assert conf_digest(conf, usercode.digest(str(code))) == first
+    assert conf_digest({**conf, "seed": 2}, usercode.digest(str(code))) != first
+    (code / "model.py").write_text("WIDTH = 128\n")
+    assert conf_digest(conf, usercode.digest(str(code))) != first
+    assert conf_digest({"job_name": "builtin"}, usercode.digest("")) == conf_digest({"job_name": "builtin"})

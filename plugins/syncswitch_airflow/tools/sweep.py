@@ -26,9 +26,9 @@ The last stdout line is one JSON object: the comparison's numbers and where the 
 
 A sweep takes hours. It records its runs in the report folder (``sweep-runs.json``) as it goes, so
 that starting it again after an interruption (Ctrl-C, a closed terminal, a reboot) resumes it: a run
-that succeeded with the same params is kept, one that is still running is followed, and the rest run
-(again). ``--fresh`` forgets the record and runs everything. Only params are compared: after a change
-to the user code that the configs name, use ``--fresh``.
+that succeeded with the same params and the same user code (the digest of the ``usr_dir`` files) is
+kept, one that is still running is followed, and the rest run (again). ``--fresh`` forgets the record
+and runs everything (after an upgrade of a package whose entry points register the model, say).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from syncswitch import storage
+from syncswitch import storage, usercode
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
@@ -149,7 +149,7 @@ def run_sweep(
     for number, (repeat, label, job) in enumerate(plan, start=1):
         conf = {**dag_conf(job), "seed": job.seed + repeat}
         which = f"[{number}/{len(plan)}] {label} repeat {repeat + 1}"
-        started, digest = time.monotonic(), conf_digest(conf)
+        started, digest = time.monotonic(), conf_digest(conf, usercode.digest(job.usr_dir))
         run = earlier_run(airflow, progress.earlier.get((label, repeat)), digest)
         if run is not None and run["state"] == "success":
             say(f"{which}: kept run {run['run_id']} (success, from an earlier start of this sweep)")
@@ -188,9 +188,11 @@ def _trigger(
     }
 
 
-def conf_digest(conf: dict[str, Any]) -> str:
-    """What identifies a run's params across starts of a sweep (its seed included)."""
-    return hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def conf_digest(conf: dict[str, Any], code_digest: str = "") -> str:
+    """What identifies a run across starts of a sweep: its params (its seed included) and the digest
+    of the user code's files (usercode.digest; "" for built-ins, which keeps their digest as it was)."""
+    identity = {**conf, "_usr_dir_digest": code_digest} if code_digest else conf
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class SweepProgress:
