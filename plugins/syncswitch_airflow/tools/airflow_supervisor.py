@@ -422,13 +422,10 @@ def rotate_log(path: str) -> None:
 
 
 def _health_url(environ: Mapping[str, str]) -> str | None:
-    """The api-server's health endpoint on its own host and port (the instance's settings); None where
-    the port is not set (nothing to probe)."""
-    port = environ.get("AIRFLOW__API__PORT")
-    if not port:
-        return None
-    host = environ.get("AIRFLOW__API__HOST", "127.0.0.1")
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/api/v2/monitor/health"
+    """The api-server's health endpoint under the instance's own URL (``[api] base_url``, which
+    instance.py writes as the address this machine reaches it at); None where it is not set."""
+    base_url = environ.get("AIRFLOW__API__BASE_URL")
+    return f"{base_url.rstrip('/')}/api/v2/monitor/health" if base_url else None
 
 
 def hung_seconds(environ: Mapping[str, str]) -> float:
