@@ -214,15 +214,15 @@ def test_progress_follows_the_plan_through_the_run_folder(tmp_path: Path) -> Non
         asp.emit("step", global_step=50.0, loss=0.4, examples_per_sec=250.0)
         progress.update()  # within the print interval: no new line for the same segment
         assert lines == [
-            lines[0].split("]")[0] + "] segment 0 BSP  ended at step 30.0/120  310 examples/s"
-            "  (reached until_step)  last loss 0.9000 at step 20.0",
+            lines[0].split("]")[0] + "] segment 0 BSP  ended at step 30/120  310 examples/s"
+            "  (reached until_step)  last loss 0.9000 at step 20",
             lines[1].split("]")[0] + "] segment 1 ASP  step 45.5/120  loss 0.5000  250 examples/s",
         ]
         asp.emit("segment_end", global_step=120.0, examples_per_sec=260.0, reason="reached until_step")
     progress.update()  # an end is shown at once, whatever the interval
     assert lines[2].endswith(
-        "segment 1 ASP  ended at step 120.0/120  260 examples/s  (reached until_step)"
-        "  last loss 0.4000 at step 50.0"
+        "segment 1 ASP  ended at step 120/120  260 examples/s  (reached until_step)"
+        "  last loss 0.4000 at step 50"
     )
     progress.update()
     assert len(lines) == 3

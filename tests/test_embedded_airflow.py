@@ -150,7 +150,7 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     # Progress was shown (task states; each segment's training steps, up to its last one), then the
     # report's summary lines. Airflow's and our own event logs went to stderr.
     assert any("segment_0.bsp" in line and line.endswith(": success") for line in lines)
-    for segment, target in (("0 BSP", "30.0/120"), ("1 ASP", "120.0/120")):
+    for segment, target in (("0 BSP", "30/120"), ("1 ASP", "120/120")):
         assert any(f"segment {segment}  ended at step {target}" in line for line in lines), segment
     assert any(line.startswith("final accuracy") for line in lines)
     assert "triggered sync_switch run" in result.stderr and "triggered" not in result.stdout

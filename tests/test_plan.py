@@ -151,3 +151,14 @@ def test_a_job_fits_the_plans_segment_limit_with_every_online_switch(
     else:
         with pytest.raises(SpecError, match="max_online_switches"):
             JobSpec.from_params(params)
+
+
+def test_steps_read_as_whole_numbers_and_asp_fractions_keep_one_decimal() -> None:
+    assert [plans.step_text(s) for s in (0.0, 400.0, 370.5, 1_000_000.0, 99.96, None)] == [
+        "0",
+        "400",
+        "370.5",
+        "1,000,000",
+        "100",
+        "?",
+    ]

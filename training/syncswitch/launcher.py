@@ -36,6 +36,7 @@ from syncswitch import checkpoints, forkserver, registry, storage
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
+from syncswitch.plan import step_text
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
 from syncswitch.trainer import ProgressFile
@@ -536,7 +537,8 @@ class SegmentCluster:
             self._log(f"starting: {time.time() - self.launched_at:.0f}s since launch")
             return
         self._log(
-            f"step {progress['global_step']:.1f}/{progress['until_step']} loss {progress['loss']:.4f} "
+            f"step {step_text(progress['global_step'])}/{step_text(progress['until_step'])} "
+            f"loss {progress['loss']:.4f} "
             f"{progress['examples_per_sec']:.0f} examples/s"
         )
 

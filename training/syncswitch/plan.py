@@ -28,6 +28,14 @@ class PlanError(ValueError):
     """A plan that breaks an invariant, or an operation that would break one."""
 
 
+def step_text(step: float | None) -> str:
+    """A global step for people: whole steps as integers ("400"), the fractions that ASP makes (a
+    worker's step is its share of the global batch) to one decimal ("370.5")."""
+    if step is None:
+        return "?"
+    return f"{step:,.0f}" if abs(step - round(step)) < 0.05 else f"{step:,.1f}"
+
+
 def other_protocol(protocol: str) -> str:
     if protocol not in PROTOCOLS:
         raise PlanError(f"protocol {protocol!r} is not one of {PROTOCOLS}")

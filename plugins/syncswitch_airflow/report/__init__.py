@@ -26,6 +26,7 @@ from typing import Any
 
 from syncswitch import storage
 from syncswitch.layout import RunLayout, join
+from syncswitch.plan import step_text
 
 from syncswitch_airflow.report.data import (
     COMPLETE,
@@ -101,7 +102,7 @@ def format_summary_lines(summary: dict[str, Any]) -> list[str]:
     total, training = fmt(summary.get("total_seconds"), 1), fmt(summary.get("training_seconds"), 1)
     lines = [
         f"final accuracy {fmt(summary.get('final_accuracy'), 4)} after "
-        f"{fmt(summary.get('steps_done'), 1)} of {fmt(summary.get('workload_steps'), 1)} steps",
+        f"{step_text(summary.get('steps_done'))} of {step_text(summary.get('workload_steps'))} steps",
         f"total {total} s, training {training} s, "
         f"{fmt(summary.get('examples_per_sec'), 1)} examples/s overall",
     ]
@@ -129,10 +130,12 @@ def format_summary_lines(summary: dict[str, Any]) -> list[str]:
 
 def _segment_line(s: dict[str, Any]) -> str:
     status = "" if s["status"] == COMPLETE else f" [{s['status'].replace('_', ' ')}]"
-    steps = f"{fmt(s['start_step'], 1)}-{fmt(s['end_step'], 1)}"
+    steps = f"{step_text(s['start_step'])}-{step_text(s['end_step'])}"
     resumed = s.get("resumed_at") or []
     retries = (
-        f", resumed at step {', '.join(fmt(r, 1) for r in resumed)} after a failed attempt" if resumed else ""
+        f", resumed at step {', '.join(step_text(r) for r in resumed)} after a failed attempt"
+        if resumed
+        else ""
     )
     return (
         f"segment {s['index']} {s['protocol'].upper()} steps {steps}: {fmt(s['seconds'], 1)} s, "

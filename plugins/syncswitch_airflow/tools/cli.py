@@ -34,6 +34,7 @@ from syncswitch.costs import cost_headline
 from syncswitch.events import EventTail
 from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
 from syncswitch.layout import RunLayout
+from syncswitch.plan import step_text
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError, TriggerRejected
@@ -513,7 +514,7 @@ class ProgressPrinter:
             return
         self._printed, self._printed_at = (folder, step.get("global_step")), now
         self.say(
-            f"{self._prefix(step)}  step {_num(step.get('global_step'), 1)}/{self.workload}"
+            f"{self._prefix(step)}  step {step_text(step.get('global_step'))}/{self.workload}"
             f"  loss {_num(step.get('loss'), 4)}  {_num(step.get('examples_per_sec'), 0)} examples/s"
         )
 
@@ -522,13 +523,13 @@ class ProgressPrinter:
         if end is None:
             return
         line = (
-            f"{self._prefix(end)}  ended at step {_num(end.get('global_step'), 1)}/{self.workload}"
+            f"{self._prefix(end)}  ended at step {step_text(end.get('global_step'))}/{self.workload}"
             f"  {_num(end.get('examples_per_sec'), 0)} examples/s  ({end.get('reason')})"
         )
         step = self._last_step.get(folder)
         if step is not None:
             # Steps are logged every few steps, so the last logged loss may be from before the end.
-            line += f"  last loss {_num(step.get('loss'), 4)} at step {_num(step.get('global_step'), 1)}"
+            line += f"  last loss {_num(step.get('loss'), 4)} at step {step_text(step.get('global_step'))}"
         self.say(line)
 
     def _prefix(self, event: dict[str, Any]) -> str:

@@ -325,9 +325,9 @@ class SegmentTrigger(BaseTrigger):
             return
         rate = f"{progress.examples_per_sec:.0f} examples/s" if progress.examples_per_sec else "rate n/a"
         self.log.info(
-            "%s: step %.1f / %s, %s", self.label, progress.global_step, _fmt_step(self.until_step), rate
+            "%s: step %s / %s, %s",
+            self.label,
+            plans.step_text(progress.global_step),
+            plans.step_text(self.until_step),
+            rate,
         )
-
-
-def _fmt_step(step: float) -> str:
-    return f"{step:g}"
