@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -140,6 +141,32 @@ def test_status_follows_the_launcher_to_its_exit_code(backend: LocalBackend, han
     backend.launch_command(handle, 0, [sys.executable, "-c", "pass"])
     wait_for(lambda: backend.segment_status(handle, 0).state == EXITED, what="second exit")
     assert backend.segment_status(handle, 0).exit_code == 0
+
+
+def test_a_launch_that_needs_listening_servers_starts_only_a_first_launch_while_they_listen(
+    tmp_path: Path,
+) -> None:
+    """What the hosts backend's launches ask of the chief: nothing is written or started unless every
+    named address accepts a connection, and never for a relaunch (its caller looks for itself)."""
+    seg_dir, marker = str(tmp_path / "seg-00"), "SYNCSWITCH_TEST_SEGMENT"
+    env = {**os.environ, marker: seg_dir}
+    command = [sys.executable, "-c", "pass"]
+    with socket.socket() as server, socket.socket() as closed:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        live = f"127.0.0.1:{server.getsockname()[1]}"
+        gone = f"127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(supervise.NotChecked, match=f"nothing accepts a connection at {gone}"):
+            supervise.launch(seg_dir, command, env, marker, {"spec.json": "x"}, listening=(live, gone))
+        assert sorted(os.listdir(seg_dir)) == ["launch.lock"]  # nothing written
+        supervise.launch(seg_dir, command, env, marker, {"spec.json": "x"}, listening=(live,))
+        wait_for(lambda: supervise.status(seg_dir, marker)["state"] == supervise.EXITED, what="exit")
+        with pytest.raises(supervise.NotChecked, match="a relaunch"):
+            supervise.launch(seg_dir, command, env, marker, listening=(live,))
+    supervise.launch(seg_dir, command, env, marker)  # a relaunch its caller has looked at
+    wait_for(lambda: supervise.status(seg_dir, marker)["state"] == supervise.EXITED, what="exit")
+    assert supervise.status(seg_dir, marker)["exit_code"] == 0
 
 
 def test_launches_of_one_segment_at_once_start_it_once(

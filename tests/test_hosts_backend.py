@@ -37,7 +37,7 @@ from conftest import (
     storage_on_gateway,
 )
 from proc_utils import wait_for
-from syncswitch import forkserver, storage
+from syncswitch import forkserver, storage, supervise
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
@@ -586,6 +586,47 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
         assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
         result = read_state_result(layout, 0, "bsp")
         assert result["end_step"] == 400 and result["start_step"] >= 50, result
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+
+
+def test_a_fork_server_gone_before_a_launch_is_started_again_by_that_launch(
+    bed: tb.Testbed, bucket: str, work_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A launch asks the chief to check, as it starts the segment, that every fork server listens
+    where provisioning left it (one SSH command). A worker host's server killed since then is found
+    so: the launch starts it again over SSH (on a new port) and the segment trains with it."""
+    caplog.set_level(logging.INFO, logger="syncswitch_airflow.backends.hosts")
+    chief, worker, ps = bed.hosts[0], bed.hosts[1], bed.hosts[-1]
+    hosts = [
+        f"address={h.address},key={bed.key_path},role={role},name={h.name}"
+        for h, role in ((chief, "chief"), (worker, "worker"), (ps, "ps"))
+    ]
+    spec_job = job(bed, bucket, hosts=hosts, num_workers=2, switch_order="1", train_steps=[20])
+    layout = RunLayout.for_run(bucket, "hosts", "server-gone")
+    backend = HostsBackend()
+    handle = backend.provision(spec_job, layout)
+    try:
+        ready = (
+            Path(DEFAULT_WORK_ROOT) / f"hosts-server-gone@{worker.name}" / "forkserver" / "forkserver.json"
+        )
+        old = json.loads(ready.read_text())
+        os.kill(old["pid"], signal.SIGKILL)
+        wait_for(lambda: not supervise.accepts(old["tcp"]), timeout=10, what="the server's end")
+        (segment,) = spec_job.plan("server-gone", layout.root)
+        backend.launch_segment(handle, segment)
+        wait_until_ended(backend, handle, 0, timeout=300)
+        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        new = json.loads(ready.read_text())
+        assert new["pid"] != old["pid"], (old, new)
+        looked = [
+            r.getMessage() for r in caplog.records if "looking at every host's fork server" in r.getMessage()
+        ]
+        assert looked == [
+            f"run server-gone: segment 0: looking at every host's fork server "
+            f"(nothing accepts a connection at {old['tcp']})"
+        ], looked
     finally:
         backend.teardown(handle)
     assert_hosts_clean(bed)

@@ -4,8 +4,11 @@ backend runs the same code on each host over SSH through the CLI below (JSON out
 share one owner of these rules.
 
     python -m syncswitch.supervise wrap EXIT_FILE -- COMMAND...      run COMMAND, record how it ended
-    python -m syncswitch.supervise launch SEG_DIR --marker VAR [--env K=V]... [--files-on-stdin] -- COMMAND...
-                        detached; prints the record, or {"running": PID} while the segment runs already
+    python -m syncswitch.supervise launch SEG_DIR --marker VAR [--env K=V]... [--files-on-stdin]
+                        [--listening HOST:PORT]... -- COMMAND...
+                        detached; prints the record, or {"running": PID} while the segment runs
+                        already, or {"not_checked": WHY} (nothing started) where a --listening
+                        address does not accept a connection or the folder was launched before
     python -m syncswitch.supervise status SEG_DIR --marker VAR        prints {"state", "exit_code", "pid"}
     python -m syncswitch.supervise stop --marker VAR=VALUE [--records SEG_ROOT] [--grace S] [--remove DIR]
 
@@ -30,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +45,9 @@ from syncswitch.procs import ProcStat, is_alive, processes_with_env, read_stat, 
 COMMAND_NOT_FOUND = 127
 RUNNING, EXITED, UNKNOWN = "running", "exited", "unknown"
 VERIFY_TIMEOUT_S = 10.0
+# A --listening address on the cluster's network answers in milliseconds; a host that does not answer
+# within this is as good as lost (the caller then looks at it the slow way, over SSH).
+LISTENING_TIMEOUT_S = 2.0
 _POLL_S = 0.1
 
 
@@ -77,6 +84,11 @@ def run(exit_file: str, command: list[str]) -> int:
 # ---- launch and status ----------------------------------------------------------------------------
 
 
+class NotChecked(Exception):
+    """A launch refused before anything was written: what it was asked to take for granted (its
+    ``listening`` addresses) it could not."""
+
+
 class SegmentRunning(Exception):
     """A launch refused: the segment launched in the folder before still runs (pid ``pid``)."""
 
@@ -86,27 +98,48 @@ class SegmentRunning(Exception):
 
 
 def launch(
-    seg_dir: str, command: list[str], env: dict[str, str], marker: str, files: dict[str, str] | None = None
+    seg_dir: str,
+    command: list[str],
+    env: dict[str, str],
+    marker: str,
+    files: dict[str, str] | None = None,
+    listening: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Write ``files`` (name: text) into ``seg_dir``, then start ``command`` detached (its own session)
     under the wrapper, output appended to ``launcher.log``; writes and returns ``process.json``'s
     record. ``env`` is its whole environment. Raises SegmentRunning, and writes nothing, while the
     segment launched in ``seg_dir`` before still runs (``marker``: as for status): a segment never
-    trains twice at once, however often and from wherever its launch is retried."""
+    trains twice at once, however often and from wherever its launch is retried.
+
+    ``listening`` ("host:port", the servers the command will need) lets a caller skip looking at
+    them itself: NotChecked, and nothing written, unless each accepts a connection and this is the
+    folder's first launch. A relaunch follows a failure, which may have been those servers' (one
+    restarted elsewhere, its old port taken), so its caller looks for itself."""
     os.makedirs(seg_dir, exist_ok=True)
     # Two launches of one segment may come at once (the trigger of the segment before and this
     # segment's task, or its retry): the look and the start are one step under a lock on the folder.
     with open(os.path.join(seg_dir, "launch.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _launch_unlocked(seg_dir, command, env, marker, files)
+        return _launch_unlocked(seg_dir, command, env, marker, files, listening)
 
 
 def _launch_unlocked(
-    seg_dir: str, command: list[str], env: dict[str, str], marker: str, files: dict[str, str] | None
+    seg_dir: str,
+    command: list[str],
+    env: dict[str, str],
+    marker: str,
+    files: dict[str, str] | None,
+    listening: tuple[str, ...],
 ) -> dict[str, Any]:
     before = status(seg_dir, marker)
     if before["state"] == RUNNING:
         raise SegmentRunning(seg_dir, before["pid"])
+    if listening:
+        if before["pid"] is not None:
+            raise NotChecked("a relaunch")
+        silent = [address for address in listening if not accepts(address)]
+        if silent:
+            raise NotChecked(f"nothing accepts a connection at {', '.join(silent)}")
     for name, text in (files or {}).items():
         with open(os.path.join(seg_dir, name), "w", encoding="utf-8") as f:
             f.write(text)
@@ -137,6 +170,15 @@ def _launch_unlocked(
     }
     write_json(os.path.join(seg_dir, "process.json"), record)
     return record
+
+
+def accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=LISTENING_TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def status(seg_dir: str, marker: str) -> dict[str, Any]:
@@ -298,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--marker", required=True)
         parser.add_argument("--env", action="append", default=[], help="K=V added to this environment")
         parser.add_argument("--files-on-stdin", action="store_true", help='{"NAME": TEXT} written first')
+        parser.add_argument("--listening", action="append", default=[], help="HOST:PORT the command needs")
         opts = parser.parse_args(head)
         extra = dict(item.split("=", 1) for item in opts.env)
         files = json.load(sys.stdin) if opts.files_on_stdin else None
+        environment = {**os.environ, **extra}
         try:
-            record = launch(opts.seg_dir, command, {**os.environ, **extra}, opts.marker, files)
-        except SegmentRunning as exc:  # an answer, not a failure: the caller names it
+            record = launch(opts.seg_dir, command, environment, opts.marker, files, tuple(opts.listening))
+        except SegmentRunning as exc:  # answers, not failures: the caller names them
             record = {"running": exc.pid}
+        except NotChecked as exc:
+            record = {"not_checked": str(exc)}
         print(json.dumps(record))
         return 0
     if verb == "status":

@@ -304,11 +304,19 @@ def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T])
         return [f.result() for f in storage.submit_each(pool, guarded, hosts)]
 
 
+# A shell test: the process "$pid" lives, and is not a zombie. A server killed on a host whose init is
+# slow to reap (a container's, often) stays a zombie, which `kill -0` counts as alive; its state is
+# the letter after the last ")" of /proc/PID/stat.
+PID_ALIVE = (
+    """kill -0 "$pid" 2>/dev/null && [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ]"""
+)
+
+
 def _ready_command(server_dir: str) -> str:
     """A shell command that prints the fork server's ready file if the server it names is alive, and
     nothing otherwise; it always succeeds. (One command: each is a shell on the host, 0.2-1 s.)"""
     pid = r"""$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' forkserver.json 2>/dev/null)"""
-    alive = f'pid={pid} && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null'
+    alive = f'pid={pid} && [ -n "$pid" ] && {PID_ALIVE}'
     return f"(cd {shlex.quote(server_dir)} 2>/dev/null && {alive} && cat forkserver.json; true)"
 
 
@@ -469,7 +477,7 @@ class HostsBackend:
         ssh.run(
             f'cd {folder} && pid="$(cat starting.pid 2>/dev/null)" && '
             f"end=$(( $(date +%s) + {int(seconds) + 1} )) && "
-            'while [ ! -s forkserver.json ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; '
+            f'while [ ! -s forkserver.json ] && {PID_ALIVE} && [ "$(date +%s)" -lt "$end" ]; '
             "do sleep 0.1; done",
             timeout=seconds + COMMAND_TIMEOUT_S,
         )
@@ -478,7 +486,7 @@ class HostsBackend:
     def _server_starting(ssh: SshSession, server_dir: str) -> bool:
         """Whether a fork server started for this folder is still alive (not listening yet)."""
         pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
-        return ssh.run(f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null')[0] == 0
+        return ssh.run(f'pid="$(cat {pid_file} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}')[0] == 0
 
     @staticmethod
     def _install_runtime(
@@ -604,11 +612,42 @@ class HostsBackend:
         return posixpath.join(self._chief(handle)["work_dir"], "segments", f"seg-{index:02d}")
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
-        chief, seg_dir = self._chief(handle), self.segment_dir(handle, spec.index)
-        # A host lost and brought back since provisioning (a retry after a host failure) gets its
-        # fork server again, on a new port; a host still lost fails the launch, named.
+        chief = self._chief(handle)
         handle = {**handle, "hosts": [dict(h) for h in handle["hosts"]]}
-        self._start_servers(handle, cluster_token(RunLayout(handle["run_dir"])))
+        # Where every fork server still listens where provisioning left it (every first launch of a
+        # healthy cluster), the chief looks as it launches: one SSH command. Otherwise (a relaunch
+        # after a failure, a host lost and back, a server gone) every host is looked at over SSH,
+        # its fork server started again where it is not (on a new port); a host still lost fails
+        # the launch, named.
+        # (A host without a recorded server, a replaced VM, is looked at the slow way at once.)
+        known = all(h.get("forkserver") for h in handle["hosts"])
+        record = self._launch_on_chief(handle, spec, check_servers=True) if known else {}
+        if not known or "not_checked" in record:
+            log.info(
+                "run %s: segment %d: looking at every host's fork server (%s)",
+                handle.get("run"),
+                spec.index,
+                record.get("not_checked", "a host without one"),
+            )
+            self._start_servers(handle, cluster_token(RunLayout(handle["run_dir"])))
+            record = self._launch_on_chief(handle, spec, check_servers=False)
+        if "running" in record:
+            raise SegmentAlreadyRunning(f"run {handle.get('run')}: segment {spec.index} is already running")
+        record = {"index": spec.index, "host": chief["name"], **record}
+        log.info(
+            "run %s: launched segment %d on %s (pid %d), log %s",
+            handle.get("run"),
+            spec.index,
+            chief["name"],
+            record["pid"],
+            record["log"],
+        )
+        return record
+
+    def _launch_on_chief(self, handle: Handle, spec: SegmentSpec, check_servers: bool) -> dict[str, Any]:
+        """One command on the chief host writes the segment's files and starts it; it refuses while
+        the segment runs already, and, with ``check_servers``, unless every fork server listens."""
+        chief, seg_dir = self._chief(handle), self.segment_dir(handle, spec.index)
         cluster = ClusterFile(
             hosts=tuple(
                 ClusterHost(h["name"], h["address"], h["role"], h["forkserver"], h["work_dir"])
@@ -631,25 +670,14 @@ class HostsBackend:
             "--data-cache",  # the chief host's, as each node stages into its own host's
             posixpath.join(chief["work_dir"], "data"),
         ]
-        env_flags = [flag for k, v in env.items() for flag in ("--env", f"{k}={v}")]
-        # One command writes the segment's files and starts it, or refuses while it runs already.
+        flags = [flag for k, v in env.items() for flag in ("--env", f"{k}={v}")]
+        if check_servers:
+            flags += [flag for h in handle["hosts"] for flag in ("--listening", h["forkserver"])]
         files = {"spec.json": spec.to_json(), "cluster.json": cluster.to_json()}
-        launch = ["launch", seg_dir, "--marker", SEGMENT_ENV, "--files-on-stdin", *env_flags, "--", *train]
+        launch = ["launch", seg_dir, "--marker", SEGMENT_ENV, "--files-on-stdin", *flags, "--", *train]
         with SshSession(chief) as ssh:
             command = f"cd / && {_python(chief, 'syncswitch.supervise', *launch)}"
-            record = ssh.json(command, "launching the segment", stdin=json.dumps(files))
-        if "running" in record:
-            raise SegmentAlreadyRunning(f"run {handle.get('run')}: segment {spec.index} is already running")
-        record = {"index": spec.index, "host": chief["name"], **record}
-        log.info(
-            "run %s: launched segment %d on %s (pid %d), log %s",
-            handle.get("run"),
-            spec.index,
-            chief["name"],
-            record["pid"],
-            record["log"],
-        )
-        return record
+            return ssh.json(command, "launching the segment", stdin=json.dumps(files))
 
     def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
         chief = self._chief(handle)
