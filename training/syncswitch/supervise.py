@@ -173,6 +173,8 @@ def _launch_unlocked(
 
 
 def accepts(address: str) -> bool:
+    """Whether something accepts a TCP connection at ``address`` ("host:port"), which it then sees
+    close without a word (a fork server takes that as a lease given back)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=LISTENING_TIMEOUT_S):
