@@ -473,10 +473,16 @@ def launch_to_checkpoint(
 
 def relaunch_to_the_end(backend: GceBackend, handle: dict, segment: SegmentSpec, layout: RunLayout) -> dict:
     """Launch the segment again, as its task's retry does; once it has succeeded, its result."""
-    backend.launch_segment(handle, segment)
+    launched = backend.launch_segment(handle, segment)
     wait_until_ended(backend, handle, segment.index, timeout=300)
     status = backend.segment_status(handle, segment.index)
-    assert status.exit_code == 0, backend.segment_log_tail(handle, segment.index, 40)
+    # The testbed's hosts share this machine's disk: the chief's segment folder is readable here.
+    seg_dir = Path(launched["log"]).parent
+    files = sorted(p.name for p in seg_dir.iterdir()) if seg_dir.is_dir() else "no such folder"
+    assert status.exit_code == 0, (
+        f"{status}; launched {launched}; {seg_dir}: {files}\n"
+        f"{backend.segment_log_tail(handle, segment.index, 40)}"
+    )
     return storage.read_json(layout.segment_result(segment.index, segment.protocol))
 
 
