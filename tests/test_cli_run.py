@@ -240,3 +240,16 @@ def test_stop_ui_without_an_airflow_home_says_so_and_creates_nothing(tmp_path: P
     assert result.returncode == 0, result.stderr
     assert "no embedded Airflow" in result.stderr and "Traceback" not in result.stderr
     assert not home.exists()
+
+
+def test_syncswitch_help_lists_every_command_and_an_unknown_one_is_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from syncswitch import cli as runtime_cli
+
+    assert runtime_cli.main(["--help"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted(["train", "check", "registry", *runtime_cli.PIPELINE_COMMANDS])
+    assert runtime_cli.main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "  train " in err

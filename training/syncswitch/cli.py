@@ -260,6 +260,23 @@ PIPELINE_COMMANDS = {
 }
 
 
+COMMAND_SUMMARIES = {
+    "run": "run a job through the sync_switch DAG (the embedded Airflow, started if needed)",
+    "sweep": "run an experiment file's configurations and repeats, resumable; compare them",
+    "history": "a recurring job's runs and its switch-point search",
+    "policy": "the BSP fraction a timing policy gives the next run of a history",
+    "check": "check user code (--usr-dir) on one batch, as a run does before provisioning",
+    "registry": "the registered models, problems and hparam sets, and where each comes from",
+    "train": "run one segment on a cluster of TF processes (what a run's launcher runs)",
+}
+
+
+def usage() -> str:
+    lines = ["usage: syncswitch <command> [options]   (syncswitch <command> --help)", "", "commands:"]
+    lines += [f"  {name:10s} {summary}" for name, summary in COMMAND_SUMMARIES.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a command that seems
@@ -267,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file descriptor
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     runtime = {"train": train_main, "check": check_main, "registry": registry_main}
-    names = [*runtime, *PIPELINE_COMMANDS]
-    if not argv or argv[0] not in names:
-        print(
-            f"usage: syncswitch {{{','.join(names)}}} [options]   (syncswitch <command> --help)",
-            file=sys.stderr,
-        )
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMAND_SUMMARIES:
+        if argv:
+            print(f"syncswitch: unknown command {argv[0]!r}", file=sys.stderr)
+        print(usage(), file=sys.stderr)
         return 2
     if argv[0] in runtime:
         return runtime[argv[0]](argv[1:])
