@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 from syncswitch.events import EventWriter
+from syncswitch.fields import params_from_flags
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec, StragglerSpec
 from syncswitch.state import update_state
-from syncswitch_airflow.tools.cli import ProgressPrinter, build_parser, conf_from_args, dag_conf, parse
+from syncswitch_airflow.tools.cli import ProgressPrinter, build_parser, dag_conf, parse
 
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
 
@@ -33,7 +34,7 @@ ORIGINAL_ARGV = [
 
 
 def test_original_flags_map_to_conf_fields() -> None:
-    conf = conf_from_args(build_parser().parse_args(ORIGINAL_ARGV))
+    conf = params_from_flags(build_parser().parse_args(ORIGINAL_ARGV))
     assert conf == {
         "job_name": "cifar-switch",
         "num_ps": "2",
@@ -52,7 +53,7 @@ def test_original_flags_map_to_conf_fields() -> None:
 
 def test_underscore_spellings_of_the_original_flags_are_the_same_flags() -> None:
     underscored = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in ORIGINAL_ARGV]
-    assert conf_from_args(build_parser().parse_args(underscored)) == conf_from_args(
+    assert params_from_flags(build_parser().parse_args(underscored)) == params_from_flags(
         build_parser().parse_args(ORIGINAL_ARGV)
     )
 

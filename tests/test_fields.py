@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 from airflow.sdk.definitions.param import ParamValidationError
-from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
+from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field, field_flags
 from syncswitch.spec import JobSpec, SpecError
 from syncswitch_airflow.dag_params import build_params, field_param
-from syncswitch_airflow.tools.cli import field_flags, parse
+from syncswitch_airflow.tools.cli import parse
 
 HOSTS = ["address=10.0.0.2,key=/k", "address=10.0.0.3,key=/k"]
 STRAGGLERS = ["worker=1,start=2,duration=3,slowdown=4"]

@@ -296,6 +296,31 @@ def test_a_missing_name_lists_what_the_usr_dir_registered(tmp_path: Path) -> Non
         check_job(job_of(package, model="names_pkg_modle"), str(tmp_path / "cache"))
 
 
+def test_the_check_command_takes_a_job_file_and_the_run_commands_flags(tmp_path: Path) -> None:
+    """`syncswitch check` as a user runs it while writing a model: the flags of `syncswitch run`,
+    over a job file's params where both are given; a bad name is one line and exit 2."""
+    package = write_package(tmp_path, "cli_pkg")
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"usr_dir": str(package), "problem": "cli_pkg_problem"}))
+    command = [sys.executable, "-m", "syncswitch.cli", "check", "--job", str(job_file)]
+    names = ["--model", "cli_pkg_model", "--hparam-set", "cli_pkg_hparams"]
+    done = subprocess.run([*command, *names], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (summary["usr_dir"], summary["model"], summary["problem"]) == (
+        str(package),
+        "cli_pkg_model",
+        "cli_pkg_problem",
+    )
+    done = subprocess.run([*command, *names, "--model", "cli_pkg_modle"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("syncswitch check: model: unknown 'cli_pkg_modle'; accepted: ")
+    ), done.stderr[-2000:]
+
+
 # ---- through the DAG ------------------------------------------------------------------------------
 
 

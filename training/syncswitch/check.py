@@ -21,6 +21,7 @@ from typing import Any
 
 from syncswitch import usercode
 from syncswitch.errors import SpecError
+from syncswitch.fields import add_job_flags, params_from_flags
 from syncswitch.usercode import UserCodeError
 
 CHECK_BATCH = 4  # a small batch: the check is about shapes and types, not speed
@@ -185,15 +186,24 @@ def needs_check(job: Any) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="syncswitch check",
-        description="Check a job's model, problem and hparams (user code included) on one batch, on CPU.",
+        description="Check a job's model, problem and hparams (user code included) on one batch, on CPU. "
+        "The job comes from --job, from the flags of `syncswitch run`, or both (the flags win).",
+        allow_abbrev=False,
     )
-    parser.add_argument("--job", required=True, help="a JSON file of job params (the DAG's params)")
+    parser.add_argument("--job", default="", help="a JSON file of job params (the DAG's params)")
+    add_job_flags(parser)
     args = parser.parse_args(argv)
     from syncswitch.spec import JobSpec
 
     try:
-        with open(args.job, encoding="utf-8") as f:
-            job = JobSpec.from_params(json.load(f))
+        params: dict[str, Any] = {}
+        if args.job:
+            try:
+                with open(args.job, encoding="utf-8") as f:
+                    params = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise SpecError("--job", f"{args.job}: {exc}") from None
+        job = JobSpec.from_params({**params, **params_from_flags(args)})
         with tempfile.TemporaryDirectory(prefix="syncswitch-check-") as cache:
             summary = check_job(job, cache)
     except SpecError as err:  # UserCodeError included: one line naming the field, file and line

@@ -6,7 +6,7 @@ field accepts on its own and how people set it. Generated from it:
 - the ``sync_switch`` DAG's Params, which render the Trigger form and check REST conf
   (``syncswitch_airflow.dag_params``);
 - the flags of ``syncswitch run``, the original main.py's spellings included
-  (``syncswitch_airflow.tools.cli``);
+  (``syncswitch_airflow.tools.cli``), and of ``syncswitch check`` (``add_job_flags``);
 - the per-field checks of ``JobSpec.from_params`` (bounds and accepted values, ``check``).
 
 tests/test_fields.py checks that the three agree for every field.
@@ -14,6 +14,8 @@ tests/test_fields.py checks that the three agree for every field.
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -378,3 +380,62 @@ FIELDS: tuple[Field, ...] = (
 )
 
 FIELDS_BY_NAME = {field.name: field for field in FIELDS}
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+
+def add_job_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Every field's flags on ``parser`` (each field's value lands under its name, None where the
+    flag is absent), in two groups; returns the group of the original main.py's flags."""
+    original = parser.add_argument_group("job: the original main.py flags (dashes or underscores)")
+    new = parser.add_argument_group("job: the new fields")
+    for field in FIELDS:
+        group = original if field.original_flag else new
+        group.add_argument(*field_flags(field), dest=field.name, default=None, **_flag_kwargs(field))
+    return original
+
+
+def field_flags(field: Field) -> list[str]:
+    """A field's flags: its own (the original's spelling where it had one), then its name's; a
+    switch (--pin-cores / --no-pin-cores) only with dashes."""
+    if field.type == "boolean":
+        return [field.flag]
+    return flag_aliases(field.flag, "--" + field.name.replace("_", "-"))
+
+
+def flag_aliases(*flags: str) -> list[str]:
+    """Each flag with dashes and with underscores (the original main.py used both spellings)."""
+    names: list[str] = []
+    for flag in flags:
+        for name in (flag, "--" + flag[2:].replace("-", "_")):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def params_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The raw params the user gave by flag (absent flags are left to JobSpec's defaults)."""
+    params: dict[str, Any] = {}
+    for field in FIELDS:
+        value = getattr(args, field.name)
+        if value is not None:
+            params[field.name] = value
+    if params.get("usr_dir") and os.path.exists(params["usr_dir"]):
+        # Whatever runs the job (Airflow's tasks, the cluster) does not run in this shell's folder.
+        params["usr_dir"] = os.path.abspath(params["usr_dir"])
+    return params
+
+
+def _flag_kwargs(field: Field) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"help": field.description.replace("%", "%%")}
+    if field.type == "boolean":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif field.repeat_flag:
+        kwargs["action"] = "append"
+    elif field.type == "array":
+        kwargs["nargs"] = "+"
+    # No argparse choices: JobSpec names the field and its accepted values in one line.
+    if field.metavar:
+        kwargs["metavar"] = field.metavar
+    return kwargs

@@ -32,7 +32,7 @@ from typing import Any, NoReturn, TextIO
 from syncswitch import storage
 from syncswitch.costs import cost_headline
 from syncswitch.events import EventTail
-from syncswitch.fields import FIELDS, FIELDS_BY_NAME, Field
+from syncswitch.fields import FIELDS_BY_NAME, add_job_flags, flag_aliases, params_from_flags
 from syncswitch.layout import RunLayout
 from syncswitch.plan import step_text
 from syncswitch.spec import JobSpec, SpecError
@@ -77,13 +77,9 @@ class RunOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    original = parser.add_argument_group("job: the original main.py flags (dashes or underscores)")
-    new = parser.add_argument_group("job: the new fields")
-    for field in FIELDS:
-        group = original if field.original_flag else new
-        group.add_argument(*field_flags(field), dest=field.name, default=None, **_flag_kwargs(field))
+    original = add_job_flags(parser)
     for flag in IGNORED_FLAGS:
-        original.add_argument(*_aliases(flag), default=None, help="accepted and ignored")
+        original.add_argument(*flag_aliases(flag), default=None, help="accepted and ignored")
     cli = parser.add_argument_group("this command")
     cli.add_argument(
         "--keep-ui", action="store_true", help="leave Airflow running; print the UI URL and login"
@@ -103,51 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def field_flags(field: Field) -> list[str]:
-    """A field's flags: its own (the original's spelling where it had one), then its name's; a
-    switch (--pin-cores / --no-pin-cores) only with dashes."""
-    if field.type == "boolean":
-        return [field.flag]
-    return _aliases(field.flag, "--" + field.name.replace("_", "-"))
-
-
-def _flag_kwargs(field: Field) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"help": field.description.replace("%", "%%")}
-    if field.type == "boolean":
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif field.repeat_flag:
-        kwargs["action"] = "append"
-    elif field.type == "array":
-        kwargs["nargs"] = "+"
-    # No argparse choices: JobSpec names the field and its accepted values in one line.
-    if field.metavar:
-        kwargs["metavar"] = field.metavar
-    return kwargs
-
-
-def _aliases(*flags: str) -> list[str]:
-    """Each flag with dashes and with underscores (the original main.py used both spellings)."""
-    names: list[str] = []
-    for flag in flags:
-        for name in (flag, "--" + flag[2:].replace("-", "_")):
-            if name not in names:
-                names.append(name)
-    return names
-
-
-def conf_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The raw params the user gave (absent flags are left to JobSpec's defaults)."""
-    conf: dict[str, Any] = {}
-    for field in FIELDS:
-        value = getattr(args, field.name)
-        if value is not None:
-            conf[field.name] = value
-    if conf.get("usr_dir") and os.path.exists(conf["usr_dir"]):
-        # The Airflow tasks and the cluster do not run in this shell's folder.
-        conf["usr_dir"] = os.path.abspath(conf["usr_dir"])
-    return conf
-
-
 def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
     """Flags -> validated JobSpec, CLI options and notes for stderr. Raises UsageError / SpecError."""
     args = build_parser().parse_args(argv)
@@ -159,7 +110,7 @@ def parse(argv: list[str]) -> tuple[JobSpec, RunOptions, list[str]]:
     ]
     if args.airflow_boot_timeout is not None and args.airflow_boot_timeout <= 0:
         raise UsageError(f"--airflow-boot-timeout must be > 0 seconds, got {args.airflow_boot_timeout}")
-    spec = JobSpec.from_params(conf_from_args(args))
+    spec = JobSpec.from_params(params_from_flags(args))
     project_dir = Path(args.project_dir).resolve() if args.project_dir else default_project_dir()
     options = RunOptions(
         project_dir=project_dir,
