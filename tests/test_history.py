@@ -423,7 +423,9 @@ def test_history_commands_reject_bad_input(tmp_path: Path) -> None:
     done = syncswitch("policy", cwd=tmp_path)
     assert done.returncode == 2 and "usage: syncswitch policy next" in done.stderr
     done = syncswitch("nonsense", cwd=tmp_path)
-    assert done.returncode == 2 and "{train,check,registry,run,sweep,history,policy}" in done.stderr
+    assert (
+        done.returncode == 2 and "unknown command 'nonsense'" in done.stderr and "  history " in done.stderr
+    )
 
 
 def test_history_shows_the_search_under_the_job_files_timing_settings(tmp_path: Path) -> None:
@@ -462,6 +464,10 @@ def test_history_reads_the_job_files_bucket_and_says_when_nothing_matches(tmp_pa
     assert done.returncode == 0, done.stderr
     assert len(read_records(str(tmp_path / "job-bucket"), JOB)) == 4
     done = syncswitch("history", JOB, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"job {JOB} in {tmp_path / 'job-bucket'}: 4 record(s)"), done.stdout
+    # Or the job file itself, wherever it is: its job's name and bucket.
+    done = syncswitch("history", str(jobs / f"{JOB}.yaml"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"job {JOB} in {tmp_path / 'job-bucket'}: 4 record(s)"), done.stdout
     done = syncswitch("history", JOB, "--bucket-dir", "elsewhere", cwd=tmp_path, env=env)

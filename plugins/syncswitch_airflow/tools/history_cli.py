@@ -99,7 +99,7 @@ def build_history_parser() -> argparse.ArgumentParser:
         "'syncswitch history import JOB FILE.jsonl' imports records.",
         allow_abbrev=False,
     )
-    parser.add_argument("job", metavar="JOB", help="the job name")
+    parser.add_argument("job", metavar="JOB", help="the job's name, or its job file")
     _bucket_flag(parser)
     parser.add_argument("--json", action="store_true", help="print everything as one JSON object")
     _add_policy_flags(parser)
@@ -112,7 +112,7 @@ def build_import_parser() -> argparse.ArgumentParser:
         description="Import a .jsonl history (one record per line, docs/history.md) into a job.",
         allow_abbrev=False,
     )
-    parser.add_argument("job", metavar="JOB", help="the job name")
+    parser.add_argument("job", metavar="JOB", help="the job's name, or its job file")
     parser.add_argument("file", metavar="FILE.jsonl", help="local path or gs:// URI")
     _bucket_flag(parser)
     return parser
@@ -169,10 +169,10 @@ def history_main(argv: list[str]) -> int:
 
 def _import(argv: list[str]) -> int:
     args = build_import_parser().parse_args(argv)
-    check_job_name(args.job)
+    args.job, job = resolve_job(args.job)
     _require_file(args.file, "FILE.jsonl")
     if not args.bucket_dir:  # the job file is read only for its bucket_dir
-        args.bucket_dir = job_bucket_dir(None, read_job(args.job))
+        args.bucket_dir = job_bucket_dir(None, job)
     counts = import_records(args.bucket_dir, args.job, args.file)
     print(
         f"imported {counts['written']} record(s) into job {args.job} in {args.bucket_dir} "
@@ -197,11 +197,13 @@ def find_job_file(job: str) -> Path | None:
 
 def read_job(job: str) -> JobSpec | None:
     """The job of ``job``'s job file, or None without one; UsageError for a bad job file."""
+    path = find_job_file(job)
+    return None if path is None else _read_job_file(path)
+
+
+def _read_job_file(path: Path) -> JobSpec:
     from syncswitch_airflow.job_files import JobFileError, read_job_file
 
-    path = find_job_file(job)
-    if path is None:
-        return None
     try:
         return read_job_file(path).job
     except JobFileError as err:
@@ -231,10 +233,20 @@ def job_bucket_dir(flag: str | None, spec: JobSpec | None) -> str:
     return settings.get("bucket_dir") or DEFAULT_BUCKET_DIR
 
 
+def resolve_job(job: str) -> tuple[str, JobSpec | None]:
+    """JOB as given (a job's name, or the path of its job file): the job's name and its job file's
+    job (None without one); UsageError for a bad name or job file."""
+    path = Path(job)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        spec = _read_job_file(path)
+        return spec.job_name, spec
+    check_job_name(job)
+    return job, read_job(job)
+
+
 def _show(argv: list[str]) -> int:
     args = build_history_parser().parse_args(argv)
-    check_job_name(args.job)
-    job = read_job(args.job)
+    args.job, job = resolve_job(args.job)
     config = timing_config(args, job_timing(job))
     args.bucket_dir = job_bucket_dir(args.bucket_dir, job)
     records = read_records(args.bucket_dir, args.job)
