@@ -23,7 +23,6 @@ DAG that fails its own validation.
 from __future__ import annotations
 
 import datetime
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import yaml
 from airflow.sdk import DAG
+from syncswitch import usercode
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow import settings
@@ -77,17 +77,6 @@ class JobFile:
     description: str
 
 
-def usr_dir_beside(params: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """``params`` with a relative ``usr_dir`` that exists beside the file made absolute: a file's user
-    code sits beside it, whatever folder Airflow parses it from (or the CLI runs in)."""
-    usr_dir = params.get("usr_dir")
-    if isinstance(usr_dir, str) and usr_dir and not os.path.isabs(usr_dir):
-        beside = (folder / usr_dir).resolve()
-        if beside.exists():
-            return {**params, "usr_dir": str(beside)}
-    return params
-
-
 def read_job_file(path: Path) -> JobFile:
     """Parse and validate one job file; JobFileError names the file and the field."""
     try:
@@ -107,7 +96,7 @@ def read_job_file(path: Path) -> JobFile:
     if not isinstance(params, dict):
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
     try:
-        job = JobSpec.from_params({"job_name": stem, **usr_dir_beside(params, path.parent)})
+        job = JobSpec.from_params({"job_name": stem, **usercode.beside(params, str(path.parent))})
     except SpecError as err:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None
     schedule = _schedule(path, data.get("schedule"))

@@ -92,6 +92,18 @@ def _module_files(name: str) -> list[str]:
     return [spec.origin]
 
 
+def beside(params: dict[str, Any], folder: str) -> dict[str, Any]:
+    """``params`` with a relative ``usr_dir`` that exists beside a file in ``folder`` made absolute: a
+    job or sweep file's user code sits beside it, whatever folder Airflow parses it from (or the CLI
+    runs in)."""
+    usr_dir = params.get("usr_dir")
+    if isinstance(usr_dir, str) and usr_dir and not os.path.isabs(usr_dir):
+        path = os.path.realpath(os.path.join(folder, usr_dir))
+        if os.path.exists(path):
+            return {**params, "usr_dir": path}
+    return params
+
+
 def digest(usr_dir: str) -> str:
     """sha256 (16 hex digits) over the user code's files: names relative to its root, and contents."""
     if not usr_dir:

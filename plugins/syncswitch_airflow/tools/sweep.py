@@ -47,7 +47,6 @@ from syncswitch import storage, usercode
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.job_files import usr_dir_beside
 from syncswitch_airflow.tools.airflow_api import TERMINAL_RUN_STATES, AirflowError, AirflowUnavailable
 from syncswitch_airflow.tools.cli import (
     DAG_ID,
@@ -117,7 +116,7 @@ def _config(path: Path, name: str, label: str, base: dict, params: Any) -> JobSp
     if not isinstance(params, dict):
         raise SweepError(f"{path.name}: configs.{label}: must be a mapping of job params")
     try:
-        merged = usr_dir_beside({**base, **params}, path.parent)
+        merged = usercode.beside({**base, **params}, str(path.parent))
         job = JobSpec.from_params({**merged, "job_name": f"{name}-{label}"})
     except SpecError as err:
         raise SweepError(f"{path.name}: configs.{label}: {err}") from None
@@ -243,8 +242,17 @@ def report_dir(sweep: Sweep, out: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep_file", type=Path)
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run an experiment's job configs x repeats one after another as sync_switch DAG runs "
+        "on the embedded Airflow, then write one comparison report. Started again, it resumes.",
+    )
+    parser.add_argument(
+        "sweep_file",
+        type=Path,
+        metavar="SWEEP.yaml",
+        help="name, repeats, base params, configs (label: params) and baseline; see experiments/",
+    )
     parser.add_argument("--out", default=None, help="report folder (default <bucket_dir>/_sweeps/<name>)")
     parser.add_argument("--airflow-home", default=None, help="AIRFLOW_HOME (default <project>/.airflow)")
     parser.add_argument("--keep-ui", action="store_true", help="leave the embedded Airflow running")
