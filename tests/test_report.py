@@ -387,7 +387,7 @@ def test_report_of_a_segment_that_a_retry_resumed_from_its_own_checkpoint(tmp_pa
         and "resumed at step 200 after a failed attempt" in line
         for line in format_summary_lines(summary)
     )
-    assert "<td>2 (resumed at [200])</td>" in (tmp_path / "run" / "report" / "index.html").read_text()
+    assert "<td>2 (resumed at 200)</td>" in (tmp_path / "run" / "report" / "index.html").read_text()
 
 
 def test_straggler_windows_fall_back_to_the_job_spec_without_straggler_events(tmp_path) -> None:

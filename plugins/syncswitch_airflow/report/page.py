@@ -6,6 +6,8 @@ import html
 import json
 from typing import Any
 
+from syncswitch.plan import step_text
+
 from syncswitch_airflow.report.plots import IMAGE_FILES
 
 # --- HTML ---------------------------------------------------------------------------------------------
@@ -34,8 +36,17 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+class _Steps(str):
+    """A step count as people read it (``plan.step_text``), right-aligned as the other numbers."""
+
+
+def _steps(value: float | None) -> _Steps:
+    return _Steps(step_text(value))
+
+
 def _cell(value: Any, digits: int = 2) -> str:
-    css = ' class="num"' if isinstance(value, int | float) and not isinstance(value, bool) else ""
+    number = isinstance(value, int | float | _Steps) and not isinstance(value, bool)
+    css = ' class="num"' if number else ""
     return f"<td{css}>{html.escape(fmt(value, digits))}</td>"
 
 
@@ -78,7 +89,9 @@ def _overview_table(summary: dict[str, Any]) -> str:
         "total time (s)": summary["total_seconds"],
         "training time (s)": summary["training_seconds"],
         "examples/s": summary["examples_per_sec"],
-        "steps done / workload": f"{fmt(summary['steps_done'], 1)} / {fmt(summary['workload_steps'], 1)}",
+        "steps done / workload": _Steps(
+            f"{step_text(summary['steps_done'])} / {step_text(summary['workload_steps'])}"
+        ),
         "run status": summary["status"],
         "all segments complete": summary["complete"],
     }
@@ -106,9 +119,9 @@ def _segment_table(segments: list[dict[str, Any]]) -> str:
             "protocol": s["protocol"].upper(),
             "origin": s["origin"],
             "status": s["status"].replace("_", " "),
-            "steps": s["steps"],
-            "from step": s["start_step"],
-            "to step": s["end_step"],
+            "steps": _steps(s["steps"]),
+            "from step": _steps(s["start_step"]),
+            "to step": _steps(s["end_step"]),
             "seconds": s["seconds"],
             "examples/s": s["examples_per_sec"],
             "stopped early": s["stopped_early"],
@@ -118,7 +131,7 @@ def _segment_table(segments: list[dict[str, Any]]) -> str:
             # Resumed by a retry from the segment's own checkpoint: at these steps.
             "attempts": s["attempts"]
             if not s["resumed_at"]
-            else f"{s['attempts']} (resumed at {s['resumed_at']})",
+            else f"{s['attempts']} (resumed at {', '.join(step_text(r) for r in s['resumed_at'])})",
         }
         for s in segments
     ]
