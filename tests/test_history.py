@@ -415,6 +415,11 @@ def test_history_commands_on_a_gs_bucket(gcs_bucket: str, tmp_path: Path) -> Non
 def test_history_commands_reject_bad_input(tmp_path: Path) -> None:
     done = syncswitch("history", "Not_A_Job", cwd=tmp_path)
     assert done.returncode == 2 and "syncswitch history: error: job_name: 'Not_A_Job' must be" in done.stderr
+    done = syncswitch("history", "jobs/not-there.yaml", cwd=tmp_path)
+    assert (
+        done.returncode == 2
+        and "syncswitch history: error: JOB: no job file jobs/not-there.yaml" in done.stderr
+    )
     (tmp_path / "h.jsonl").write_text(json.dumps(record("r1")) + "\n" + json.dumps(record("r2", -1)) + "\n")
     done = syncswitch("history", "import", JOB, "h.jsonl", "--bucket-dir", "b", cwd=tmp_path)
     assert done.returncode == 2

@@ -319,6 +319,11 @@ def test_the_check_command_takes_a_job_file_and_the_run_commands_flags(tmp_path:
         .splitlines()[-1]
         .startswith("syncswitch check: model: unknown 'cli_pkg_modle'; accepted: ")
     ), done.stderr[-2000:]
+    job_file.write_text("[]")
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"syncswitch check: --job: {job_file} must hold one JSON object of job params"
+    ), done.stderr[-2000:]
 
 
 # ---- through the DAG ------------------------------------------------------------------------------

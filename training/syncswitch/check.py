@@ -203,6 +203,8 @@ def main(argv: list[str]) -> int:
                     params = json.load(f)
             except (OSError, ValueError) as exc:
                 raise SpecError("--job", f"{args.job}: {exc}") from None
+            if not isinstance(params, dict):
+                raise SpecError("--job", f"{args.job} must hold one JSON object of job params")
         job = JobSpec.from_params({**params, **params_from_flags(args)})
         with tempfile.TemporaryDirectory(prefix="syncswitch-check-") as cache:
             summary = check_job(job, cache)

@@ -237,7 +237,9 @@ def resolve_job(job: str) -> tuple[str, JobSpec | None]:
     """JOB as given (a job's name, or the path of its job file): the job's name and its job file's
     job (None without one); UsageError for a bad name or job file."""
     path = Path(job)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise UsageError(f"JOB: no job file {job}")
         spec = _read_job_file(path)
         return spec.job_name, spec
     check_job_name(job)
