@@ -120,7 +120,10 @@ def assert_hosts_clean(bed: tb.Testbed) -> None:
             left.update(host_processes(bed, host))
             return not left
 
-        wait_for(clean, timeout=30, what=f"{host.name}'s processes gone (left: {left})", poll=0.5)
+        try:
+            wait_for(clean, timeout=30, what=f"{host.name}'s processes gone", poll=0.5)
+        except AssertionError:
+            raise AssertionError(f"{host.name}'s processes still there after 30 s: {left}") from None
     # This testbed's only (folders are <job>@<host>): another test file's testbed may be running.
     names = {host.name for host in bed.hosts}
     left = [p for p in Path(DEFAULT_WORK_ROOT).glob("hosts-*") if p.name.rpartition("@")[2] in names]
@@ -307,7 +310,12 @@ def test_provisioning_killed_midway_is_taken_over_by_its_retry_and_leaves_nothin
     slow = bed.hosts[-1]
     slow_server = Path(DEFAULT_WORK_ROOT) / f"hosts-killed-provisioning@{slow.name}" / "forkserver"
     lost = subprocess.Popen([sys.executable, "-c", _PROVISION, json.dumps(params), layout.root])
-    wait_for(lambda: (slow_server / "starting.pid").exists(), timeout=120, what="the last host's start")
+    # Its content, not only the file: the shell's redirection makes it empty before `echo` fills it,
+    # and the lost task killed in between leaves it so (the retry then starts a server of its own).
+    started = slow_server / "starting.pid"
+    wait_for(
+        lambda: started.is_file() and started.read_text().strip(), timeout=120, what="the last host's start"
+    )
     lost.kill()
     lost.wait()
     starting = int((slow_server / "starting.pid").read_text())
