@@ -37,7 +37,7 @@ from conftest import (
     storage_on_gateway,
 )
 from proc_utils import wait_for
-from syncswitch import forkserver, storage, supervise
+from syncswitch import forkserver, peers, storage
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
@@ -621,7 +621,7 @@ def test_a_fork_server_gone_before_a_launch_is_started_again_by_that_launch(
         )
         old = json.loads(ready.read_text())
         os.kill(old["pid"], signal.SIGKILL)
-        wait_for(lambda: not supervise.accepts(old["tcp"]), timeout=10, what="the server's end")
+        wait_for(lambda: not peers.accepts(old["tcp"]), timeout=10, what="the server's end")
         (segment,) = spec_job.plan("server-gone", layout.root)
         backend.launch_segment(handle, segment)
         wait_until_ended(backend, handle, 0, timeout=300)

@@ -56,6 +56,17 @@ class PeerProbe:
             return None
 
 
+def accepts(address: str) -> bool:
+    """Whether something accepts a TCP connection at ``address`` ("host:port") within the connect
+    timeout; the connection is closed at once, without a word (a fork server takes that as a lease
+    given back)."""
+    try:
+        with socket.create_connection(host_port(address), timeout=CONNECT_TIMEOUT_SECONDS):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def wait_until_gone(address: str, *, timeout: float = CHIEF_WAIT_SECONDS) -> bool:
     """Wait until nothing listens at ``address`` ("host:port") any more: its process exited (a
     connect is refused) or its host is gone (a connect times out). One connection is held open

@@ -33,21 +33,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from types import FrameType
 from typing import Any
 
+from syncswitch import peers
 from syncswitch.procs import ProcStat, is_alive, processes_with_env, read_stat, signal_group, signal_pid
 
 COMMAND_NOT_FOUND = 127
 RUNNING, EXITED, UNKNOWN = "running", "exited", "unknown"
 VERIFY_TIMEOUT_S = 10.0
-# A --listening address on the cluster's network answers in milliseconds; a host that does not answer
-# within this is as good as lost (the caller then looks at it the slow way, over SSH).
-LISTENING_TIMEOUT_S = 2.0
 _POLL_S = 0.1
 
 
@@ -137,7 +134,9 @@ def _launch_unlocked(
     if listening:
         if before["pid"] is not None:
             raise NotChecked("a relaunch")
-        silent = [address for address in listening if not accepts(address)]
+        # On the cluster's network a listening server answers in milliseconds; one that does not
+        # within peers' connect timeout is as good as lost (the caller looks at it over SSH).
+        silent = [address for address in listening if not peers.accepts(address)]
         if silent:
             raise NotChecked(f"nothing accepts a connection at {', '.join(silent)}")
     for name, text in (files or {}).items():
@@ -170,17 +169,6 @@ def _launch_unlocked(
     }
     write_json(os.path.join(seg_dir, "process.json"), record)
     return record
-
-
-def accepts(address: str) -> bool:
-    """Whether something accepts a TCP connection at ``address`` ("host:port"), which it then sees
-    close without a word (a fork server takes that as a lease given back)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=LISTENING_TIMEOUT_S):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 def status(seg_dir: str, marker: str) -> dict[str, Any]:
