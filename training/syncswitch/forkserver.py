@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import storage
+from syncswitch.peers import host_port
 from syncswitch.procs import (
     initial_env_room,
     is_alive,
@@ -125,18 +126,13 @@ class ServerRef:
             conn.settimeout(timeout)
             conn.connect(address_for(self.server_dir))
             return conn
-        host, port = split_address(self.tcp)
+        host, port = host_port(self.tcp)
         conn = socket.create_connection((host, port), timeout=timeout)
         keep_alive(conn)
         return conn
 
     def stamp(self, request: dict[str, Any]) -> dict[str, Any]:
         return {**request, "token": self.token} if self.tcp else request
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
 
 
 def keep_alive(conn: socket.socket) -> None:
@@ -229,7 +225,7 @@ class ForkServer:
         self._add_listener(local)
         tcp = ""
         if self.listen:
-            port = split_address(self.listen)[1] if ":" in self.listen else 0
+            port = host_port(self.listen)[1] if ":" in self.listen else 0
             # Bound to the cluster-internal address only: nothing else on the host may fork nodes.
             remote = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             remote.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -36,6 +36,7 @@ from syncswitch import checkpoints, forkserver, registry, storage
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
+from syncswitch.peers import host_port
 from syncswitch.plan import step_text
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
@@ -490,7 +491,7 @@ class SegmentCluster:
     def _delay_link(self, node: Node, straggler: StragglerSpec, end: float) -> None:
         """Delay the worker's host link until ``end``: syncswitch.linkdelay, forked on that host by its
         fork server, restores the link when its time is up, on SIGTERM, or when its lease is lost."""
-        address = forkserver.split_address(node.address)[0]
+        address = host_port(node.address)[0]
         argv = ["--address", address, "--delay-ms", f"{straggler.delay_ms:g}"]
         try:
             shaper = forkserver.fork_node(
