@@ -37,6 +37,19 @@ def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
     return steps[-1]["global_step"] if steps else 0.0
 
 
+def wait_until_segment_ended(backend: Any, handle: dict[str, Any], index: int, timeout: float = 300) -> None:
+    """Until segment ``index``'s launcher has exited on the cluster ``handle`` of ``backend``. An
+    ``unknown`` status (its folder not readable on the chief just then) is not an end: the segment
+    trigger does not take it for one either."""
+    seen: list[Any] = []
+
+    def ended() -> bool:
+        seen[:] = [backend.segment_status(handle, index)]
+        return seen[0].state == "exited"
+
+    wait_for(ended, timeout=timeout, what=lambda: f"the end of segment {index} (last status {seen})", poll=2)
+
+
 def checkpoint_step(layout: RunLayout) -> float:
     """The global step of the run's newest complete checkpoint (0 before the first).
 
@@ -66,7 +79,9 @@ def wait_for_task(
         seen.update(airflow.api.task_states(DAG_ID, run_id))
         return seen.get(task_id) in states
 
-    wait_for(reached, timeout=timeout, what=f"{task_id} in {states} (now {seen.get(task_id)})", poll=1.0)
+    wait_for(
+        reached, timeout=timeout, what=lambda: f"{task_id} in {states} (now {seen.get(task_id)})", poll=1
+    )
     return seen[task_id]
 
 

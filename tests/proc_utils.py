@@ -66,12 +66,15 @@ def assert_no_processes(pattern: str, timeout: float = 10.0, poll: float = 0.2) 
         time.sleep(poll)
 
 
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition", poll: float = 0.05) -> None:  # noqa: ANN001
-    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds naming ``what``."""
+def wait_for(  # noqa: ANN001
+    predicate, timeout: float = 20.0, what: str | Callable[[], str] = "condition", poll: float = 0.05
+) -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds naming ``what`` (a callable
+    is called then, so that the message says where things stood at the end, not at the start)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(poll)
 
 

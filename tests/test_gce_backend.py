@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import testbed as tb
-from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step
+from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step, wait_until_segment_ended
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
     new_bucket,
@@ -446,7 +446,7 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
     try:
         segment = launch_to_checkpoint(backend, handle, job, layout, 300)
         ps = delete_vm(fake, "-ps0")
-        wait_until_ended(backend, handle, 0, timeout=300)
+        wait_until_segment_ended(backend, handle, 0, timeout=300)
         ended = backend.segment_status(handle, 0)
         assert ended.exit_code != 0, ended
 
@@ -474,7 +474,7 @@ def launch_to_checkpoint(
 def relaunch_to_the_end(backend: GceBackend, handle: dict, segment: SegmentSpec, layout: RunLayout) -> dict:
     """Launch the segment again, as its task's retry does; once it has succeeded, its result."""
     launched = backend.launch_segment(handle, segment)
-    wait_until_ended(backend, handle, segment.index, timeout=300)
+    wait_until_segment_ended(backend, handle, segment.index, timeout=300)
     status = backend.segment_status(handle, segment.index)
     # The testbed's hosts share this machine's disk: the chief's segment folder is readable here.
     seg_dir = Path(launched["log"]).parent
@@ -493,12 +493,6 @@ def delete_vm(fake: FakeComputeEngine, suffix: str) -> str:
     zone = fake.instances()[name]["zone"].rsplit("/", 1)[1]
     ComputeHook().delete_instance_if_exists(name, zone, PROJECT)
     return name
-
-
-def wait_until_ended(backend: GceBackend, handle: dict, index: int, timeout: float) -> None:
-    wait_for(
-        lambda: not backend.segment_status(handle, index).running, timeout=timeout, what="segment end", poll=2
-    )
 
 
 def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kept(
@@ -520,7 +514,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
         segment = launch_to_checkpoint(backend, handle, job, layout, 50)
         worker = next(name for name in fake.instances() if name.endswith("-w1"))
         fake.preempt(worker)
-        wait_until_ended(backend, handle, 0, timeout=300)
+        wait_until_segment_ended(backend, handle, 0, timeout=300)
         ended = backend.segment_status(handle, 0)
         assert ended.exit_code not in (0, None), (
             f"the segment ended ({ended.exit_code}) before the preemption"
