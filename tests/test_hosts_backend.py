@@ -27,7 +27,13 @@ from typing import Any
 import pytest
 import syncswitch
 import testbed as tb
-from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step, segment_starts
+from airflow_runs import (
+    DuringRun,
+    checkpoint_step,
+    job_checkpoint_step,
+    segment_starts,
+    wait_until_segment_ended,
+)
 from conftest import (
     GcsEmulator,
     new_bucket,
@@ -44,12 +50,13 @@ from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
 from syncswitch.layout import RunLayout
 from syncswitch.requirements import locked_versions
 from syncswitch.spec import JobSpec
-from syncswitch.state import read_state
+from syncswitch.state import create_run, read_state, record_cluster
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.base import UNKNOWN
 from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
+from syncswitch_airflow.triggers.segment import launch_entry
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
@@ -590,7 +597,7 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
         assert (lost.state, lost.exit_code) == ("exited", None), lost
 
         backend.launch_segment(handle, segment)  # what the segment task's retry does
-        wait_until_ended(backend, handle, 0, timeout=300)
+        wait_until_segment_ended(backend, handle, 0, timeout=300)
         assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
         result = read_state_result(layout, 0, "bsp")
         assert result["end_step"] == 400 and result["start_step"] >= 50, result
@@ -604,30 +611,36 @@ def test_a_fork_server_gone_before_a_launch_is_started_again_by_that_launch(
 ) -> None:
     """A launch asks the chief to check, as it starts the segment, that every fork server listens
     where provisioning left it (one SSH command). A worker host's server killed since then is found
-    so: the launch starts it again over SSH (on a new port) and the segment trains with it."""
+    so: the launch starts it again over SSH (on a new port) and the segment trains with it. The new
+    address goes into the run's handle, so the next segment's launch is one command again."""
     caplog.set_level(logging.INFO, logger="syncswitch_airflow.backends.hosts")
     chief, worker, ps = bed.hosts[0], bed.hosts[1], bed.hosts[-1]
     hosts = [
         f"address={h.address},key={bed.key_path},role={role},name={h.name}"
         for h, role in ((chief, "chief"), (worker, "worker"), (ps, "ps"))
     ]
-    spec_job = job(bed, bucket, hosts=hosts, num_workers=2, switch_order="1", train_steps=[20])
+    spec_job = job(bed, bucket, hosts=hosts, num_workers=2, switch_order="10", train_steps=[20, 20])
     layout = RunLayout.for_run(bucket, "hosts", "server-gone")
     backend = HostsBackend()
     handle = backend.provision(spec_job, layout)
     try:
+        record_cluster(layout, handle)
+        create_run(layout, "server-gone", spec_job.to_params(), spec_job.plan_entries())
         ready = (
             Path(DEFAULT_WORK_ROOT) / f"hosts-server-gone@{worker.name}" / "forkserver" / "forkserver.json"
         )
         old = json.loads(ready.read_text())
         os.kill(old["pid"], signal.SIGKILL)
         wait_for(lambda: not peers.accepts(old["tcp"]), timeout=10, what="the server's end")
-        (segment,) = spec_job.plan("server-gone", layout.root)
-        backend.launch_segment(handle, segment)
-        wait_until_ended(backend, handle, 0, timeout=300)
-        assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
+        for entry in spec_job.plan_entries():  # as the segment tasks launch them
+            launch_entry(layout.root, read_state(layout), entry, logging.getLogger("test"))
+            wait_until_segment_ended(backend, handle, entry["index"], timeout=300)
+            ended = backend.segment_status(handle, entry["index"])
+            assert ended.exit_code == 0, backend.segment_log_tail(handle, entry["index"], 40)
         new = json.loads(ready.read_text())
         assert new["pid"] != old["pid"], (old, new)
+        recorded = {h["name"]: h["forkserver"] for h in read_state(layout)["cluster"]["hosts"]}
+        assert recorded == {**{h["name"]: h["forkserver"] for h in handle["hosts"]}, worker.name: new["tcp"]}
         looked = [
             r.getMessage() for r in caplog.records if "looking at every host's fork server" in r.getMessage()
         ]
@@ -779,7 +792,6 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
     (the greedy e2e under the real scheduler is test_embedded_airflow's, with a CPU straggler). The
     segment-task state the trigger asks Airflow's execution API for is stubbed as "running"."""
     from airflow_runs import first_event
-    from syncswitch.state import create_run, record_cluster
     from syncswitch_airflow.detector import Verdict
     from syncswitch_airflow.policies import get_policy
     from syncswitch_airflow.sensors.straggler import apply_switch, decision_record, policy_context
@@ -822,7 +834,7 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
         decision = get_policy("greedy").decide(policy_context(state, item, verdict, 10.0))
         assert decision.action == "switch", decision
         apply_switch(layout, item, decision_record(state, item, decision, "raised"))
-        wait_until_ended(backend, handle, 0, timeout=300)
+        wait_until_segment_ended(backend, handle, 0, timeout=300)
         result = read_state_result(layout, 0, "bsp")
         assert result["stopped_early"] and 0 < result["end_step"] < 4000, result
         plan = [(e["protocol"], e["origin"]) for e in read_state(layout)["plan"]]
@@ -836,15 +848,6 @@ def test_a_network_straggler_is_named_by_the_detector_and_greedy_stops_bsp_for_a
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def wait_until_ended(backend: HostsBackend, handle: dict, index: int, timeout: float) -> None:
-    wait_for(
-        lambda: not backend.segment_status(handle, index).running,
-        timeout=timeout,
-        what=f"segment {index}'s end",
-        poll=2,
-    )
 
 
 def read_state_result(layout: RunLayout, index: int, protocol: str) -> dict[str, Any]:

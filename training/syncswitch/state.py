@@ -24,10 +24,10 @@ A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json``
 index, protocol, start_step, end_step, samples, updates, started_at, first_step_at, ended_at,
 seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup.
 
-Every change to state.json is one of the named operations below (record_cluster, create_run,
-record_segment, straggler_reference_time, apply_switch, record_decision, record_vm,
-record_cluster_event, record_final, finish_run), each a read-modify-write through
-``storage.update_json`` (an fcntl lock for local folders, a generation precondition for GCS
+Every change to state.json is one of the named operations below (record_cluster,
+record_fork_servers, create_run, record_segment, straggler_reference_time, apply_switch,
+record_decision, record_vm, record_cluster_event, record_final, finish_run), each a read-modify-write
+through ``storage.update_json`` (an fcntl lock for local folders, a generation precondition for GCS
 objects). Several writers act at once (segment triggers, the straggler sensor), and every operation
 is idempotent, so a retried task or a restarted triggerer can repeat it safely. (On GCS an
 update whose answer was lost in an outage is retried and meets a changed generation: it is then
@@ -79,6 +79,19 @@ def record_cluster(layout: RunLayout, handle: dict[str, Any]) -> State:
     before the run's state is created, and refreshed when it provisions again (a retry). Every later
     task reads it here: the segments launch on it and the teardown releases it."""
     return update_state(layout, lambda s: s.__setitem__("cluster", handle))
+
+
+def record_fork_servers(layout: RunLayout, addresses: dict[str, str]) -> State:
+    """New fork-server addresses (host name -> host:port) of the cluster's hosts, where a launch
+    started a server again: later launches then find it where it listens. Names the handle does not
+    hold (a replacement VM) are left out."""
+
+    def move(state: State) -> None:
+        for host in state.get("cluster", {}).get("hosts", []):
+            if host.get("name") in addresses:
+                host["forkserver"] = addresses[host["name"]]
+
+    return update_state(layout, move)
 
 
 def create_run(

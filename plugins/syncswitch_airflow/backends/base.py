@@ -282,7 +282,9 @@ class ClusterBackend(Protocol):
         ...
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
-        """Start ``syncswitch train --spec`` for one segment, detached; returns the launch record.
+        """Start ``syncswitch train --spec`` for one segment, detached; returns the launch record
+        (``pid``, ``log``; ``fork_servers``, host name -> address, where the launch had to start a
+        host's fork server again: the caller records them in the run's handle).
         Raises SegmentAlreadyRunning, starting nothing, while the segment launched before still runs
         (two launches at once: exactly one starts it)."""
         ...

@@ -613,6 +613,7 @@ class HostsBackend:
 
     def launch_segment(self, handle: Handle, spec: SegmentSpec) -> dict[str, Any]:
         chief = self._chief(handle)
+        recorded = {h["name"]: h.get("forkserver") for h in handle["hosts"]}  # a replaced VM: none
         handle = {**handle, "hosts": [dict(h) for h in handle["hosts"]]}
         # Where every fork server still listens where provisioning left it (every first launch of a
         # healthy cluster), the chief looks as it launches: one SSH command. Otherwise (a relaunch
@@ -634,6 +635,10 @@ class HostsBackend:
         if "running" in record:
             raise SegmentAlreadyRunning(f"run {handle.get('run')}: segment {spec.index} is already running")
         record = {"index": spec.index, "host": chief["name"], **record}
+        hosts = handle["hosts"]
+        moved = {h["name"]: h["forkserver"] for h in hosts if h["forkserver"] != recorded[h["name"]]}
+        if moved:  # for the run's handle: its next launch then takes the one-command path again
+            record["fork_servers"] = moved
         log.info(
             "run %s: launched segment %d on %s (pid %d), log %s",
             handle.get("run"),

@@ -44,7 +44,7 @@ from syncswitch.events import EventTail, read_stream
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.stall import DEFAULT_STALL_SECONDS, TRIGGER_GRACE_SECONDS, StallWatch
-from syncswitch.state import State, read_state, record_segment, straggler_reference_time
+from syncswitch.state import State, read_state, record_fork_servers, record_segment, straggler_reference_time
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
@@ -134,6 +134,8 @@ def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) ->
         usr_code_digest=user_code.get("digest", ""),
     )
     record = get_backend(state["cluster"]["backend"]).launch_segment(state["cluster"], spec)
+    if record.get("fork_servers"):  # started again on new ports for this launch
+        record_fork_servers(RunLayout(run_dir), record["fork_servers"])
     log.info(
         "run %s: segment %d (%s) launched to step %s (pid %s, log %s)",
         state["run_id"],
