@@ -275,7 +275,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-# Its run took 200-380 s after the deployment's 90-190 s start on CI and here, and 660 s on a machine
+# Its run took 200-380 s after the deployment's 90-190 s start on CI and here, and over 660 s on a machine
 # half as fast (TensorFlow's import 8.3 s of CPU against 3.6): the limits are for a run that hangs.
 @pytest.mark.timeout(1800)
 def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_worker_scheduler_and_db(
