@@ -19,7 +19,7 @@ from syncswitch import checkpoints, storage
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
-from syncswitch_airflow.backends.base import CLUSTER_ENV
+from syncswitch_airflow.backends.base import CLUSTER_ENV, ClusterBackend, SegmentStatus
 from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -37,11 +37,13 @@ def latest_step(layout: RunLayout, index: int, protocol: str) -> float:
     return steps[-1]["global_step"] if steps else 0.0
 
 
-def wait_until_segment_ended(backend: Any, handle: dict[str, Any], index: int, timeout: float = 300) -> None:
+def wait_until_segment_ended(
+    backend: ClusterBackend, handle: dict[str, Any], index: int, timeout: float = 300
+) -> None:
     """Until segment ``index``'s launcher has exited on the cluster ``handle`` of ``backend``. An
     ``unknown`` status (its folder not readable on the chief just then) is not an end: the segment
     trigger does not take it for one either."""
-    seen: list[Any] = []
+    seen: list[SegmentStatus] = []
 
     def ended() -> bool:
         seen[:] = [backend.segment_status(handle, index)]

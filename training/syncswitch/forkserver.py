@@ -209,7 +209,8 @@ class ForkServer:
         self.standby = standby  # until a cluster claims it
         self.idle_exit = idle_exit  # seconds without a node before it exits (0: never)
         self.ready: dict[str, Any] = {}
-        self.tcp_host = listen.rpartition(":")[0] if ":" in listen else listen
+        # "host:port", or a host alone (any free port)
+        self.tcp_host, self.tcp_port = host_port(listen) if ":" in listen else (listen, 0)
         self.selector = selectors.DefaultSelector()
         self.leases: dict[int, Lease] = {}  # by connection fd
         self.listeners: list[socket.socket] = []
@@ -225,11 +226,10 @@ class ForkServer:
         self._add_listener(local)
         tcp = ""
         if self.listen:
-            port = host_port(self.listen)[1] if ":" in self.listen else 0
             # Bound to the cluster-internal address only: nothing else on the host may fork nodes.
             remote = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             remote.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            remote.bind((self.tcp_host, port))
+            remote.bind((self.tcp_host, self.tcp_port))
             self._add_listener(remote)
             tcp = f"{self.tcp_host}:{remote.getsockname()[1]}"
         self.ready = {

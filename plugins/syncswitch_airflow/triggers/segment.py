@@ -124,8 +124,8 @@ def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) ->
     """Launch plan ``entry`` of the run on its cluster; the backend's launch record. The segment's
     spec comes from the job and the entry alone, whoever launches it (its task or the trigger of the
     segment before). Raises ``ClusterError``."""
-    protocol = entry["protocol"]
-    reference = straggler_reference_time(RunLayout(run_dir), protocol, time.time())
+    protocol, layout = entry["protocol"], RunLayout(run_dir)
+    reference = straggler_reference_time(layout, protocol, time.time())
     user_code = state.get("user_code") or {}
     spec = JobSpec.from_params(state["job"]).segment_spec(entry, state["run_id"], state["run_dir"])
     spec = spec.replace(
@@ -135,7 +135,7 @@ def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) ->
     )
     record = get_backend(state["cluster"]["backend"]).launch_segment(state["cluster"], spec)
     if record.get("fork_servers"):  # started again on new ports for this launch
-        record_fork_servers(RunLayout(run_dir), record["fork_servers"])
+        record_fork_servers(layout, record["fork_servers"])
     log.info(
         "run %s: segment %d (%s) launched to step %s (pid %s, log %s)",
         state["run_id"],
