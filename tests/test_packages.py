@@ -117,6 +117,8 @@ from airflow.dag_processing.dagbag import DagBag
 
 folder = pathlib.Path(syncswitch_airflow.__file__).parent / "dags"
 bag = DagBag(dag_folder=str(folder))
+if "sync_switch" not in bag.dags:
+    sys.exit(f"sync_switch not parsed; import errors: {bag.import_errors}")
 run = bag.dags["sync_switch"].test(run_conf=json.loads(sys.argv[1]))
 print(json.dumps({
     "errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": sorted(bag.dags),
@@ -133,6 +135,9 @@ def test_the_provider_wheel_installs_into_airflow_and_runs_its_packaged_dag(
     env = _clean_env(
         AIRFLOW_HOME=str(tmp_path / "airflow-home"),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        # The parse imports the provider and Airflow from source (this venv has no bytecode): past
+        # the default 30 s on a slow machine while the other test worker trains.
+        AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT="300",
         AIRFLOW__SYNCSWITCH__BUCKET_DIR=str(tmp_path / "default-runs"),
         AIRFLOW__SYNCSWITCH__WORK_DIR=str(tmp_path / "work"),
     )

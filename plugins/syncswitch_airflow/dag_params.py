@@ -31,9 +31,20 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
     return {field.name: field_param(field, values[field.name]) for field in FIELDS}
 
 
+# Airflow checks a Param's schema against its metaschema each time it resolves the Param, and
+# serializing a DAG resolves every task's params twice: under 2020-12's metaschema (the default:
+# vocabularies, dynamic references) that was 97 % of the sync_switch DAG's serialization, 2.2 s on
+# each parse and each dag.test. Draft 7's metaschema checks 4x faster, and every keyword used here
+# (type, bounds, enum, pattern, items, minLength, examples) means the same in both.
+SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
+
+
 def field_param(field: Field, default: Any) -> Param:
     """The Param of one field: its JSON schema, title and description."""
-    schema: dict[str, Any] = {"type": ["null", field.type] if field.nullable else field.type}
+    schema: dict[str, Any] = {
+        "$schema": SCHEMA_DIALECT,
+        "type": ["null", field.type] if field.nullable else field.type,
+    }
     if field.nullable:
         default = default or None  # an empty required string would keep the form from submitting
     if field.type == "array":

@@ -119,6 +119,11 @@ class InstanceHome:
             # (boot.wait_for_dags), so every `syncswitch run` sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "60",
             "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
+            # The instance runs at nice 10 (airflow_supervisor): on a machine kept busy at nice 0, a
+            # parse of recurring_jobs.py that takes 2 s alone took over the default 30 s of wall time
+            # (a slow CI-like machine, two test workers), and its DAGs became import errors.
+            "CORE__DAGBAG_IMPORT_TIMEOUT": "300",
+            "DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "330",
             # A restarted triggerer takes over the deferred tasks of a dead one once that one has
             # missed its heartbeats for this long (default 30 s); heartbeats come every 5 s.
             "TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
