@@ -1,12 +1,13 @@
 """The embedded Airflow supervisor's log rotation, with a real writer holding its log open as the
-components do (stdout in append mode), its migration stamp on a real migrated database, and its
+components do (stdout in append mode), its migration stamp on a real migrated database, its
 api-server probe against real sockets (the probe's kill and restart of a hung api-server:
-test_airflow_faults)."""
+test_airflow_faults), and the boot's wait for a DAG through an API that answers late."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import shutil
 import socket
 import sqlite3
@@ -14,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 from proc_utils import wait_for
+from syncswitch_airflow.tools import airflow_api, boot
 from syncswitch_airflow.tools.airflow_supervisor import (
     HUNG_SECONDS,
     HUNG_SECONDS_ENV,
@@ -141,3 +144,43 @@ def test_the_api_server_probe_counts_any_http_answer_and_not_a_silent_or_closed_
 )
 def test_the_hung_api_server_limit_is_a_positive_number_of_seconds(raw: str, limit: float) -> None:
     assert hung_seconds({HUNG_SECONDS_ENV: raw} if raw else {}) == limit
+
+
+class _SlowFirstLook(http.server.BaseHTTPRequestHandler):
+    """Airflow's REST API as a loaded api-server just after its start serves it: the first look at
+    the import errors comes after the client's timeout, then every answer comes at once."""
+
+    looks: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.looks.append(self.path)
+        if self.path.startswith("/api/v2/importErrors") and len(self.looks) == 1:
+            time.sleep(1.5)
+        body = {"import_errors": []} if "importErrors" in self.path else {"dag_id": "sync_switch"}
+        raw = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on a loaded CI machine: a healthy api-server's first import-errors answer took over 30 s,
+    # and the boot raised the client's TimeoutError instead of waiting on for the DAG.
+    monkeypatch.setattr(airflow_api, "_HTTP_TIMEOUT_S", 0.5)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowFirstLook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = airflow_api.AirflowApi(f"http://127.0.0.1:{server.server_port}", "u", "p")
+        monkeypatch.setattr(api, "token", lambda: "token")
+        airflow = types.SimpleNamespace(check_alive=lambda: None, api=api, dags_folder="dags", log_path="log")
+        boot.wait_for_dag(airflow, "sync_switch", deadline=time.monotonic() + 30)  # type: ignore[arg-type]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _SlowFirstLook.looks[0].startswith("/api/v2/importErrors")
+    assert "/api/v2/dags/sync_switch" in _SlowFirstLook.looks

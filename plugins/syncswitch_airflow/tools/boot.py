@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from syncswitch import procs
 
-from syncswitch_airflow.tools.airflow_api import AirflowError, quote
+from syncswitch_airflow.tools.airflow_api import AirflowError, AirflowUnavailable, quote
 from syncswitch_airflow.tools.airflow_supervisor import read_status
 
 if TYPE_CHECKING:
@@ -134,15 +134,25 @@ def wait_for_dag(
     """Until ``dag_id`` is serialized, active and free of import errors; with ``parsed_after`` (a
     time.time()), parsed since then, and only import errors recorded since then count: what a
     previous instance in the same home recorded is about files that may have changed."""
+    unanswered = False
     while time.monotonic() < deadline:
         airflow.check_alive()
-        errors = [e for e in airflow.api.import_errors() if _since(e.get("timestamp"), parsed_after)]
+        try:
+            errors = [e for e in airflow.api.import_errors() if _since(e.get("timestamp"), parsed_after)]
+            status, dag = airflow.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
+        # A healthy api-server can still be too busy to answer in time just after its start (a
+        # loaded machine: an import-errors look timed out after 30 s once): wait on for the DAG.
+        except (OSError, AirflowUnavailable) as exc:
+            if not unanswered:
+                _log.info("the Airflow API did not answer (%s); waiting for DAG %s", exc, dag_id)
+            unanswered = True
+            time.sleep(1.0)
+            continue
         if errors:
             raise DagImportError(
                 "DAG import errors in the dags folder:\n"
                 + "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '').rstrip()}" for e in errors)
             )
-        status, dag = airflow.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
         if (
             status == 200
             and not dag.get("is_stale", False)
