@@ -74,6 +74,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,14 +176,36 @@ STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight"
 # ---- server -------------------------------------------------------------------------------------
 
 
+# Keras imports these at its own import when they are installed, for its plotting helpers and its
+# DataFrame input, which no node uses: 2.5 s of the server's ~10 s import on a slow machine
+# (matplotlib.pyplot 1.7 s, pandas 0.9 s), paid by every cluster's server on every host.
+KERAS_OPTIONAL_IMPORTS = ("matplotlib", "pandas")
+
+
 def preload() -> None:
     """Import what every node needs, without creating a TensorFlow context."""
-    import keras  # noqa: F401
-    import sklearn.datasets  # noqa: F401 - the digits problem's loader
-    import sklearn.model_selection  # noqa: F401
-    import tensorflow  # noqa: F401
+    with _without_modules(KERAS_OPTIONAL_IMPORTS):
+        import keras  # noqa: F401
+        import sklearn.datasets  # noqa: F401 - the digits problem's loader
+        import sklearn.model_selection  # noqa: F401
+        import tensorflow  # noqa: F401
 
-    from syncswitch import asp, bsp, models, node, optim, problems, trainer  # noqa: F401
+        from syncswitch import asp, bsp, models, node, optim, problems, trainer  # noqa: F401
+
+
+@contextlib.contextmanager
+def _without_modules(names: tuple[str, ...]) -> Iterator[None]:
+    """Imports of ``names`` raise ImportError inside (what Keras takes for "not installed"); after it a
+    node's user code imports them as usual."""
+    blocked = [name for name in names if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment] - the import system's "not found"
+    try:
+        yield
+    finally:
+        for name in blocked:
+            if sys.modules.get(name) is None:
+                del sys.modules[name]
 
 
 @dataclass
