@@ -9,7 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from airflow.providers.common.compat.sdk import AirflowNotFoundException
+from airflow.sdk.exceptions import AirflowNotFoundException
 from syncswitch import storage
 from syncswitch_airflow.hooks.bucket import BucketHook, bucket_client, with_bucket_credentials
 from syncswitch_airflow.hooks.compute import ComputeHook

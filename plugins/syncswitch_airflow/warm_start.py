@@ -61,6 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# An executor and the scheduler's metadata database are Airflow's core, which airflow.sdk (the task
+# authors' interface) does not expose; its states are core's too (the SDK has classes of its own).
 from airflow.executors.local_executor import LocalExecutor
 from airflow.utils.state import DagRunState, TaskInstanceState
 

@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from airflow.providers.common.compat.sdk import AirflowNotFoundException
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
+from airflow.sdk.exceptions import AirflowNotFoundException
 from syncswitch import storage
 
 from syncswitch_airflow import settings

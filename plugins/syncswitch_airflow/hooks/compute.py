@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from airflow.providers.common.compat.sdk import AirflowException
 from airflow.providers.google.cloud.hooks.compute import ComputeEngineHook
+from airflow.sdk.exceptions import AirflowException
 from google.api_core.client_options import ClientOptions
 from google.api_core.exceptions import NotFound
 from google.cloud import compute_v1

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+# Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
 from airflow.triggers.base import BaseTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import plan as plans
 from syncswitch import storage

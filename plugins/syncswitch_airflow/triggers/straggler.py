@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import Any
 
+# Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 from syncswitch import plan as plans
 from syncswitch import storage
