@@ -358,3 +358,23 @@ def test_a_gpu_nodes_cuda_tensorflow_at_the_locks_version_satisfies_the_cpu_pin(
     assert mismatches(gpu_node("2.20.0")) == [
         f"tensorflow-cpu: 2.20.0 installed, the lock has {pins['tensorflow-cpu']}"
     ]
+
+
+def test_a_gpu_node_installs_the_cuda_build_and_its_libraries_at_the_locks_versions() -> None:
+    """A GPU node's pins are the shipped requirements with tensorflow-cpu's line replaced by the
+    ``#gpu:`` lines: every CUDA library pinned, nothing left to the installer's resolution."""
+    from syncswitch.requirements import locked_versions, requirements_text
+    from syncswitch_airflow.backends import node_install
+
+    pins = node_install.gpu_pins(requirements_text()).splitlines()
+    cpu = {name: version for name, version, _ in locked_versions()}
+    assert f"tensorflow=={cpu['tensorflow-cpu']}" in pins
+    assert not [line for line in pins if line.startswith(("tensorflow-cpu", node_install.GPU_PREFIX))]
+    cuda = [line for line in pins if line.startswith("nvidia-")]
+    assert cuda and all("==" in line for line in cuda), cuda
+    shipped = [
+        line for line in requirements_text().splitlines() if not line.startswith(("#", "tensorflow-cpu"))
+    ]
+    assert set(shipped) <= set(pins)  # every other pin as it is, markers too
+    with pytest.raises(SystemExit, match="no #gpu: lines"):
+        node_install.gpu_pins("tensorflow-cpu==2.21.0\nnumpy==2.0\n")

@@ -19,7 +19,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from wheels import PROVIDER, RUNTIME, build_wheels, fresh_venv, lock_constraints, uv
+from syncswitch_airflow.backends.node_install import GPU_PREFIX
+from wheels import (
+    PROVIDER,
+    REQUIREMENTS_FILE,
+    RUNTIME,
+    build_wheels,
+    fresh_venv,
+    lock_constraints,
+    runtime_requirements,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.packages
@@ -50,22 +59,12 @@ def constraints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return lock_constraints(tmp_path_factory.mktemp("lock") / "constraints.txt")
 
 
-# How training/syncswitch/requirements.txt is made from the lock (rerun it after `uv lock`).
-EXPORT_RUNTIME = ["export", "--frozen", "--package", RUNTIME, "--no-dev", "--no-emit-workspace"] + [
-    "--no-hashes",
-    "--no-header",
-    "--no-annotate",
-    "--quiet",
-]
-
-
-def test_the_runtimes_requirements_are_the_lock(tmp_path: Path) -> None:
-    exported = tmp_path / "requirements.txt"
-    _run([uv(), *EXPORT_RUNTIME, "-o", exported], cwd=REPO)
-    shipped = REPO / "training" / "syncswitch" / "requirements.txt"
-    assert shipped.read_text() == exported.read_text(), (
-        f"{shipped} is out of date: uv {' '.join(EXPORT_RUNTIME)} -o {shipped.relative_to(REPO)}"
+def test_the_runtimes_requirements_are_the_lock() -> None:
+    shipped = REQUIREMENTS_FILE.read_text()
+    assert shipped == runtime_requirements(), (
+        f"{REQUIREMENTS_FILE} is out of date: cd testing && uv run python -m wheels"
     )
+    assert GPU_PREFIX + "tensorflow==" in shipped  # the CUDA build's pins travel in the same file
 
 
 def test_the_wheels_carry_their_parts(wheels: dict[str, Path]) -> None:

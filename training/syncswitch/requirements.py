@@ -1,7 +1,8 @@
 """The runtime's locked versions: what every cluster node must run, and a check that it does.
 
-``requirements.txt`` beside this file is ``uv export --package syncswitch`` of the workspace's lock
-(regenerated with the command in tests/test_packages.py, which fails when it drifts). It travels in
+``requirements.txt`` beside this file is ``uv export --package syncswitch`` of the workspace's lock,
+then the pins of a GPU node as ``#gpu:`` comment lines (the lock's ``gpu`` group; regenerated with
+``cd testing && uv run python -m wheels``, and tests/test_packages.py fails when it drifts). It travels in
 the runtime's wheel. The gce backend installs it on its VMs (the startup script); the hosts backend
 checks every host against it before it starts a fork server there, because workers that run other
 TensorFlow or Keras versions than the chief do not load each other's checkpoints reliably.
@@ -18,7 +19,8 @@ from importlib import metadata, resources
 
 REQUIREMENTS_FILE = "requirements.txt"
 # Distributions that stand in for a pin at the same version: a GPU node installs TensorFlow's CUDA
-# build (``tensorflow[and-cuda]``) where the lock has the CPU one (gce-startup.sh, node_install.py).
+# build where the lock has the CPU one (``tensorflow`` and its CUDA libraries: the file's ``#gpu:``
+# lines, which node_install.py installs in tensorflow-cpu's place).
 STAND_INS = {"tensorflow-cpu": ("tensorflow",)}
 
 

@@ -5,8 +5,8 @@
 # default /opt/syncswitch/.venv/bin/python) with the same installer as the hosts backend's
 # (metadata "syncswitch-install": node_install.py, standard library only): a venv with the runtime's
 # dependencies at the lock's versions (metadata "syncswitch-requirements"), TensorFlow's CUDA build
-# on a GPU VM, and the runtime's wheel the backend uploaded for this run (metadata
-# "syncswitch-runtime", a gs:// URI, fetched with the VM's service account). An image made with
+# and its CUDA libraries on a GPU VM (pinned there too), and the runtime's wheel the backend uploaded
+# for this run (metadata "syncswitch-runtime", a gs:// URI, fetched with the VM's service account). An image made with
 # the same installer keeps its dependencies and gets only this run's runtime (a faster boot).
 # The backend waits until `python -c "import syncswitch.forkserver"` works over SSH.
 set -euo pipefail

@@ -18,8 +18,9 @@ host, hosts that share a filesystem) take turns on a lock file.
 
 The installer is ``uv`` where it is on PATH (fast: it links from its cache; ``UV_OFFLINE=1`` for a host
 without a route to the registry), else the venv's ``pip``. Both install exactly the pins; neither
-resolves anything else. On a GPU node (``nvidia-smi`` on PATH) TensorFlow's CUDA build at the lock's
-version takes the CPU build's place.
+resolves anything else. On a GPU node (``nvidia-smi`` on PATH) TensorFlow's CUDA build and its CUDA
+libraries take the CPU build's place, at the lock's versions too: ``requirements.txt`` carries them as
+comment lines (``#gpu: name==version``), which every other installer skips.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 import zipfile
 
 MARKER = ".syncswitch-runtime"
+GPU_PREFIX = "#gpu: "  # a pin a GPU node installs in place of tensorflow-cpu's
 PYTHON_VERSION = "3.11"  # the lock's (requires-python of the workspace): its wheels are for this one
 
 
@@ -73,12 +75,21 @@ def make_venv(venv: str, uv: str | None) -> str:
     return python
 
 
+def gpu_pins(requirements_text: str) -> str:
+    """The pins of a GPU node: tensorflow-cpu's line gives way to the ``#gpu:`` lines (TensorFlow's
+    CUDA build, which the runtime's version check accepts in its place, and its CUDA libraries)."""
+    lines = requirements_text.splitlines()
+    gpu = [line.removeprefix(GPU_PREFIX) for line in lines if line.startswith(GPU_PREFIX)]
+    if not gpu:
+        sys.exit(f"the requirements have no {GPU_PREFIX.strip()} lines: no locked CUDA build to install")
+    kept = [line for line in lines if not line.startswith(("tensorflow-cpu==", GPU_PREFIX))]
+    return "\n".join(kept + gpu) + "\n"
+
+
 def install(python: str, requirements: str, uv: str | None) -> None:
     if shutil.which("nvidia-smi"):
-        # A GPU host: TensorFlow's CUDA build at the lock's version in place of the CPU one (the
-        # runtime's version check accepts it: syncswitch.requirements.STAND_INS).
         with open(requirements) as f:
-            pins = f.read().replace("tensorflow-cpu==", "tensorflow[and-cuda]==")
+            pins = gpu_pins(f.read())
         requirements = requirements + ".gpu"
         with open(requirements, "w") as f:
             f.write(pins)
