@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from syncswitch.plan import PROTOCOLS
+
 SIGNALS = ("auto", "compute_time", "step_time")
 
 
@@ -136,8 +138,8 @@ class StragglerDetector:
         straggling_since: float | None = None,
         straggling_workers: Iterable[int] = (),
     ) -> None:
-        if protocol not in ("bsp", "asp"):
-            raise ValueError(f"protocol must be 'bsp' or 'asp', got {protocol!r}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.config = config or DetectorConfig()
         self.protocol = protocol
         self.signal = self._choose_signal()

@@ -32,6 +32,7 @@ from typing import Any
 
 from syncswitch import storage
 from syncswitch.layout import JobHistoryLayout, safe_run_id
+from syncswitch.plan import PROTOCOLS
 from syncswitch.spec import _JOB_NAME_RE, JobSpec  # the one job-name rule, owned by the job spec
 
 from syncswitch_airflow.timing import PHASES as DECISION_PHASES
@@ -264,9 +265,9 @@ def _iso_date(name: str, value: Any) -> str:
 
 
 def _training_seconds(name: str, value: Any) -> dict[str, float]:
-    if not isinstance(value, dict) or set(value) != {"bsp", "asp"}:
+    if not isinstance(value, dict) or set(value) != set(PROTOCOLS):
         raise RecordError(name, f'must be {{"bsp": seconds, "asp": seconds}}, got {value!r}')
-    return {key: _seconds(f"{name}.{key}", value[key]) for key in ("bsp", "asp")}
+    return {key: _seconds(f"{name}.{key}", value[key]) for key in PROTOCOLS}
 
 
 def _switch_order(name: str, value: Any) -> str:

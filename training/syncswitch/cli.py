@@ -28,6 +28,7 @@ from typing import Any
 
 from syncswitch import storage
 from syncswitch.layout import RunLayout
+from syncswitch.plan import PROTOCOLS
 from syncswitch.spec import MOMENTUM_RULES, SegmentSpec, SpecError, StragglerSpec
 
 DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
@@ -41,7 +42,7 @@ def build_train_parser() -> argparse.ArgumentParser:
         "latest checkpoint, in either protocol.",
     )
     p.add_argument("--spec", help="a SegmentSpec JSON file (the pipeline's interface); other flags ignored")
-    p.add_argument("--protocol", choices=("bsp", "asp"), default="bsp")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="bsp")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ps", type=int, default=1, help="parameter servers (ASP)")
     p.add_argument("--problem", default="digits", help="a registered problem (syncswitch registry)")

@@ -24,6 +24,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from syncswitch import usercode
 from syncswitch.costs import cost_headline, run_ledger
 from syncswitch.layout import RunLayout
+from syncswitch.plan import PROTOCOLS
 from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
 
@@ -139,7 +140,7 @@ def history_record(
         "total_seconds": finished - started if started else None,
         "training_seconds": {
             protocol: sum(float(s.get("seconds") or 0.0) for s in segments if s.get("protocol") == protocol)
-            for protocol in ("bsp", "asp")
+            for protocol in PROTOCOLS
         },
         "fingerprint": history.job_fingerprint(job.to_params(), usercode.identity(user_code)),
         "policy_phase": decision.get("phase", "fixed"),
