@@ -118,7 +118,7 @@ class SegmentOperator(BaseOperator):
                     retried,
                     job.segment_retries,
                 )
-            event_offsets = self._launch(state, entry, stale_result=result is not None)
+            event_offsets = self._launch(state, job, entry, stale_result=result is not None)
         self.defer(
             trigger=SegmentTrigger(
                 run_dir=self.run_dir,
@@ -135,7 +135,9 @@ class SegmentOperator(BaseOperator):
             method_name="execute_complete",
         )
 
-    def _launch(self, state: State, entry: dict[str, Any], stale_result: bool) -> dict[str, int]:
+    def _launch(
+        self, state: State, job: JobSpec, entry: dict[str, Any], stale_result: bool
+    ) -> dict[str, int]:
         """Launch the segment; where its events will begin in the segment's event files."""
         if stale_result:
             # The trigger must not mistake an earlier attempt's result for this one's.
@@ -144,7 +146,7 @@ class SegmentOperator(BaseOperator):
         # from a checkpoint behind the step its killed try had logged).
         event_offsets = EventTail(self.layout.segment_metrics(self.slot, self.protocol)).skip_existing()
         try:
-            launch_entry(self.run_dir, state, entry, self.log)
+            launch_entry(self.run_dir, state, entry, self.log, job=job)
         except SegmentAlreadyRunning:
             # Launched at the same moment by the trigger of the segment before: follow that launch.
             self.log.info("run %s: segment %d was just launched; following it", state["run_id"], self.slot)

@@ -121,14 +121,17 @@ def record_result(run_dir: str, index: int, result: dict[str, Any], log: Any) ->
     }
 
 
-def launch_entry(run_dir: str, state: State, entry: dict[str, Any], log: Any) -> dict[str, Any]:
+def launch_entry(
+    run_dir: str, state: State, entry: dict[str, Any], log: Any, job: JobSpec | None = None
+) -> dict[str, Any]:
     """Launch plan ``entry`` of the run on its cluster; the backend's launch record. The segment's
-    spec comes from the job and the entry alone, whoever launches it (its task or the trigger of the
-    segment before). Raises ``ClusterError``."""
+    spec comes from the job and the entry alone, whoever launches it (its task, which passes the
+    ``job`` it parsed from ``state``, or the trigger of the segment before). Raises ``ClusterError``."""
     protocol, layout = entry["protocol"], RunLayout(run_dir)
     reference = straggler_reference_time(layout, protocol, time.time())
     user_code = state.get("user_code") or {}
-    spec = JobSpec.from_params(state["job"]).segment_spec(entry, state["run_id"], state["run_dir"])
+    job = job or JobSpec.from_params(state["job"])
+    spec = job.segment_spec(entry, state["run_id"], state["run_dir"])
     spec = spec.replace(
         straggler_reference_time=reference,
         usr_code_uri=user_code.get("uri", ""),
