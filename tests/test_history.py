@@ -449,6 +449,10 @@ def test_history_shows_the_search_under_the_job_files_timing_settings(tmp_path: 
     assert done.returncode == 0, done.stderr
     state_line = next(line for line in done.stdout.splitlines() if line.startswith("search state"))
     assert "repeats 1, tolerance 0.01" in " ".join(state_line.split()), state_line
+    # The next run's line is what the job's next run does (with k=1: 0.5, accepted; the defaults,
+    # k=3, would still want baseline runs: 1.0).
+    next_line = next(line for line in done.stdout.splitlines() if line.strip().startswith("next run:"))
+    assert "next run: bsp_fraction 0.5 (exploit)" in next_line, next_line
     # A flag still wins over the job file.
     done = syncswitch("history", JOB, "--bucket-dir", "b", "--repeats", "2", cwd=tmp_path, env=env)
     assert "repeats 2, tolerance 0.01" in " ".join(done.stdout.split())
