@@ -29,11 +29,14 @@ with DAG(
     @task
     def check_new_models(*, triggering_asset_events: Any = None) -> list[dict[str, Any]]:
         """One entry per new model: the job's run, its accuracy and its files, which must exist."""
-        models = []
+        from syncswitch_airflow.hooks.bucket import BucketHook
+
+        models, bucket = [], BucketHook()  # the bucket with [syncswitch] gcp_conn_id's credentials
         for event in triggering_asset_events[MODELS]:
             extra = dict(event.extra)
             files = (f"{extra['saved_model']}/saved_model.pb", extra["keras"])
-            missing = [f for f in files if not storage.exists(f)]
+            with bucket.credentials():
+                missing = [f for f in files if not storage.exists(f)]
             if missing:
                 raise FileNotFoundError(f"{event.asset.uri}: run {extra['run_id']} has no {missing}")
             log.info(

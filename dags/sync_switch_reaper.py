@@ -30,9 +30,11 @@ def sync_switch_reaper() -> None:
     @task
     def reap(params: dict | None = None) -> dict[str, list[str]]:
         from syncswitch_airflow.backends.gce import GceBackend
+        from syncswitch_airflow.hooks.bucket import BucketHook
 
         backend = GceBackend()
-        return {project: backend.reap(project) for project in (params or {}).get("projects", [])}
+        with BucketHook().credentials():  # the runs' state.json, with [syncswitch] gcp_conn_id's key
+            return {project: backend.reap(project) for project in (params or {}).get("projects", [])}
 
     reap()
 
