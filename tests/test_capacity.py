@@ -15,7 +15,7 @@ import pytest
 from syncswitch import state
 from syncswitch.layout import RunLayout
 from syncswitch_airflow.backends import ClusterBusy, ClusterCapacity
-from syncswitch_airflow.backends.base import leases_uri, run_cluster_gone
+from syncswitch_airflow.backends.base import capacity_refusal, leases_uri, run_cluster_gone
 
 
 def test_cluster_capacity_hands_out_slots_once_and_takes_them_back(tmp_path: Path) -> None:
@@ -166,3 +166,22 @@ def test_the_ledger_is_where_the_deployment_setting_says(
     assert leases_uri("hosts") == f"{tmp_path}/work/leases/hosts.json"
     monkeypatch.setenv("SYNCSWITCH_LEASES_DIR", "gs://deployment/syncswitch/_leases/")
     assert leases_uri("gce") == "gs://deployment/syncswitch/_leases/gce.json"
+
+
+def test_a_distributed_airflow_is_refused_a_ledger_in_each_workers_own_folder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, leases_dir is in each worker's work folder: right on one machine, a per-worker count
+    (and hosts given twice) where workers run on other machines. There, validate refuses to run."""
+    celery = "airflow.providers.celery.executors.celery_executor.CeleryExecutor"
+    monkeypatch.delenv("SYNCSWITCH_LEASES_DIR", raising=False)
+    monkeypatch.delenv("AIRFLOW__SYNCSWITCH__LEASES_DIR", raising=False)
+    assert capacity_refusal("LocalExecutor") == ""
+    assert capacity_refusal("syncswitch_airflow.warm_start.WarmLocalExecutor") == ""
+    refusal = capacity_refusal(celery)
+    assert "[syncswitch] leases_dir is unset" in refusal and "CeleryExecutor" in refusal
+    assert "KubernetesExecutor" in capacity_refusal("LocalExecutor,KubernetesExecutor")
+    monkeypatch.setenv("AIRFLOW__SYNCSWITCH__LEASES_DIR", "gs://deployment/_leases")
+    assert capacity_refusal(celery) == ""
+    monkeypatch.setenv("AIRFLOW__SYNCSWITCH__LEASES_DIR", "/mnt/shared/leases")  # a shared mount: trusted
+    assert capacity_refusal(celery) == ""

@@ -292,6 +292,47 @@ def test_cross_field_errors_fail_validate_before_provisioning(
     assert not work_root.exists() and not Path(bucket).exists()
 
 
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("local", "cluster_backend: 'local' runs the cluster on the Airflow worker that provisions it"),
+        ("hosts", "[syncswitch] leases_dir is unset, so every Airflow worker would count clusters"),
+    ],
+)
+def test_a_distributed_airflow_refuses_at_validate_what_only_works_on_one_machine(
+    dag,  # noqa: ANN001
+    gcs_bucket: str,
+    tmp_path: Path,
+    work_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    backend: str,
+    message: str,
+) -> None:
+    """Under a Celery executor (tasks on other machines, no shared disk) validate refuses a local
+    cluster, and any cluster while the capacity ledger would be each worker's own; nothing runs."""
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    monkeypatch.delenv("SYNCSWITCH_LEASES_DIR", raising=False)
+    monkeypatch.delenv("AIRFLOW__SYNCSWITCH__LEASES_DIR", raising=False)
+    conf = {**SMALL_JOB, "bucket_dir": gcs_bucket, "cluster_backend": backend}
+    if backend == "hosts":  # never reached: validate refuses before any login
+        key = tmp_path / "id_ed25519"
+        key.write_text("not read\n")
+        conf["hosts"] = [
+            f"address=127.0.0.{i},key={key},role={role}" for i, role in ((1, "ps"), (2, "chief"))
+        ]
+    dag_run = run_dag(dag, conf)
+
+    assert dag_run.state == "failed"
+    states = task_states(dag_run)
+    assert states["validate"] == "failed" and states["provision_cluster"] == "upstream_failed"
+    assert message in capfd.readouterr().out
+    # Nothing provisioned: no cluster folder, no run state (only finalize's history record of the
+    # failed run).
+    assert not work_root.exists()
+    assert not [uri for uri in storage.list_files(gcs_bucket) if uri.endswith("/state.json")]
+
+
 def test_schema_errors_reject_the_conf_before_the_run(dag, tmp_path: Path) -> None:  # noqa: ANN001
     from airflow.sdk.exceptions import ParamValidationError
 

@@ -83,6 +83,36 @@ class SegmentStatus:
         return self.state == RUNNING
 
 
+# Executors whose tasks all run on the scheduler's machine. syncswitch_airflow.warm_start's
+# WarmLocalExecutor is the LocalExecutor (the embedded Airflow runs it).
+SINGLE_MACHINE_EXECUTORS = frozenset(
+    {"LocalExecutor", "WarmLocalExecutor", "SequentialExecutor", "DebugExecutor"}
+)
+
+
+def distributed_executors(executors: str) -> list[str]:
+    """The executors of ``[core] executor`` = ``executors`` that run tasks on other machines (Celery,
+    Kubernetes, Edge ...), by class name."""
+    names = [part.strip().rsplit(".", 1)[-1] for part in executors.split(",") if part.strip()]
+    return [name for name in names if name not in SINGLE_MACHINE_EXECUTORS]
+
+
+def capacity_refusal(executors: str) -> str:
+    """Why clusters cannot be counted across this deployment ("" if they can): with workers on other
+    machines and ``[syncswitch] leases_dir`` unset, each worker would keep its own capacity ledger in
+    its own work folder, and two of them could give one host to two clusters. A folder set by hand is
+    trusted to be shared (a bucket, or a filesystem every worker mounts)."""
+    distributed = distributed_executors(executors)
+    if not distributed or settings.get("leases_dir"):
+        return ""
+    return (
+        "[syncswitch] leases_dir is unset, so every Airflow worker would count clusters in its own "
+        f"work folder, but this Airflow runs tasks on other machines ([core] executor: "
+        f"{', '.join(distributed)}); set it (AIRFLOW__SYNCSWITCH__LEASES_DIR) to a gs:// folder that "
+        "every worker reaches"
+    )
+
+
 def leases_uri(backend: str) -> str:
     """The capacity ledger of ``backend``: ``<[syncswitch] leases_dir>/<backend>.json``.
 

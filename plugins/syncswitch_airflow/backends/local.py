@@ -54,6 +54,7 @@ from syncswitch_airflow.backends.base import (
     SegmentAlreadyRunning,
     SegmentStatus,
     default_work_root,
+    distributed_executors,
 )
 
 # How many local clusters may run at once. Each takes every core of a small machine, so one.
@@ -262,13 +263,6 @@ class LocalBackend:
         return outcome["stopped"]
 
 
-# Executors whose tasks all run on the scheduler's machine: the only ones a local cluster works under.
-# syncswitch_airflow.warm_start.WarmLocalExecutor is the LocalExecutor (the embedded Airflow runs it).
-SINGLE_MACHINE_EXECUTORS = frozenset(
-    {"LocalExecutor", "WarmLocalExecutor", "SequentialExecutor", "DebugExecutor"}
-)
-
-
 class StandbyForkServer:
     """Keeps one standby fork server for the next local cluster (see the module's docstring): the
     owner (a long-lived process: the WarmLocalExecutor in the scheduler) calls ``keep`` now and then
@@ -316,8 +310,7 @@ def deployment_refusal(executors: str) -> str:
     its folder), and a later task of the run that lands on another worker could not reach it. So a
     deployment whose executors run tasks on other machines (Celery, Kubernetes, Edge ...) refuses
     the local backend when it validates, before anything is provisioned."""
-    names = [part.strip().rsplit(".", 1)[-1] for part in executors.split(",") if part.strip()]
-    distributed = [name for name in names if name not in SINGLE_MACHINE_EXECUTORS]
+    distributed = distributed_executors(executors)
     if not distributed:
         return ""
     return (

@@ -22,6 +22,7 @@ from syncswitch.spec import JobSpec
 from syncswitch.state import create_run, record_final
 
 from syncswitch_airflow.assets import emit_run_outputs
+from syncswitch_airflow.backends.base import capacity_refusal
 from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
 from syncswitch_airflow.operators.common import (
@@ -48,12 +49,16 @@ class ValidateJobOperator(BaseOperator):
     @with_bucket_credentials
     def execute(self, context: Context) -> dict[str, Any]:
         job = job_from_params(context)
+        executors = conf.get("core", "executor", fallback="")
         if job.cluster_backend == "local":
             from syncswitch_airflow.backends.local import deployment_refusal
 
-            refusal = deployment_refusal(conf.get("core", "executor", fallback=""))
+            refusal = deployment_refusal(executors)
             if refusal:
                 raise AirflowFailException(f"invalid job params: {refusal}")
+        refusal = capacity_refusal(executors)
+        if refusal:
+            raise AirflowFailException(f"cannot run cluster_backend {job.cluster_backend!r} here: {refusal}")
         if job.cluster_backend == "hosts":
             from syncswitch_airflow.hooks.ssh import resolve_hosts
 
