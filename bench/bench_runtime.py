@@ -4,6 +4,9 @@ straggler, side by side in one run.
     .venv/bin/python bench/bench_runtime.py                 # ~6-10 minutes on 2 cores
     .venv/bin/python bench/bench_runtime.py --quick         # smoke test: a few steps per config
     .venv/bin/python bench/bench_runtime.py --pin-cores     # also every cluster config with pinned cores
+    .venv/bin/python bench/bench_runtime.py --steady-state  # ASP / BSP at 2 and 8 workers, digits and
+                                                            # ResNet-20, segments long enough that the
+                                                            # warm-up is under 10 % of each
 
 Every config trains ResNet-20 (``resnet_cifar_20``) on ``synthetic_cifar`` with 32 examples per worker
 per step, on the same number of examples (``--steps`` BSP-equivalent steps of 2 x 32 examples):
@@ -65,6 +68,7 @@ class Config:
     straggler: bool = False
     pin_cores: bool = False
     model: str = "resnet"  # "resnet": ResNet-20 on synthetic CIFAR; "digits": the digits CNN
+    workers: int = WORKERS
     time_to_accuracy: bool = False  # evaluate every few steps and time the way to TARGET_ACCURACY
 
     @property
@@ -111,6 +115,16 @@ def configs(pin_cores: bool) -> list[Config]:
             Config(f"{c.name}, pinned", c.protocol, straggler=c.straggler, pin_cores=True) for c in clusters
         ]
     return [Config("baseline (1 process)", None), *clusters, Config("baseline (again)", None)]
+
+
+def steady_state_configs() -> list[Config]:
+    """BSP and ASP side by side for each model at 2 and 8 workers (issue 18: what a long job sees)."""
+    return [
+        Config(f"{label} {name} {workers} workers", protocol, model=model, workers=workers)
+        for model, label in (("digits", "digits"), ("resnet", "ResNet-20"))
+        for workers in (2, 8)
+        for protocol, name in (("bsp", "BSP"), ("asp", "ASP 1 PS +"))
+    ]
 
 
 # ---- the single-process baseline (runs in a child process) ---------------------------------------
@@ -235,10 +249,12 @@ def cluster_argv(config: Config, args: argparse.Namespace, run_dir: str) -> list
     else:
         steps = args.steps
         model = [f"--problem={PROBLEM}", "--model=resnet", f"--hparam-set={HPARAM_SET}"]
+    # The same examples at any cluster size: fewer global steps of a larger global batch.
+    steps = max(steps * WORKERS // config.workers, 10)
     argv = syncswitch_command(
         "train",
         f"--protocol={config.protocol}",
-        f"--workers={WORKERS}",
+        f"--workers={config.workers}",
         "--ps=1",
         *model,
         f"--hparams=batch_size={BATCH_PER_WORKER}",
@@ -406,33 +422,48 @@ def goal_lines(measurements: list[Measurement]) -> list[str]:
 
 
 def asp_over_bsp_table(measurements: list[Measurement]) -> str:
-    """ASP examples/s / BSP examples/s of the same model and straggler setting, measured side by side."""
+    """ASP examples/s / BSP examples/s of the same model, cluster size and straggler setting, measured
+    side by side: in the steady state (after the warm-up share) and over the whole segment."""
+    goals = {("digits", False): 1.0, ("resnet", False): 1.0, ("resnet", True): 1.5}
+    groups: dict[tuple[str, bool, int], dict[str, Measurement]] = {}
+    for m in measurements:
+        if m.config.protocol and not m.config.pin_cores and not m.config.time_to_accuracy:
+            key = (m.config.model, m.config.straggler, m.config.workers)
+            groups.setdefault(key, {})[m.config.protocol] = m
     rows = []
-    for model, straggler, goal in (("digits", False, 1.0), ("resnet", False, 1.0), ("resnet", True, 1.5)):
-        pair = {
-            m.config.protocol: m
-            for m in measurements
-            if m.config.model == model
-            and m.config.straggler == straggler
-            and not m.config.pin_cores
-            and not m.config.time_to_accuracy
-            and m.config.protocol
-        }
+    for (model, straggler, workers), pair in groups.items():
         bsp, asp = pair.get("bsp"), pair.get("asp")
         if not (bsp and asp and bsp.examples_per_sec and asp.examples_per_sec):
             continue
         ratio = asp.examples_per_sec / bsp.examples_per_sec
+        whole = (
+            asp.segment_examples_per_sec / bsp.segment_examples_per_sec
+            if asp.segment_examples_per_sec and bsp.segment_examples_per_sec
+            else None
+        )
+        goal = goals.get((model, straggler))
         label = {"digits": "digits CNN", "resnet": "ResNet-20, synthetic CIFAR"}[model]
         rows.append(
             [
                 label + (", worker 1 slowed" if straggler else ""),
+                workers,
                 fmt(bsp.examples_per_sec, 0),
                 fmt(asp.examples_per_sec, 0),
                 fmt(ratio, 2),
-                f">= {goal:g}: {'met' if ratio >= goal else 'NOT met'}",
+                fmt(whole, 2),
+                f">= {goal:g}: {'met' if ratio >= goal else 'NOT met'}" if goal else "",
             ]
         )
-    return markdown_table(["workload", "BSP examples/s", "ASP examples/s", "ASP / BSP", "goal"], rows)
+    headers = [
+        "workload",
+        "workers",
+        "BSP examples/s",
+        "ASP examples/s",
+        "ASP / BSP",
+        "whole segment",
+        "goal",
+    ]
+    return markdown_table(headers, rows)
 
 
 def accuracy_table(measurements: list[Measurement]) -> str:
@@ -483,7 +514,8 @@ def print_report(measurements: list[Measurement], args: argparse.Namespace, mach
     print(f"# bench_runtime: {HPARAM_SET} on {PROBLEM}, {BATCH_PER_WORKER} examples per worker per step")
     print(f"machine: {machine}")
     print(
-        f"{args.steps} BSP-equivalent steps of {WORKERS} x {BATCH_PER_WORKER} examples per config; "
+        f"{args.steps} BSP-equivalent steps of {WORKERS} x {BATCH_PER_WORKER} examples per config (the same "
+        "examples at 8 workers: a quarter of the steps); "
         f"warm-up {args.warmup:.0%} of the samples; "
         f"straggler: worker 1, slowdown {args.slowdown:g}, whole run"
     )
@@ -526,7 +558,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few steps per config: a smoke test, not figures")
     p.add_argument("--pin-cores", action="store_true", help="also run every cluster config with --pin-cores")
     p.add_argument("--slowdown", type=float, default=3.0, help="straggler slowdown (> 1)")
-    p.add_argument("--warmup", type=float, default=0.2, help="share of the samples not timed (0..0.9)")
+    p.add_argument(
+        "--steady-state",
+        action="store_true",
+        help="only BSP and ASP at 2 and 8 workers, digits and ResNet-20 (default --steps 400, --warmup 0.1)",
+    )
+    p.add_argument("--warmup", type=float, help="share of the samples not timed (0..0.9; default 0.2)")
     p.add_argument(
         "--baseline-intra-op-threads",
         type=int,
@@ -542,7 +579,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the run folders and logs")
     p.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.steps = args.steps or (8 if args.quick else 150)
+    args.steps = args.steps or (8 if args.quick else 400 if args.steady_state else 150)
+    args.warmup = args.warmup if args.warmup is not None else 0.1 if args.steady_state else 0.2
     if args.steps < 2 or not 0 <= args.warmup <= 0.9 or args.slowdown <= 1:
         p.error("needs --steps >= 2, 0 <= --warmup <= 0.9 and --slowdown > 1")
     return args
@@ -558,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[Measurement] = []
     failed = False
     try:
-        for config in configs(args.pin_cores):
+        for config in steady_state_configs() if args.steady_state else configs(args.pin_cores):
             load = load_1m()
             log(f"{config.name}: starting (load {load:.1f})")
             try:
