@@ -6,8 +6,9 @@
 # (metadata "syncswitch-install": node_install.py, standard library only): a venv with the runtime's
 # dependencies at the lock's versions (metadata "syncswitch-requirements"), TensorFlow's CUDA build
 # and its CUDA libraries on a GPU VM (pinned there too), and the runtime's wheel the backend uploaded
-# for this run (metadata "syncswitch-runtime", a gs:// URI, fetched with the VM's service account). An image made with
-# the same installer keeps its dependencies and gets only this run's runtime (a faster boot).
+# for this run (metadata "syncswitch-runtime", a gs:// URI, fetched with the VM's service account).
+# An image made with the same installer keeps its dependencies and gets only this run's runtime (a
+# faster boot).
 # The backend waits until `python -c "import syncswitch.forkserver"` works over SSH.
 set -euo pipefail
 attribute() {
