@@ -103,6 +103,18 @@ def assert_hand_offs_cross_workers(tis: dict[str, dict[str, Any]], addresses: di
         assert ran[before] != ran[after], (before, after, ran[before])
 
 
+def assert_no_secret_in_logs(
+    deployment: CeleryDeployment, run_id: str, tis: dict[str, dict[str, Any]], private_key: str
+) -> None:
+    """No task's log (as the UI shows it, from the worker that ran it) holds the hosts' SSH key."""
+    body = [line for line in private_key.splitlines() if line and not line.startswith("-----")]
+    for task, ti in tis.items():
+        if ti["state"] != "success":
+            continue
+        log = task_log(deployment.airflow.api, run_id, task, ti["try_number"])
+        assert "PRIVATE KEY" not in log and not [line for line in body if line in log], task
+
+
 def expected_worker(task_id: str) -> int:
     """The worker QUEUE_POLICY pins ``task_id`` to."""
     policy: dict[str, Any] = {}
@@ -413,6 +425,7 @@ def test_101_with_an_online_switch_moves_between_workers_and_survives_a_lost_wor
     # lost launch was retried on the replacement machine.
     assert_hand_offs_cross_workers(tis, addresses)
     assert tis["segment_1.asp"]["try_number"] == 2 and tis["segment_1.asp"]["hostname"] == spare.address
+    assert_no_secret_in_logs(deployment, run_id, tis, Path(bed.key_path).read_text())
     assert_cluster_gone(bed, bucket, layout)
 
 
