@@ -565,6 +565,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=float, help="share of the samples not timed (0..0.9; default 0.2)")
     p.add_argument(
+        "--only",
+        default="",
+        help="only the configs whose name contains this (e.g. 'ResNet-20' or '2 workers')",
+    )
+    p.add_argument(
         "--baseline-intra-op-threads",
         type=int,
         default=0,
@@ -596,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[Measurement] = []
     failed = False
     try:
-        for config in steady_state_configs() if args.steady_state else configs(args.pin_cores):
+        chosen = steady_state_configs() if args.steady_state else configs(args.pin_cores)
+        for config in [c for c in chosen if args.only in c.name]:
             load = load_1m()
             log(f"{config.name}: starting (load {load:.1f})")
             try:
