@@ -26,6 +26,7 @@ from syncswitch_airflow.tools.airflow_supervisor import (
     HUNG_SECONDS_ENV,
     MigrationStamp,
     answers,
+    hung_limit,
     hung_seconds,
     rotate_log,
 )
@@ -184,3 +185,15 @@ def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: p
         server.server_close()
     assert _SlowFirstLook.looks[0].startswith("/api/v2/importErrors")
     assert "/api/v2/dags/sync_switch" in _SlowFirstLook.looks
+
+
+def test_the_hung_limit_doubles_with_each_recent_kill_up_to_its_growth() -> None:
+    """A live api-server on a machine so loaded that it goes the limit without answering is killed
+    once; killed again at once after each restart, it would never serve (the suite saw four kills in
+    five minutes): each kill in the last hour doubles the next limit."""
+    now = 10_000.0
+    assert hung_limit(20.0, [], now) == 20.0
+    assert hung_limit(20.0, [now - 100], now) == 40.0
+    assert hung_limit(20.0, [now - 300, now - 100], now) == 80.0
+    assert hung_limit(20.0, [now - 500 + i for i in range(6)], now) == 160.0  # at most 8 x
+    assert hung_limit(20.0, [now - 4000, now - 100], now) == 40.0  # over an hour ago: forgotten

@@ -27,7 +27,10 @@ run waiting until someone started one by hand. Here:
 - the api-server is also probed: its health endpoint is asked every ``PROBE_SECONDS``, and once it has
   answered since its start, ``HUNG_SECONDS`` without an answer (alive but hung: seen in the test
   suite, a minute without answers and a SIGTERM ignored; ``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``
-  sets another limit) gets it SIGKILLed and restarted like a dead one. Every task of the instance
+  sets another limit) gets it SIGKILLed and restarted like a dead one, and the limit doubles with
+  each such kill in the last hour (at most ``HUNG_LIMIT_GROWTH`` times): on a machine so loaded that
+  a live api-server goes that long without answering, killing it again at once would only keep it
+  restarting (seen in the test suite under twice its usual load). Every task of the instance
   talks to it (the execution API), so a hung one would stall every run while its clusters train on;
   tasks retry their API calls for ~5 minutes, longer than a restart takes. Any HTTP answer counts,
   even an error (a database error is not the api-server's to fix);
@@ -75,6 +78,8 @@ PROBE_SECONDS = 10.0
 PROBE_TIMEOUT_SECONDS = 5.0
 HUNG_SECONDS = 60.0  # unanswered this long (six probes) once it has answered: killed, restarted
 HUNG_SECONDS_ENV = "SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS"  # another limit (a test instance's shorter one)
+HUNG_KILLS_WINDOW_SECONDS = 3600.0  # the hung kills that raise the next limit
+HUNG_LIMIT_GROWTH = 8  # the limit is at most this many times HUNG_SECONDS
 _TICK_SECONDS = 1.0
 _ORPHAN_SCAN_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
@@ -101,6 +106,7 @@ class Component:
     next_start: float = 0.0
     backoff: float = FIRST_BACKOFF_SECONDS
     answered_at: float | None = None  # the probed component's last answer since its start (monotonic)
+    hung_kills: list[float] = field(default_factory=list)  # when it was killed for not answering
     next_probe: float = 0.0
 
     def status(self) -> dict[str, Any]:
@@ -206,12 +212,14 @@ class Supervisor:
         if answers(self.health_url, PROBE_TIMEOUT_SECONDS):
             component.answered_at = time.monotonic()
             return
-        if component.answered_at is None or time.monotonic() - component.answered_at < self.hung_seconds:
+        limit = hung_limit(self.hung_seconds, component.hung_kills, time.monotonic())
+        if component.answered_at is None or time.monotonic() - component.answered_at < limit:
             return
         log(
             f"{component.name} (pid {component.pid}) has not answered {self.health_url} for "
-            f"{time.monotonic() - component.answered_at:.0f} s: killing it (hung)"
+            f"{time.monotonic() - component.answered_at:.0f} s (limit {limit:.0f} s): killing it (hung)"
         )
+        component.hung_kills.append(time.monotonic())
         component.process.kill()
         component.process.wait()
 
@@ -440,6 +448,14 @@ def hung_seconds(environ: Mapping[str, str]) -> float:
     if raw:
         log(f"{HUNG_SECONDS_ENV}={raw!r} is not a positive number of seconds: {HUNG_SECONDS:.0f} s instead")
     return HUNG_SECONDS
+
+
+def hung_limit(base: float, kills: list[float], now: float) -> float:
+    """How long the api-server may go unanswered before it is killed: ``base``, doubled for each of
+    its hung ``kills`` (monotonic times) within the last HUNG_KILLS_WINDOW_SECONDS, up to
+    HUNG_LIMIT_GROWTH times ``base``."""
+    recent = sum(1 for moment in kills if now - moment < HUNG_KILLS_WINDOW_SECONDS)
+    return base * min(2**recent, HUNG_LIMIT_GROWTH)
 
 
 def answers(url: str, timeout: float) -> bool:
