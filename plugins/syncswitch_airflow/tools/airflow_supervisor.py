@@ -209,17 +209,19 @@ class Supervisor:
         if now < component.next_probe:
             return
         component.next_probe = now + PROBE_SECONDS
-        if answers(self.health_url, PROBE_TIMEOUT_SECONDS):
-            component.answered_at = time.monotonic()
+        answered = answers(self.health_url, PROBE_TIMEOUT_SECONDS)
+        checked = time.monotonic()  # after the probe, which may have waited its timeout
+        if answered:
+            component.answered_at = checked
             return
-        limit = hung_limit(self.hung_seconds, component.hung_kills, time.monotonic())
-        if component.answered_at is None or time.monotonic() - component.answered_at < limit:
+        limit = hung_limit(self.hung_seconds, component.hung_kills, checked)
+        if component.answered_at is None or checked - component.answered_at < limit:
             return
         log(
             f"{component.name} (pid {component.pid}) has not answered {self.health_url} for "
-            f"{time.monotonic() - component.answered_at:.0f} s (limit {limit:.0f} s): killing it (hung)"
+            f"{checked - component.answered_at:.0f} s (limit {limit:.0f} s): killing it (hung)"
         )
-        component.hung_kills.append(time.monotonic())
+        component.hung_kills.append(checked)
         component.process.kill()
         component.process.wait()
 
