@@ -69,8 +69,9 @@ def kill_component(airflow: EmbeddedAirflow, name: str) -> None:
     """SIGKILL one component and wait for its restart. What it had started (a scheduler's
     LocalExecutor workers and log server, a triggerer's log server, its standby fork server) must
     not outlive it: left alone they would wait forever on a queue nobody writes, and a log server
-    would keep its port. A standby fork server that a run claimed is that run's cluster's (it carries
-    the cluster's marker) and outlives the scheduler as every cluster process does."""
+    would keep its port. A fork server that a run's claim forked from the standby is that run's
+    cluster's (it carries the cluster's marker) and outlives the scheduler as every cluster process
+    does."""
     pid = component_pid(airflow, name)
     children = [
         (child.pid, child.start_ticks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -361,32 +362,47 @@ def test_a_cluster_whose_processes_all_died_frees_its_slot_though_its_folder_is_
 # ---- the standby fork server --------------------------------------------------------------------------
 
 
-def test_a_cluster_claims_the_standby_fork_server_and_its_teardown_stops_it(
+def test_clusters_claim_servers_forked_from_one_standby_and_their_teardowns_stop_them(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
     """The keeper starts a standby server (TensorFlow imported before any run asks); provisioning
-    claims it, so it carries the cluster's marker as a server the cluster started would, and the
-    teardown stops it. No standby is started while a cluster trains; after it, a new one is."""
+    claims it, so the cluster's server is forked from it and carries the cluster's marker as a server
+    the cluster started would, and the teardown stops it. The standby stands by for the next cluster:
+    two runs, one import. Without a standby, none is started while a cluster trains."""
     keeper = StandbyForkServer(backend)
     standby = keeper.keep()
     try:
         assert standby is not None and keeper.keep() is None  # one at a time
         forkserver.wait_ready(backend.standby_dir, timeout=300)
-        layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", "claims-the-standby")
-        handle = backend.provision(JobSpec(job_name="demo"), layout)
+        for run in ("first", "second"):
+            layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", run)
+            handle = backend.provision(JobSpec(job_name="demo"), layout)
+            try:
+                assert forkserver.status(handle["forkserver_dir"]) == forkserver.READY
+                ready = Path(handle["forkserver_dir"]) / forkserver.READY_FILE
+                server = json.loads(ready.read_text())["pid"]
+                assert server not in (None, standby)
+                assert [p.pid for p in processes_with_env(CLUSTER_ENV, handle["work_dir"])] == [server]
+                # Not in its starter's process group, which an Airflow instance's stop ends.
+                assert os.getsid(server) not in (os.getsid(0), os.getsid(standby))
+            finally:
+                released = backend.teardown(handle)
+            assert released["stopped_pids"] == [server]
+            assert forkserver.status(backend.standby_dir) == forkserver.READY
+            assert keeper.keep() is None and [p.pid for p in keeper.started] == [standby]
+        log = (Path(backend.standby_dir) / forkserver.LOG_FILE).read_text()
+        assert log.count("ready in") == 1 and log.count("standing by again") == 2, log
+        # Without a standby, none is started while a cluster trains (its import would take the
+        # cores the cluster trains on); after the teardown, one is.
+        keeper.stop()
+        handle = backend.provision(
+            JobSpec(job_name="demo"), RunLayout.for_run(str(tmp_path / "runs"), "demo", "own")
+        )
         try:
-            assert not Path(backend.standby_dir).exists()
-            assert forkserver.status(handle["forkserver_dir"]) == forkserver.READY
-            assert [p.pid for p in processes_with_env(CLUSTER_ENV, handle["work_dir"])] == [standby]
-            # Not in its starter's process group, which an Airflow instance's stop ends.
-            assert os.getsid(standby) != os.getsid(0)
-            assert keeper.keep() is None, "a standby's import would take the cores the cluster trains on"
+            assert keeper.keep() is None
         finally:
-            released = backend.teardown(handle)
-        assert released["stopped_pids"] == [standby]
-        replacement = keeper.keep()
-        assert replacement not in (None, standby)
-        assert [p.pid for p in keeper.started] == [replacement], "the claimed server is reaped by its starter"
+            backend.teardown(handle)
+        assert keeper.keep() not in (None, standby)
     finally:
         keeper.stop()
     assert forkserver.status(backend.standby_dir) == forkserver.ABSENT

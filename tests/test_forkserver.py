@@ -7,12 +7,14 @@ serves until it is stopped: the most long-lived kind of node, and the one most l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -208,43 +210,56 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
         )
 
 
-def test_a_standby_server_becomes_the_cluster_server_that_claims_it(
+def test_a_claimed_standby_forks_the_cluster_server_and_stands_by_again(
     tmp_path: Path, no_leftover_processes
 ) -> None:  # noqa: ANN001
-    """Claimed, the standby serves from the cluster's folder, and it and the nodes it forks carry the
-    cluster's marker (written over its placeholder), as if the cluster had started it. A marker
-    longer than the placeholder, or a second claim, is refused."""
-    standby_dir, cluster = tmp_path / "standby", tmp_path / "cluster"
+    """A claim forks the cluster's server from the standby: it serves from the cluster's folder, in a
+    session of its own, and it and the nodes it forks carry the cluster's marker (written over the
+    placeholder), as if the cluster had started it. The standby stands by, unchanged, for the next
+    cluster: one import for both. A marker longer than the placeholder, a second claim of one
+    folder, or a claim of a cluster's server, is refused."""
+    standby_dir, clusters = tmp_path / "standby", [tmp_path / "cluster-a", tmp_path / "cluster-b"]
     no_leftover_processes(re.escape(str(standby_dir)))
     env = {**os.environ, MARKER: procs.ENV_PLACEHOLDER}
     process = forkserver.start(str(standby_dir), env=env, die_with_parent=True, standby=True)
+    servers: list[int] = []
     try:
-        server_dir = cluster / "forkserver"
-        cluster.mkdir()
+        server_dirs = [cluster / "forkserver" for cluster in clusters]
+        for cluster in clusters:
+            cluster.mkdir()
         assert (
-            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: "x" * 1025}, timeout=READY_TIMEOUT)
+            forkserver.claim(
+                str(standby_dir), str(server_dirs[0]), {MARKER: "x" * 1025}, timeout=READY_TIMEOUT
+            )
             is None
         )
+        for cluster, server_dir in zip(clusters, server_dirs, strict=True):
+            pid = forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+            assert pid is not None and pid not in (process.pid, *servers)
+            servers.append(pid)
+            assert forkserver.status(str(server_dir)) == forkserver.READY
+            ready = json.loads((server_dir / forkserver.READY_FILE).read_text())
+            assert ready["standby"] is False and ready["pid"] == pid
+            assert procs.has_env(pid, MARKER, str(cluster))
+            assert os.getsid(pid) == pid, "a session of its own: its starter's stop does not reach it"
+            server_log = (server_dir / forkserver.LOG_FILE).read_text()
+            assert f"forked from the standby server (pid {process.pid})" in server_log
+        assert forkserver.claim(str(standby_dir), str(server_dirs[0]), {MARKER: "again"}, timeout=5) is None
         assert json.loads((standby_dir / forkserver.READY_FILE).read_text())["standby"] is True
-        assert not procs.has_env(process.pid, MARKER, str(cluster))
-
+        assert forkserver.status(str(standby_dir)) == forkserver.READY
+        assert not procs.has_env(process.pid, MARKER, str(clusters[0]))
+        node, _log = fork_ps(server_dirs[1], tmp_path)
+        assert procs.has_env(node.pid, MARKER, str(clusters[1])), "a node inherits the claimed marker"
         assert (
-            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
-            == process.pid
-        )
-
-        assert not standby_dir.exists() and forkserver.status(str(standby_dir)) == forkserver.ABSENT
-        assert forkserver.status(str(server_dir)) == forkserver.READY
-        assert json.loads((server_dir / forkserver.READY_FILE).read_text())["standby"] is False
-        assert procs.has_env(process.pid, MARKER, str(cluster))
-        node, _log = fork_ps(server_dir, tmp_path)
-        assert procs.has_env(node.pid, MARKER, str(cluster)), "a node inherits the claimed marker"
-        assert (
-            forkserver.claim(str(server_dir), str(tmp_path / "other"), {MARKER: "other"}, timeout=5) is None
+            forkserver.claim(str(server_dirs[1]), str(tmp_path / "other"), {MARKER: "other"}, timeout=5)
+            is None
         )
         node.kill()
         node.wait(timeout=30)
     finally:
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         process.terminate()
         process.wait(timeout=30)
 
@@ -268,18 +283,17 @@ def test_a_cluster_server_exits_once_no_node_has_run_for_its_idle_time(
             process.wait(timeout=idle_exit * 2)  # a standby has no idle time
         server_dir = cluster / "forkserver"
         cluster.mkdir()
-        assert (
-            forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
-            == process.pid
-        )
+        server = forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+        assert server is not None
         node, _log = fork_ps(server_dir, tmp_path)
-        with pytest.raises(subprocess.TimeoutExpired):
-            process.wait(timeout=idle_exit * 2)  # a node runs on it
+        time.sleep(idle_exit * 2)
+        assert procs.is_alive(server), "a node runs on it"
         node.kill()
         assert node.wait(timeout=30) == -signal.SIGKILL
-        assert process.wait(timeout=idle_exit + 30) == 0
+        wait_for(lambda: not procs.is_alive(server), timeout=idle_exit + 30, what="the idle server's exit")
         assert forkserver.status(str(server_dir)) == forkserver.ABSENT
         assert "no node for 2s" in (server_dir / forkserver.LOG_FILE).read_text()
+        assert process.poll() is None, "the standby stands by"
     finally:
         if process.poll() is None:
             process.kill()

@@ -31,7 +31,7 @@ or, for a launcher placing a cluster on this host:
     server -> client  {"ports": [41011, 41012, 41013]}   free on the listening address
 or, for a cluster claiming a standby server (Unix socket only):
     client -> server  {"claim": {"dir": NEW_DIR, "env": {VAR: VALUE}}}
-    server -> client  {"claimed": 1234}          its folder moved to NEW_DIR, where it now listens
+    server -> client  {"claimed": 1234}          the server forked for NEW_DIR, where it listens
 ``files`` are written (folders made) before the fork: a node on another host gets its segment spec so.
 A TCP request must carry the cluster's token (the file's content, compared in constant time); the
 Unix socket needs none. The connection is the node's lease: when the client goes away (even by
@@ -40,11 +40,13 @@ process the client started itself. Nodes get PR_SET_PDEATHSIG on the server, so 
 
 A standby server imports before any cluster asks for it (the local backend keeps one, so that the
 first segment's nodes need not wait for the import). It starts with a placeholder for each marker of
-its initial environment (``procs.ENV_PLACEHOLDER``) and dies with the process that started it. The
-cluster that claims it renames its folder into the cluster's, and the server writes the cluster's
-markers over the placeholders (``procs.rewrite_initial_env``), so it and every node it forks are
-found by them as if the cluster had started it; from then on it outlives its starter, as any
-cluster's server does.
+its initial environment (``procs.ENV_PLACEHOLDER``) and dies with the process that started it. A
+cluster's claim forks it: the child serves from the cluster's folder, in a session of its own, and
+writes the cluster's markers over the placeholders (``procs.rewrite_initial_env``), so it and every
+node it forks are found by them as if the cluster had started it; it outlives the standby's starter,
+as any cluster's server does. The standby stands by again, so TensorFlow is imported once for every
+local cluster its starter's lifetime sees (a sweep of many runs, a day of scheduled ones), not once
+per cluster.
 
 A cluster's server is stopped by its teardown. One whose run never tears down (its Airflow stopped for
 good, its run deleted) exits once no node has run on it for ``IDLE_EXIT_S``, rather than holding a
@@ -272,7 +274,7 @@ class ForkServer:
             for key, _ in self.selector.select(TICK_SECONDS):
                 if key.fileobj in self.listeners:
                     self._accept(key.fileobj)
-                else:
+                elif key.fileobj.fileno() in self.leases:  # not one a claim's child has just closed
                     self._read(key.fileobj)
             self._reap()
             if self.leases or self.standby:
@@ -338,10 +340,10 @@ class ForkServer:
         self._fork(lease, request)
 
     def _claim(self, lease: Lease, claim: dict[str, Any]) -> None:
-        """Become the server of the cluster whose folder is ``claim["dir"]``, found by its markers
-        ``claim["env"]`` from now on."""
+        """Fork the server of the cluster whose folder is ``claim["dir"]``, found by its markers
+        ``claim["env"]``, and go on standing by: the import is paid once for every cluster claimed."""
         if not self.standby or lease.remote:
-            raise ValueError("only a standby server can be claimed, once, from its own host")
+            raise ValueError("only a standby server can be claimed, from its own host")
         new_dir, markers = str(claim["dir"]), {str(k): str(v) for k, v in dict(claim["env"]).items()}
         for variable, value in markers.items():
             if len(value.encode()) > initial_env_room(variable):
@@ -351,24 +353,53 @@ class ForkServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address_for(new_dir))  # a server of that folder already runs: refused
-            os.rename(self.server_dir, new_dir)  # its pid file and log travel with it
+            os.makedirs(new_dir, exist_ok=True)
         except OSError:
             listener.close()
             raise
-        for variable, value in markers.items():
-            rewrite_initial_env(variable, value)
-        _prctl(PR_SET_PDEATHSIG, 0)  # a cluster's server outlives whoever kept it on standby
-        for old in [x for x in self.listeners if x.family == socket.AF_UNIX]:
-            self.selector.unregister(old)
-            self.listeners.remove(old)
-            old.close()
-        self._add_listener(listener)
-        self.standby, self.server_dir = False, new_dir
-        self.ready.update(address=address_for(new_dir).replace("\0", "@"), standby=False)
-        write_in_own_folder(os.path.join(new_dir, READY_FILE), self.ready)
-        self._send(lease, {"claimed": os.getpid()})
-        self._release(lease, kill=False)
-        log(f"pid {os.getpid()} claimed: serving {new_dir}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._serve_claimed(lease, listener, new_dir, markers)  # returns into the child's loop
+            return
+        listener.close()
+        self._release(lease, kill=False)  # the child answers on its copy of the connection
+        log(f"pid {os.getpid()} claimed: forked pid {pid} to serve {new_dir}; standing by again")
+
+    def _serve_claimed(
+        self, lease: Lease, listener: socket.socket, new_dir: str, markers: dict[str, str]
+    ) -> None:
+        """In the forked child of a claim: become the cluster's server, in a session of its own (an
+        Airflow instance stopping signals its standby's group, not a cluster's), logging into its
+        folder, found by the cluster's markers."""
+        try:
+            os.setsid()  # PR_SET_PDEATHSIG is not inherited: the standby's end is not this one's
+            log_fd = os.open(os.path.join(new_dir, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.close(log_fd)
+            for variable, value in markers.items():
+                rewrite_initial_env(variable, value)
+            for other in list(self.leases.values()):
+                if other is not lease:
+                    other.conn.close()
+            for old in self.listeners:
+                old.close()
+            self.selector.close()  # shared with the standby (epoll): this process gets its own
+            self.selector, self.leases, self.listeners = selectors.DefaultSelector(), {}, []
+            self._add_listener(listener)
+            self.standby, self.server_dir = False, new_dir
+            self.ready.update(pid=os.getpid(), address=address_for(new_dir).replace("\0", "@"), standby=False)
+            write_in_own_folder(os.path.join(new_dir, PID_FILE), pid_record(os.getpid()))
+            write_in_own_folder(os.path.join(new_dir, READY_FILE), self.ready)
+            log(f"pid {os.getpid()} forked from the standby server (pid {os.getppid()}): serving {new_dir}")
+            lease.conn.setblocking(True)
+            lease.conn.sendall((json.dumps({"claimed": os.getpid()}) + "\n").encode())
+            lease.conn.close()
+        except BaseException:  # noqa: BLE001 - never return into the standby's loop half-claimed
+            traceback.print_exc()
+            os._exit(1)
 
     def _fork(self, lease: Lease, request: dict[str, Any]) -> None:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
@@ -624,10 +655,10 @@ def wait_ready(server_dir: str, timeout: float) -> None:
 
 
 def claim(standby_dir: str, server_dir: str, env: dict[str, str], timeout: float) -> int | None:
-    """Make the standby server of ``standby_dir`` the server of ``server_dir`` (its folder moves
-    there), found by the markers ``env`` from now on; waits up to ``timeout`` s for one still
-    importing. Its pid, or None where none answers: none kept, claimed by another cluster, or the
-    markers do not fit its placeholders."""
+    """Have the standby server of ``standby_dir`` fork the server of ``server_dir``, found by the
+    markers ``env``; waits up to ``timeout`` s for one still importing. The new server's pid, or None
+    where none answers: none kept, one already serves ``server_dir``, or the markers do not fit the
+    placeholders."""
     try:
         wait_ready(standby_dir, timeout)  # ForkServerUnavailable at once where none runs
         conn, answer, _ = _request(

@@ -85,8 +85,8 @@ def has_env(pid: int, variable: str, value: str) -> bool:
         return False
 
 
-# The value a process starts with for a marker it learns later (a standby fork server, claimed by a
-# cluster): rewrite_initial_env overwrites it in place with a value of up to this many characters.
+# The value a process starts with for a marker it learns later (a cluster's fork server, forked from a
+# standby by a claim): rewrite_initial_env overwrites it in place with a value of up to this many characters.
 ENV_PLACEHOLDER = "_" * 1024
 
 

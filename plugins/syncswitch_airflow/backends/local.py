@@ -4,8 +4,8 @@ Work folder (``[syncswitch] work_dir`` or ``<tmp>/syncswitch``, then ``<job_name
 
     cluster.json                  the handle
     forkserver/                   the cluster's fork server (syncswitch.forkserver): TensorFlow imported
-                                  once, every segment's processes forked from it warm; the standby
-                                  server's folder, moved here when the cluster claims it
+                                  once, every segment's processes forked from it warm; forked from
+                                  the standby server where the cluster claimed it
     data/                         data staged from a bucket (``--data-cache``), reused by every segment
     segments/seg-<ii>/spec.json   the SegmentSpec given to ``syncswitch train --spec``
     segments/seg-<ii>/process.json  pid, process group and start time of the launch
@@ -21,11 +21,12 @@ group, or whose launcher was SIGKILLed, is still found.
 A standby fork server (``<work root>/standby-forkserver``) has imported TensorFlow before any run
 asks: the process that keeps it (the embedded Airflow's WarmLocalExecutor, ``StandbyForkServer``)
 starts one whenever none runs and no local cluster trains, in a session of its own, and it dies with
-that process until a cluster claims it. Provisioning
-claims it (``forkserver.claim``): it moves into the cluster's folder and takes the cluster's marker,
-so teardown finds it and its nodes as it finds a server the cluster started. Without one (none kept,
-or already claimed) provisioning starts the cluster's own, as before; the first segment's nodes then
-wait for its import (3.6 s on a quiet core, on the path to the run's first step).
+that process. Provisioning claims it (``forkserver.claim``): the standby forks the cluster's server
+into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it finds a
+server the cluster started, and stands by for the next cluster. So one import serves every local run
+while its keeper lives. Without one (none kept, or still importing after STANDBY_CLAIM_WAIT_S)
+provisioning starts the cluster's own; the first segment's nodes then wait for its import (3-10 s of
+CPU, on the path to the run's first step).
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ class StandbyForkServer:
 
     def __init__(self, backend: LocalBackend | None = None) -> None:
         self.backend = backend or LocalBackend()
-        self.started: list[subprocess.Popen] = []  # reaped once they end (claimed ones at teardown)
+        self.started: list[subprocess.Popen] = []  # reaped once they end
 
     def keep(self) -> int | None:
         """Start a standby server unless one runs, a local cluster is up (the import would take the
@@ -293,7 +294,8 @@ class StandbyForkServer:
         return server.pid
 
     def stop(self) -> int | None:
-        """Kill the standby server (not one a cluster claimed: that one is the cluster's); its pid."""
+        """Kill the standby server (not the servers it forked for clusters: those are the clusters');
+        its pid."""
         pid = forkserver.kill_started(self.backend.standby_dir)
         shutil.rmtree(self.backend.standby_dir, ignore_errors=True)
         self._reap_ended()
