@@ -94,15 +94,14 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             sizer.observe(records[:, 2])
             closure_timing.add(records[:, 2])
             watchdog.seen(worker)
-            session.book.after_steps(
+            session.after_steps(
                 records,
                 timers[worker],
                 samples=loop.done_samples,
                 updates=loop.updates,
                 samples_per_step=batch,
+                checkpoint_due=loop.at_checkpoint_boundary(),
             )
-            if loop.at_checkpoint_boundary():
-                session.checkpoint(samples=loop.done_samples, updates=loop.updates)
         coordinator.join()
         for timer in timers.values():
             timer.flush()

@@ -74,19 +74,19 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                     ctx, session.events, steps_per_execution(ctx.hp, measured), measured
                 )
             # In lockstep every worker's step time is equal; its own share (the step minus the wait
-            # for peers) is what singles out a straggler, whatever slows it.
-            session.book.after_steps(
+            # for peers) is what singles out a straggler, whatever slows it. A stopping segment
+            # checkpoints once, at its finish.
+            session.after_steps(
                 mine.numpy(),
                 timer,
                 samples=loop.samples,
                 updates=loop.updates,
                 samples_per_step=loop.global_batch,
+                checkpoint_due=loop.checkpoint_due and not stop,
             )
             if stop:  # any worker's vote: all of them stop after the same call
                 stopped_early = not loop.finished
                 break
-            if loop.checkpoint_due:
-                session.checkpoint(samples=loop.samples, updates=loop.updates)
         timer.flush()
         ctx.finished_objects.extend([iterator, strategy, state, train_steps])
         return session.finish(samples=loop.samples, updates=loop.updates, stopped_early=stopped_early)

@@ -706,6 +706,24 @@ class SegmentSession:
     def stop_requested(self) -> bool:
         return self.stop_signal is not None and self.stop_signal.requested
 
+    def after_steps(
+        self,
+        records: Any,
+        timer: WorkerTimer,
+        *,
+        samples: int,
+        updates: int,
+        samples_per_step: int,
+        checkpoint_due: bool,
+    ) -> None:
+        """The one step both loops take after each call or closure of k steps: timings, progress and
+        the finite-loss check (``StepBook``), then the checkpoint where one is due."""
+        self.book.after_steps(
+            records, timer, samples=samples, updates=updates, samples_per_step=samples_per_step
+        )
+        if checkpoint_due:
+            self.checkpoint(samples=samples, updates=updates)
+
     def checkpoint(self, *, samples: int, updates: int) -> None:
         if self.reporter is not None:
             self.checkpoint_uri = save(
