@@ -97,12 +97,15 @@ def first_event(trigger: SegmentTrigger, timeout: float = 60.0) -> TriggerEvent:
 
 
 def trigger(layout: RunLayout, protocol: str, handle: dict[str, Any], stall_seconds: float) -> SegmentTrigger:
+    """A trigger of segment 0 of a run on the cluster ``handle`` (recorded in state.json, where the
+    trigger reads it)."""
+    update_state(layout, lambda s: s.update(new_state(layout, "r", JobSpec().to_params())))
+    record_cluster(layout, handle)
     return SegmentTrigger(
         run_dir=layout.root,
         index=0,
         protocol=protocol,
         until_step=1000,
-        handle=handle,
         stall_seconds=stall_seconds,
         stall_grace_seconds=0.0,
         poll_seconds=0.05,

@@ -114,7 +114,9 @@ def history_record(
     state: dict[str, Any] | None,
     decision: dict[str, Any],
 ) -> dict[str, Any]:
-    """The run's history record (docs/history.md)."""
+    """The run's history record (docs/history.md). Two values of the job on purpose: ``job`` as
+    submitted (the params), whose fingerprint finds the recurring job's earlier runs, and ``planned``
+    (state.json), what this run trained (the timing policy's decision in it)."""
     planned = JobSpec.from_params(state["job"]) if state else job
     segments = (state or {}).get("segments", {}).values()
     timings = (state or {}).get("timings", {})

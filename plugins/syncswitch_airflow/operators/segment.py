@@ -125,7 +125,6 @@ class SegmentOperator(BaseOperator):
                 index=self.slot,
                 protocol=self.protocol,
                 until_step=entry["until_step"],
-                handle=handle,
                 stall_seconds=job.stall_seconds,
                 poll_seconds=self.poll_seconds,
                 log_seconds=self.log_seconds,

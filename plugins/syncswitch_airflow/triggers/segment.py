@@ -32,6 +32,7 @@ and the next entry is read after that record.
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -192,7 +193,6 @@ class SegmentTrigger(BaseTrigger):
         index: int,
         protocol: str,
         until_step: float,
-        handle: Handle,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
         stall_grace_seconds: float = TRIGGER_GRACE_SECONDS,
         poll_seconds: float = 0.25,
@@ -207,7 +207,9 @@ class SegmentTrigger(BaseTrigger):
         self.index = index
         self.protocol = protocol
         self.until_step = until_step
-        self.handle = handle
+        # The cluster's handle, read from state.json when the trigger runs: an identifier in its
+        # kwargs (run_dir), not a snapshot that a later launch (a moved fork server) would outdate.
+        self.handle: Handle = {}
         self.stall_seconds = stall_seconds
         self.stall_grace_seconds = stall_grace_seconds
         self.poll_seconds = poll_seconds
@@ -226,7 +228,6 @@ class SegmentTrigger(BaseTrigger):
                 "index": self.index,
                 "protocol": self.protocol,
                 "until_step": self.until_step,
-                "handle": self.handle,
                 "stall_seconds": self.stall_seconds,
                 "stall_grace_seconds": self.stall_grace_seconds,
                 "poll_seconds": self.poll_seconds,
@@ -239,9 +240,10 @@ class SegmentTrigger(BaseTrigger):
 
     @property
     def label(self) -> str:
-        return f"run {self.handle.get('run')} segment {self.index} ({self.protocol})"
+        return f"run {posixpath.basename(self.run_dir)} segment {self.index} ({self.protocol})"
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        self.handle = await self._cluster()
         backend = get_backend(self.handle["backend"])
         metrics = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
         tail = EventTail(metrics, self.event_offsets)
@@ -283,6 +285,12 @@ class SegmentTrigger(BaseTrigger):
                     yield await self._failed(backend, reason)
                     return
             await asyncio.sleep(self.poll_seconds)
+
+    async def _cluster(self) -> Handle:
+        """The run's cluster handle from state.json, waiting out a bucket outage."""
+        while (state := await self._from_bucket(read_state, RunLayout(self.run_dir))) is None:
+            await asyncio.sleep(self.poll_seconds)
+        return state["cluster"]
 
     async def _from_bucket(self, read: Any, *args: Any) -> Any:
         """``read(*args)`` in a thread; None while the bucket stays unreachable past its retry limit
