@@ -289,7 +289,8 @@ class SegmentTrigger(BaseTrigger):
     async def _cluster(self) -> Handle:
         """The run's cluster handle from state.json, waiting out a bucket outage."""
         while (state := await self._from_bucket(read_state, RunLayout(self.run_dir))) is None:
-            await asyncio.sleep(self.poll_seconds)
+            self.log.warning("%s: no state.json readable in %s yet; waiting for it", self.label, self.run_dir)
+            await asyncio.sleep(max(self.poll_seconds, 1.0))
         return state["cluster"]
 
     async def _from_bucket(self, read: Any, *args: Any) -> Any:
