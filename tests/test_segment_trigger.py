@@ -99,8 +99,7 @@ def first_event(trigger: SegmentTrigger, timeout: float = 60.0) -> TriggerEvent:
 def trigger(layout: RunLayout, protocol: str, handle: dict[str, Any], stall_seconds: float) -> SegmentTrigger:
     """A trigger of segment 0 of a run on the cluster ``handle`` (recorded in state.json, where the
     trigger reads it)."""
-    update_state(layout, lambda s: s.update(new_state(layout, "r", JobSpec().to_params())))
-    record_cluster(layout, handle)
+    run_on_cluster(layout, handle)
     return SegmentTrigger(
         run_dir=layout.root,
         index=0,
@@ -180,14 +179,22 @@ def test_a_retry_shows_its_own_steps_not_those_of_the_try_it_replaces(
     assert {"step 1", "step 2"} & set(progress)
 
 
+def run_on_cluster(
+    layout: RunLayout, handle: dict[str, Any], plan: list[dict[str, Any]] | None = None
+) -> None:
+    """The run's state.json: on the cluster ``handle``, with ``plan`` where given."""
+    fields = {"plan": plan} if plan is not None else {}
+    update_state(layout, lambda s: s.update(new_state(layout, "r", JobSpec().to_params()), **fields))
+    record_cluster(layout, handle)
+
+
 def run_with_next_entry(layout: RunLayout, handle: dict[str, Any]) -> None:
     """A run whose plan has segment 1 after segment 0, on the cluster ``handle``."""
     plan = [
         {"index": 0, "protocol": "bsp", "until_step": 100, "origin": "plan"},
         {"index": 1, "protocol": "asp", "until_step": 400, "origin": "plan"},
     ]
-    update_state(layout, lambda s: s.update(new_state(layout, "r", JobSpec().to_params()), plan=plan))
-    record_cluster(layout, handle)
+    run_on_cluster(layout, handle, plan)
 
 
 def test_the_next_segment_is_not_launched_ahead_after_a_lost_node_or_twice(

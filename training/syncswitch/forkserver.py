@@ -353,7 +353,8 @@ class ForkServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address_for(new_dir))  # a server of that folder already runs: refused
-            os.makedirs(new_dir, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(new_dir)  # not its parents: a cluster folder torn down stays gone
         except OSError:
             listener.close()
             raise
@@ -375,10 +376,7 @@ class ForkServer:
         folder, found by the cluster's markers."""
         try:
             os.setsid()  # PR_SET_PDEATHSIG is not inherited: the standby's end is not this one's
-            log_fd = os.open(os.path.join(new_dir, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
-            os.close(log_fd)
+            _output_to(os.path.join(new_dir, LOG_FILE))
             for variable, value in markers.items():
                 rewrite_initial_env(variable, value)
             for other in list(self.leases.values()):
@@ -394,8 +392,7 @@ class ForkServer:
             write_in_own_folder(os.path.join(new_dir, PID_FILE), pid_record(os.getpid()))
             write_in_own_folder(os.path.join(new_dir, READY_FILE), self.ready)
             log(f"pid {os.getpid()} forked from the standby server (pid {os.getppid()}): serving {new_dir}")
-            lease.conn.setblocking(True)
-            lease.conn.sendall((json.dumps({"claimed": os.getpid()}) + "\n").encode())
+            self._send(lease, {"claimed": os.getpid()})
             lease.conn.close()
         except BaseException:  # noqa: BLE001 - never return into the standby's loop half-claimed
             traceback.print_exc()
@@ -482,10 +479,7 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         _prctl(PR_SET_NAME, ctypes.c_char_p(request.get("name", "node").encode()[:15]))
-        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
+        _output_to(request["log"])
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -515,6 +509,14 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _output_to(path: str) -> None:
+    """This process's stdout and stderr append to ``path`` from now on."""
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
 
 
 def free_ports(host: str, count: int) -> list[int]:

@@ -288,8 +288,13 @@ class SegmentTrigger(BaseTrigger):
 
     async def _cluster(self) -> Handle:
         """The run's cluster handle from state.json, waiting out a bucket outage."""
+        waited = False
         while (state := await self._from_bucket(read_state, RunLayout(self.run_dir))) is None:
-            self.log.warning("%s: no state.json readable in %s yet; waiting for it", self.label, self.run_dir)
+            if not waited:
+                self.log.warning(
+                    "%s: no state.json readable in %s yet; waiting for it", self.label, self.run_dir
+                )
+                waited = True
             await asyncio.sleep(max(self.poll_seconds, 1.0))
         return state["cluster"]
 
