@@ -39,12 +39,10 @@ PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def running_testbed(
-    name: str, hosts: int, prerequisites: Callable[[], str | None] = tb.ensure_prerequisites
-) -> Iterator[tb.Testbed]:
-    """A testbed of ``hosts`` hosts, up for the block and down after it; the test (or the module,
-    from a module fixture) is skipped with the reason where ``prerequisites`` says it cannot run."""
-    reason = prerequisites()
+def running_testbed(name: str, hosts: int) -> Iterator[tb.Testbed]:
+    """A testbed of ``hosts`` hosts, up for the block and down after it; the test (or the fixture's
+    scope) is skipped with the reason where the testbed cannot run here."""
+    reason = tb.ensure_prerequisites()
     if reason:
         pytest.skip(reason)
     testbed = tb.Testbed(name, hosts)
@@ -53,6 +51,39 @@ def running_testbed(
         yield testbed
     finally:
         testbed.down()
+
+
+@pytest.fixture(scope="session")
+def session_testbed() -> Iterator[tb.Testbed]:
+    """The session's one testbed: a bridge, its gateway and the SSH key, without hosts of its own.
+    Each file that needs hosts takes them on it through ``hosts_for_file``; skipped where the testbed
+    cannot run. Under xdist each worker process is a session, with a testbed of its own."""
+    with running_testbed(f"ss{os.getpid() % 100000}", 0) as bed:
+        yield bed
+    assert not [netns for netns in tb.netns_names() if netns.startswith(f"{bed.name}-")], "testbed left"
+
+
+@contextlib.contextmanager
+def hosts_for_file(
+    bed: tb.Testbed, count: int, prerequisites: Callable[[], str | None] = lambda: None
+) -> Iterator[tb.Testbed]:
+    """``count`` new hosts on the session's testbed, its only hosts until the block ends (a module
+    fixture's lifetime: pytest tears one file's module fixtures down before the next file's come up),
+    so that the file addresses them as ``bed.hosts``. Then every host goes, those the file's tests
+    added (a fake cloud's VMs) and the links they shaped with them. The file is skipped with the
+    reason where ``prerequisites`` says it cannot run."""
+    reason = prerequisites()
+    if reason:
+        pytest.skip(reason)
+    if bed.hosts:
+        raise tb.TestbedError(f"testbed {bed.name} still has hosts {[h.name for h in bed.hosts]}")
+    try:
+        for _ in range(count):
+            bed.add_host()
+        yield bed
+    finally:
+        for host in list(bed.hosts):
+            bed.remove_host(host)
 
 
 def ssh_connection(bed: tb.Testbed, host: tb.TestHost, host_key: str | None = None) -> str:

@@ -39,8 +39,8 @@ from conftest import (
     BUCKET_CONN_ENV,
     BUCKET_CONN_ID,
     GcsEmulator,
+    hosts_for_file,
     new_bucket,
-    running_testbed,
     ssh_connection,
     storage_on_gateway,
 )
@@ -56,7 +56,6 @@ from syncswitch_airflow.tools.instance import INSTANCE_ENV
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster, pytest.mark.airflow]
 
-_RUN_ID = os.getpid() % 10000
 TRAINING_ROLES = ("chief", "worker", "ps")
 PROJECT = "dist-project"
 ZONES = "us-central1-a us-central1-b"
@@ -125,11 +124,11 @@ def expected_worker(task_id: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[tb.Testbed]:
+def bed(session_testbed: tb.Testbed) -> Iterator[tb.Testbed]:
     # Two Celery workers, the training hosts, a spare machine for a replacement worker, and one more
     # host for the pool of hosts that two runs share.
     hosts = 2 + len(TRAINING_ROLES) + 1 + 1
-    with running_testbed(f"sdi{_RUN_ID}", hosts, missing_prerequisites) as testbed:
+    with hosts_for_file(session_testbed, hosts, missing_prerequisites) as testbed:
         yield testbed
 
 

@@ -20,7 +20,7 @@ import httplib2
 import paramiko
 import pytest
 import testbed as tb
-from conftest import running_testbed
+from conftest import hosts_for_file
 from fake_compute import PREEMPTED, STOCKOUT_CODE, FakeComputeEngine
 from google.api_core import exceptions
 from google.api_core.client_options import ClientOptions
@@ -38,8 +38,8 @@ OTHER_ZONE = "europe-west4-b"
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[tb.Testbed]:
-    with running_testbed(f"sfc{_RUN_ID}", 0) as testbed:  # no hosts until instances are inserted
+def bed(session_testbed: tb.Testbed) -> Iterator[tb.Testbed]:
+    with hosts_for_file(session_testbed, 0) as testbed:  # no hosts until instances are inserted
         yield testbed
     assert not _host_namespaces(testbed)
 

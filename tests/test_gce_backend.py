@@ -27,9 +27,9 @@ import testbed as tb
 from airflow_runs import DuringRun, checkpoint_step, job_checkpoint_step, wait_until_segment_ended
 from conftest import (
     ANONYMOUS_GOOGLE_CONNECTION,
+    hosts_for_file,
     new_bucket,
     offline_uv_env,
-    running_testbed,
     storage_on_gateway,
 )
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -54,12 +54,11 @@ pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
 PROJECT = "sync-fake-1"
 ZONES = "us-central1-a us-central1-b"  # the chief and worker 1 in different zones, like a zone array
-_RUN_ID = os.getpid() % 10000
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[tb.Testbed]:
-    with running_testbed(f"sgc{_RUN_ID}", 0) as testbed:  # hosts come and go with the fake's instances
+def bed(session_testbed: tb.Testbed) -> Iterator[tb.Testbed]:
+    with hosts_for_file(session_testbed, 0) as testbed:  # hosts come and go with the fake's instances
         yield testbed
 
 

@@ -36,9 +36,9 @@ from airflow_runs import (
 )
 from conftest import (
     GcsEmulator,
+    hosts_for_file,
     new_bucket,
     offline_uv_env,
-    running_testbed,
     ssh_connection,
     storage_on_gateway,
 )
@@ -65,8 +65,8 @@ ROLES = ("chief", "worker", "worker", "worker", "ps")
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[tb.Testbed]:
-    with running_testbed(f"shb{_RUN_ID}", len(ROLES)) as testbed:
+def bed(session_testbed: tb.Testbed) -> Iterator[tb.Testbed]:
+    with hosts_for_file(session_testbed, len(ROLES)) as testbed:
         yield testbed
 
 

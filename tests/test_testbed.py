@@ -20,6 +20,7 @@ import paramiko
 import pytest
 import testbed as tb
 import testbed.bed as testbed_bed
+from conftest import hosts_for_file, running_testbed
 
 pytestmark = pytest.mark.testbed
 
@@ -59,13 +60,9 @@ def prerequisites() -> None:
 
 
 @pytest.fixture(scope="module")
-def bed(prerequisites: None) -> Iterator[tb.Testbed]:
-    testbed = tb.Testbed(f"sst{_RUN_ID}", 3)
-    testbed.up()
-    try:
+def bed() -> Iterator[tb.Testbed]:
+    with running_testbed(f"sst{_RUN_ID}", 3) as testbed:
         yield testbed
-    finally:
-        testbed.down()
 
 
 def _in_host(
@@ -373,3 +370,22 @@ def test_existing_reads_a_state_without_host_records(bed: tb.Testbed) -> None:
         assert tb.Testbed.existing(bed.name).hosts == bed.hosts
     finally:
         state_path.write_text(saved)
+
+
+def test_a_files_hosts_are_the_session_testbeds_only_ones_and_go_with_the_file(
+    session_testbed: tb.Testbed, bed: tb.Testbed
+) -> None:
+    """What the files sharing the session's testbed rely on (conftest.hosts_for_file)."""
+    with pytest.raises(tb.TestbedError, match="still has hosts"), hosts_for_file(bed, 1):
+        pass
+    assert len(bed.hosts) == 3  # refused before touching them
+    with hosts_for_file(session_testbed, 2) as shared:
+        assert shared is session_testbed
+        first, second = shared.hosts
+        assert (first.name, second.name) == (f"{shared.name}-h0", f"{shared.name}-h1")
+        shared.set_profile(second, "cross-region")
+        vm = shared.add_host()  # as a fake cloud's instance becomes a host
+        sleeper = shared.popen(vm, ["sleep", "60"])
+    assert session_testbed.hosts == [] and session_testbed.links == {}
+    assert sleeper.wait(timeout=5) == -9
+    assert not [netns for netns in tb.netns_names() if netns.startswith(f"{session_testbed.name}-h")]
