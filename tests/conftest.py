@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,25 @@ def session_testbed() -> Iterator[tb.Testbed]:
     cannot run. Under xdist each worker process is a session, with a testbed of its own."""
     with running_testbed(f"ss{os.getpid() % 100000}", 0) as bed:
         yield bed
-    assert not [netns for netns in tb.netns_names() if netns.startswith(f"{bed.name}-")], "testbed left"
+    assert_testbed_gone(bed.name, bed.state_dir)
+
+
+def assert_testbed_gone(name: str, state_dir: Path) -> None:
+    """Nothing of testbed ``name`` is left: no namespace, link, iptables rule, sshd or delayer, and
+    no state directory."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [line for line in netns.splitlines() if line.startswith(f"{name}-")], netns
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert f"-{name}" not in links, links  # ssbr-<name>, ssbo-<name>, ssv-<name>-<i>, ssvo-<name>
+    rules = subprocess.run(["iptables", "-S"], capture_output=True, text=True, check=True).stdout
+    assert f"syncswitch-testbed:{name}" not in rules, rules
+    assert not find_processes(re.escape(str(state_dir))), "an sshd or delayer of the testbed still runs"
+    assert not state_dir.exists()
+
+
+def host_namespaces(bed: tb.Testbed) -> list[str]:
+    """The network namespaces of ``bed``'s hosts that exist now, by name (the outside one not)."""
+    return [name for name in tb.netns_names() if name.startswith(f"{bed.name}-h")]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import httplib2
 import paramiko
 import pytest
 import testbed as tb
-from conftest import hosts_for_file
+from conftest import host_namespaces, hosts_for_file
 from fake_compute import PREEMPTED, STOCKOUT_CODE, FakeComputeEngine
 from google.api_core import exceptions
 from google.api_core.client_options import ClientOptions
@@ -41,7 +41,7 @@ OTHER_ZONE = "europe-west4-b"
 def bed(session_testbed: tb.Testbed) -> Iterator[tb.Testbed]:
     with hosts_for_file(session_testbed, 0) as testbed:  # no hosts until instances are inserted
         yield testbed
-    assert not _host_namespaces(testbed)
+    assert not host_namespaces(testbed)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def fake(bed: tb.Testbed) -> Iterator[FakeComputeEngine]:
         finally:
             _remove_hosts(engine, bed)
     assert bed.hosts == []
-    assert not _host_namespaces(bed)
+    assert not host_namespaces(bed)
 
 
 @pytest.fixture
@@ -101,10 +101,6 @@ def _remove_hosts(engine: FakeComputeEngine, bed: tb.Testbed) -> None:
         host = engine.host(name, zone=instance["zone"].rsplit("/", 1)[1])
         if host is not None:
             bed.remove_host(host)
-
-
-def _host_namespaces(bed: tb.Testbed) -> list[str]:
-    return [name for name in tb.netns_names() if name.startswith(f"{bed.name}-h")]
 
 
 def _instance(
@@ -293,7 +289,7 @@ def test_a_preempted_spot_instance_is_terminated_or_deleted(
     fake.preempt("spot-stop")
     fake.preempt("spot-delete")
     assert sleeper.wait(timeout=5) == -9
-    assert stop_host.name not in _host_namespaces(bed) and delete_host.name not in _host_namespaces(bed)
+    assert stop_host.name not in host_namespaces(bed) and delete_host.name not in host_namespaces(bed)
     stopped = clients.instances.get(project=PROJECT, zone=ZONE, instance="spot-stop")
     assert stopped.status == "TERMINATED"
     assert stopped.scheduling.instance_termination_action == "STOP"
@@ -392,11 +388,11 @@ def test_guest_attributes_publish_the_hosts_ssh_host_key_where_the_metadata_enab
 def test_delete_removes_the_host(fake: FakeComputeEngine, clients: Clients, bed: tb.Testbed) -> None:
     _insert(clients, _instance("doomed"))
     host = fake.host("doomed")
-    assert host is not None and host.name in _host_namespaces(bed)
+    assert host is not None and host.name in host_namespaces(bed)
     operation = clients.instances.delete(project=PROJECT, zone=ZONE, instance="doomed")
     done = _wait_done(clients, operation)
     assert done.operation_type == "delete"
-    assert host.name not in _host_namespaces(bed) and host not in bed.hosts
+    assert host.name not in host_namespaces(bed) and host not in bed.hosts
     with pytest.raises(exceptions.NotFound):
         clients.instances.get(project=PROJECT, zone=ZONE, instance="doomed")
     with pytest.raises(exceptions.NotFound):
@@ -466,7 +462,7 @@ def test_pending_operations_read_done_from_the_next_get(bed: tb.Testbed) -> None
             assert waited.status == compute_v1.Operation.Status.DONE
         finally:
             _remove_hosts(engine, bed)
-    assert not _host_namespaces(bed)
+    assert not host_namespaces(bed)
 
 
 def test_concurrent_inserts_and_deletes_get_hosts_of_their_own(
@@ -489,7 +485,7 @@ def test_concurrent_inserts_and_deletes_get_hosts_of_their_own(
 
     with ThreadPoolExecutor(len(names)) as pool:
         list(pool.map(delete, names))
-    assert fake.instances() == {} and bed.hosts == [] and not _host_namespaces(bed)
+    assert fake.instances() == {} and bed.hosts == [] and not host_namespaces(bed)
     assert all(record["ended_at"] is not None for record in fake.records())
 
 

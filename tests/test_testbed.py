@@ -20,7 +20,7 @@ import paramiko
 import pytest
 import testbed as tb
 import testbed.bed as testbed_bed
-from conftest import hosts_for_file, running_testbed
+from conftest import assert_testbed_gone, host_namespaces, hosts_for_file, running_testbed
 
 pytestmark = pytest.mark.testbed
 
@@ -93,34 +93,7 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _live_processes_matching(text: str) -> list[int]:
-    """Live (not zombie) processes whose command line contains text."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry))
-    return found
-
-
-def _assert_nothing_left(name: str, state_dir: Path) -> None:
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    assert not [line for line in netns.splitlines() if line.startswith(f"{name}-")], netns
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    assert f"-{name}" not in links, links  # ssbr-<name>, ssbo-<name>, ssv-<name>-<i>, ssvo-<name>
-    rules = subprocess.run(["iptables", "-S"], capture_output=True, text=True, check=True).stdout
-    assert f"syncswitch-testbed:{name}" not in rules, rules
-    assert not _live_processes_matching(str(state_dir)), "an sshd or delayer of the testbed still runs"
-    assert not state_dir.exists()
-
-
-# ----- the shared testbed
+# ----- the file's testbed
 
 
 def test_hosts_are_reachable_from_this_machine_and_from_each_other(bed: tb.Testbed) -> None:
@@ -254,7 +227,7 @@ def test_down_leaves_nothing_behind(prerequisites: None) -> None:
         assert tb.Testbed.existing(testbed.name).hosts == testbed.hosts
     finally:
         testbed.down()
-    _assert_nothing_left(testbed.name, testbed.state_dir)
+    assert_testbed_gone(testbed.name, testbed.state_dir)
 
 
 def test_a_second_up_of_the_same_name_fails_without_harming_the_first(prerequisites: None) -> None:
@@ -280,7 +253,7 @@ def test_force_down_cleans_a_testbed_whose_state_is_lost(prerequisites: None) ->
             tb.Testbed.existing(testbed.name)
         cli = [sys.executable, "-m", "testbed", "down", "--name", testbed.name, "--force"]
         subprocess.run(cli, check=True, capture_output=True, timeout=60)
-        _assert_nothing_left(testbed.name, testbed.state_dir)
+        assert_testbed_gone(testbed.name, testbed.state_dir)
     finally:
         testbed.down()
 
@@ -296,7 +269,7 @@ def test_a_failed_up_removes_what_it_created(prerequisites: None, monkeypatch: p
     monkeypatch.setattr(testbed_bed, "start_sshd", fail_after_the_first_sshd)
     with pytest.raises(tb.TestbedError, match="simulated failure"):
         testbed.up()
-    _assert_nothing_left(testbed.name, testbed.state_dir)
+    assert_testbed_gone(testbed.name, testbed.state_dir)
 
 
 # ----- hosts added and removed while up
@@ -356,7 +329,7 @@ def test_hosts_can_be_added_and_removed_while_up(prerequisites: None, tmp_path: 
         assert testbed.host_count == 3
     finally:
         testbed.down()
-    _assert_nothing_left(testbed.name, testbed.state_dir)
+    assert_testbed_gone(testbed.name, testbed.state_dir)
 
 
 def test_existing_reads_a_state_without_host_records(bed: tb.Testbed) -> None:
@@ -388,4 +361,4 @@ def test_a_files_hosts_are_the_session_testbeds_only_ones_and_go_with_the_file(
         sleeper = shared.popen(vm, ["sleep", "60"])
     assert session_testbed.hosts == [] and session_testbed.links == {}
     assert sleeper.wait(timeout=5) == -9
-    assert not [netns for netns in tb.netns_names() if netns.startswith(f"{session_testbed.name}-h")]
+    assert not host_namespaces(session_testbed)
