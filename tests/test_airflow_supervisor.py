@@ -187,6 +187,55 @@ def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: p
     assert "/api/v2/dags/sync_switch" in _SlowFirstLook.looks
 
 
+class _KilledMidMark(http.server.BaseHTTPRequestHandler):
+    """Airflow's REST API as the supervisor's kill of a hung api-server leaves it: the first "mark
+    run failed" request is cut off without an answer, then the restarted api-server serves; the run
+    has ended, every task finished."""
+
+    requests: list[str] = []
+
+    def do_PATCH(self) -> None:  # noqa: N802 - http.server's name
+        self.requests.append(f"PATCH {self.path}")
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.requests.count(f"PATCH {self.path}") == 1:
+            self.close_connection = True  # no answer: the client sees RemoteDisconnected
+            return
+        self._answer({"state": "failed"})
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.requests.append(f"GET {self.path}")
+        ended = {"task_instances": [{"task_id": "teardown_cluster", "state": "success"}]}
+        self._answer(ended if "/taskInstances" in self.path else {"state": "failed"})
+
+    def _answer(self, body: dict) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_failing_a_run_rides_out_an_api_server_killed_mid_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen in the suite: a sweep's Ctrl-C came as the supervisor killed a hung api-server, and the
+    # mark's RemoteDisconnected ended the command with a traceback, the run left going.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KilledMidMark)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = airflow_api.AirflowApi(f"http://127.0.0.1:{server.server_port}", "u", "p")
+        monkeypatch.setattr(api, "token", lambda: "token")
+        assert api.fail_run("sync_switch", "r1", teardown_seconds=30, poll_seconds=0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    mark = "PATCH /api/v2/dags/sync_switch/dagRuns/r1"
+    assert _KilledMidMark.requests[:2] == [mark, mark], _KilledMidMark.requests
+    assert "GET /api/v2/dags/sync_switch/dagRuns/r1/taskInstances?limit=1000" in _KilledMidMark.requests
+
+
 def test_the_hung_limit_doubles_with_each_recent_kill_up_to_its_growth() -> None:
     """A live api-server on a machine so loaded that it goes the limit without answering is killed
     once; killed again at once after each restart, it would never serve (the suite saw four kills in

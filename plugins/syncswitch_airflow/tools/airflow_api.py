@@ -13,7 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 TERMINAL_RUN_STATES = ("success", "failed")
 # Task instance states after which a task of a run ends and will not run again.
@@ -23,6 +23,7 @@ BACKFILL_ATTEMPTS = 4
 BACKFILL_RETRY_SECONDS = 5.0
 # An api-server may not answer for a while (a supervisor restarting it); waits tolerate this long.
 _API_UNAVAILABLE_GRACE_S = 120.0
+_T = TypeVar("_T")
 
 
 class AirflowError(RuntimeError):
@@ -40,8 +41,9 @@ class TriggerRejected(AirflowError):
 class AirflowApi:
     """The REST API at ``url`` as ``username``; a JWT is fetched on first use and again when it expires.
 
-    ``check_alive`` is called on every poll of :meth:`wait`: it raises when the Airflow behind the
-    API is gone for good (not merely restarting its api-server), so a wait ends instead of timing out.
+    ``check_alive`` is called on every poll of :meth:`wait` and :meth:`fail_run`: it raises when the
+    Airflow behind the API is gone for good (not merely restarting its api-server), so a wait ends
+    instead of timing out.
     """
 
     def __init__(
@@ -244,13 +246,13 @@ class AirflowApi:
         """Fail the run by hand and wait until it has ended, and every task of it: Airflow runs its
         teardown tasks after the mark, and a cluster must not outlive its run. Whether it did within
         ``teardown_seconds``."""
-        self.mark_failed(dag_id, run_id)
+        # A Ctrl-C during an api-server restart must still stop the run: the mark and the polls wait
+        # for the API as wait() does. Marking again after a reset is harmless (the state is the same).
+        self._answered(lambda: self.mark_failed(dag_id, run_id), poll_seconds)
         deadline = time.monotonic() + teardown_seconds
         while time.monotonic() < deadline:
-            ended = self.run_state(dag_id, run_id) in TERMINAL_RUN_STATES
-            if ended and all(
-                state in FINISHED_TASK_STATES for state in self.task_states(dag_id, run_id).values()
-            ):
+            state, tasks = self._answered(lambda: self._run_and_tasks(dag_id, run_id), poll_seconds)
+            if state in TERMINAL_RUN_STATES and all(task in FINISHED_TASK_STATES for task in tasks.values()):
                 return True
             time.sleep(poll_seconds)
         return False
@@ -268,13 +270,28 @@ class AirflowApi:
         An api-server that does not answer for a while (the supervisor is restarting it) is waited
         for; AirflowGone when the instance itself is gone."""
         deadline = time.monotonic() + timeout
+        while True:
+            state, tasks = self._answered(lambda: self._run_and_tasks(dag_id, run_id), poll_seconds)
+            if on_poll is not None:
+                on_poll(state, tasks)
+            if state in TERMINAL_RUN_STATES:
+                return state
+            if time.monotonic() >= deadline:
+                raise AirflowError(f"run {run_id} still {state} after {timeout:.0f} s")
+            time.sleep(poll_seconds)
+
+    def _run_and_tasks(self, dag_id: str, run_id: str) -> tuple[str, dict[str, str | None]]:
+        return self.run_state(dag_id, run_id), self.task_states(dag_id, run_id)
+
+    def _answered(self, call: Callable[[], _T], poll_seconds: float) -> _T:
+        """``call()``, tried again while the API does not answer (refused or reset: the api-server
+        restarts; a 5xx: its database restarts or fails over) for up to _API_UNAVAILABLE_GRACE_S;
+        AirflowError after that, AirflowGone (from ``check_alive``) when the instance itself is gone."""
         unanswered_since: float | None = None
         while True:
             self._check_alive()
             try:
-                state = self.run_state(dag_id, run_id)
-                tasks = self.task_states(dag_id, run_id)
-            # Refused or reset: the api-server restarts; a 5xx: its database restarts (or fails over).
+                result = call()
             except (OSError, AirflowUnavailable) as exc:
                 now = time.monotonic()
                 if unanswered_since is None:
@@ -287,14 +304,7 @@ class AirflowApi:
                 continue
             if unanswered_since is not None:
                 self._log.info("the Airflow API answers again")
-                unanswered_since = None
-            if on_poll is not None:
-                on_poll(state, tasks)
-            if state in TERMINAL_RUN_STATES:
-                return state
-            if time.monotonic() >= deadline:
-                raise AirflowError(f"run {run_id} still {state} after {timeout:.0f} s")
-            time.sleep(poll_seconds)
+            return result
 
     def get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
         status, body = self.request("GET", path, auth=auth)
