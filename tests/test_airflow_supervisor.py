@@ -147,6 +147,16 @@ def test_the_hung_api_server_limit_is_a_positive_number_of_seconds(raw: str, lim
     assert hung_seconds({HUNG_SECONDS_ENV: raw} if raw else {}) == limit
 
 
+def _answer_json(handler: http.server.BaseHTTPRequestHandler, body: dict) -> None:
+    """A 200 with ``body`` as JSON, as Airflow's REST API answers."""
+    raw = json.dumps(body).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
+
+
 class _SlowFirstLook(http.server.BaseHTTPRequestHandler):
     """Airflow's REST API as a loaded api-server just after its start serves it: the first look at
     the import errors comes after the client's timeout, then every answer comes at once."""
@@ -158,12 +168,7 @@ class _SlowFirstLook(http.server.BaseHTTPRequestHandler):
         if self.path.startswith("/api/v2/importErrors") and len(self.looks) == 1:
             time.sleep(1.5)
         body = {"import_errors": []} if "importErrors" in self.path else {"dag_id": "sync_switch"}
-        raw = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        _answer_json(self, body)
 
     def log_message(self, *_args: object) -> None:
         pass
@@ -200,20 +205,12 @@ class _KilledMidMark(http.server.BaseHTTPRequestHandler):
         if self.requests.count(f"PATCH {self.path}") == 1:
             self.close_connection = True  # no answer: the client sees RemoteDisconnected
             return
-        self._answer({"state": "failed"})
+        _answer_json(self, {"state": "failed"})
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self.requests.append(f"GET {self.path}")
         ended = {"task_instances": [{"task_id": "teardown_cluster", "state": "success"}]}
-        self._answer(ended if "/taskInstances" in self.path else {"state": "failed"})
-
-    def _answer(self, body: dict) -> None:
-        raw = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        _answer_json(self, ended if "/taskInstances" in self.path else {"state": "failed"})
 
     def log_message(self, *_args: object) -> None:
         pass
