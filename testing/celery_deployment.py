@@ -52,7 +52,7 @@ from typing import Any
 import testbed as tb
 import wheels
 from background import Poller
-from gcs_emulator import GcsEmulator, free_port
+from gcs_emulator import GcsEmulator, free_port, free_ports
 from syncswitch import procs, storage
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
@@ -216,7 +216,7 @@ class CeleryDeployment:
         self.bed, self.storage = bed, storage
         self.worker_hosts = list(bed.hosts[:workers])
         self.gateway = bed.gateway
-        self.pg_port, self.redis_port, self.api_port = (free_port() for _ in range(3))
+        self.pg_port, self.redis_port, self.api_port = free_ports(3)
         self.password = secrets.token_hex(16)
         self.fernet_key = _fernet_key()
         self.extra_settings = dict(settings or {})

@@ -8,6 +8,7 @@ benchmarks and the distributed deployment (testing/celery_deployment.py).
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import socket
 import subprocess
@@ -38,9 +39,19 @@ def fake_gcs_server_binary() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports. Each socket stays bound until all are picked: one at a time, the
+    kernel may hand the same port out twice (it did: PostgreSQL and Redis both given 50377)."""
+    with contextlib.ExitStack() as sockets:
+        bound = [
+            sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)
+        ]
+        for sock in bound:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in bound]
 
 
 def _wait_until_answering(proc: subprocess.Popen, url: str, log_path: Path) -> None:
