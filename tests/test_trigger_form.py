@@ -7,11 +7,13 @@ message naming the field, and no run is created.
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 
 import pytest
 from airflow_runs import DAG_ID, wait_run
 from proc_utils import wait_for
+from syncswitch_airflow.tools.boot import wait_healthy
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
 
@@ -28,6 +30,10 @@ pytestmark = [
 def page(embedded_airflow: EmbeddedAirflow) -> Iterator:  # noqa: ANN201 - playwright Page
     from playwright.sync_api import sync_playwright
 
+    # The supervisor may be restarting the api-server (after an earlier test's kill, or its own kill
+    # of one that hung): the browser's first page load would be refused while uvicorn is not
+    # listening yet (it was, once, 8 s after such a restart).
+    wait_healthy(embedded_airflow, time.monotonic() + 180)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
