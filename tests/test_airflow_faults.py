@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,13 @@ from airflow_runs import (
 from proc_utils import assert_no_processes, environ, wait_for
 from syncswitch import checkpoints, procs, storage
 from syncswitch.events import read_events
+from syncswitch.layout import RunLayout
 from syncswitch_airflow import history
 from syncswitch_airflow.backends.base import CLUSTER_ENV
+from syncswitch_airflow.tools.airflow_api import AirflowApi
 from syncswitch_airflow.tools.airflow_supervisor import PROBE_SECONDS, hung_seconds
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 
@@ -94,7 +98,8 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     """While a run trains, the api-server hangs (SIGSTOP: alive, its port open, no answers) and
     meanwhile the triggerer and then the scheduler are SIGKILLed. The supervisor restarts each, the
     hung one once its health probe has gone unanswered for the limit (20 s in the test session); the
-    run's tasks and this test's client wait for it. The run succeeds with each segment started once."""
+    run's tasks and this test's client wait for it. The run succeeds with each segment started once.
+    A second client that logs in and triggers a run while the api-server hangs gets its run, once."""
     airflow = embedded_airflow
     # The faults come during BSP's 800 steps; the ASP segment after them only has to run once.
     run_id, layout = trigger(airflow, job(tmp_path, "kills", train_steps=[BSP_STEPS, 200]))
@@ -103,6 +108,10 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
 
     api_server = component_pid(airflow, "api-server")
     os.kill(api_server, signal.SIGSTOP)
+    # Queued behind the training run (one active run); an unregistered model then fails its validate.
+    late_conf = {"job_name": "kills-late", "bucket_dir": str(tmp_path / "runs"), "model": "no_such_model"}
+    late_client = AirflowApi(lambda: airflow.url, ADMIN_USER, ADMIN_PASSWORD)
+    late_trigger = ThreadPoolExecutor(max_workers=1).submit(late_client.trigger, DAG_ID, late_conf)
     kill_component(airflow, "triggerer")
     # Training goes on under the new triggerer, unless the segment's 800 steps were done already
     # (a fast machine runs them during the restart): the final step and segment starts below tell.
@@ -117,6 +126,8 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     limit = hung_seconds(os.environ)  # the session's instance has the environment of this process
     wait_for_restart(airflow, "api-server", api_server, timeout=limit + 2 * PROBE_SECONDS + 60)
     assert "killing it (hung)" in airflow.log_path.read_text()
+    late = late_trigger.result(timeout=150)
+    assert [r["dag_run_id"] for r in airflow.api.dag_runs(DAG_ID) if r["conf"] == late_conf] == [late]
 
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
@@ -126,6 +137,7 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     exits = [restarts[name]["last_exit"] for name in ("triggerer", "scheduler", "api-server")]
     assert exits == [-signal.SIGKILL] * 3, restarts
     assert_no_processes(r"/kills-", timeout=30)
+    assert wait_run(airflow, late) == "failed"  # (before the clear below, which it would hold up)
 
     # "Clear" of a finished segment: Airflow reruns it (and its setup and teardown), and it finds
     # its result instead of training again.
@@ -229,7 +241,9 @@ def test_a_run_marked_failed_as_a_whole_ends_failed_torn_down_running_or_queued(
 
     airflow.api.pause(DAG_ID)  # its new runs stay queued
     try:
-        queued, queued_layout = trigger(airflow, job(tmp_path, "markqueued"))
+        conf = job(tmp_path, "markqueued")
+        queued = airflow.api.trigger(DAG_ID, conf, unpause=False)
+        queued_layout = RunLayout.for_run(conf["bucket_dir"], conf["job_name"], queued)
         assert airflow.api.run_state(DAG_ID, queued) == "queued"
         airflow.api.mark_failed(DAG_ID, queued)
     finally:

@@ -8,18 +8,22 @@ fixture stops it at the end of the session and checks the process table.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import pytest
 from airflow_runs import LocalSegmentNodes, segment_starts, task_log
 from proc_utils import ProgressThrottle, assert_no_processes, wait_for
 from syncswitch.layout import RunLayout
-from syncswitch_airflow.tools.airflow_api import AirflowError, TriggerRejected
+from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError, TriggerRejected
 from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
@@ -99,6 +103,73 @@ def test_rest_trigger_with_invalid_conf_is_rejected_naming_the_param(
         airflow.api.trigger("sync_switch", {**conf, "bucket_dir": str(runs)})
     assert param in str(rejected.value)
     assert not runs.exists()  # no run was created, so nothing wrote a run folder
+
+
+class AnswerDropper:
+    """A TCP proxy in front of an HTTP server that passes every request on and relays every answer
+    but one: the first answer to a request whose first line starts with ``drop``, which it reads and
+    throws away, closing the client's connection, as a network that fails after the server acted."""
+
+    def __init__(self, upstream: str, drop: bytes) -> None:
+        self.upstream = urlsplit(upstream)
+        self.drop = drop
+        self.dropped = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                client, _ = self.listener.accept()
+                threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        with client, socket.create_connection((self.upstream.hostname, self.upstream.port)) as server:
+            request = self._read_request(client)
+            server.sendall(request)  # urllib asks for "Connection: close": the answer ends the stream
+            answer = b"".join(iter(lambda: server.recv(65536), b""))
+            if request.startswith(self.drop) and not self.dropped:
+                self.dropped += 1
+                return
+            client.sendall(answer)
+
+    @staticmethod
+    def _read_request(client: socket.socket) -> bytes:
+        """One whole request: its head, then as many bytes of body as its Content-Length says."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += client.recv(65536)
+        body_at = data.index(b"\r\n\r\n") + 4
+        fields = data[:body_at].decode("latin-1").lower().splitlines()
+        length = next((int(f.split(":", 1)[1]) for f in fields if f.startswith("content-length:")), 0)
+        while len(data) - body_at < length:
+            data += client.recv(65536)
+        return data
+
+
+def test_a_trigger_whose_answer_was_lost_finds_the_run_it_started(
+    airflow: EmbeddedAirflow, tmp_path: Path
+) -> None:
+    """The trigger's POST creates the run but its answer never arrives: the client tries again with
+    the same run id, is told that id exists, finds its own conf there, and returns that run. One run,
+    not two (a retry that started a second run would train the job twice)."""
+    proxy = AnswerDropper(airflow.url, drop=b"POST /api/v2/dags/sync_switch/dagRuns ")
+    try:
+        api = AirflowApi(proxy.url, ADMIN_USER, ADMIN_PASSWORD)
+        # An unregistered model passes the form and fails the run's validate task: nothing provisioned.
+        conf = {"job_name": "lost-answer", "bucket_dir": str(tmp_path / "runs"), "model": "no_such_model"}
+        run_id = api.trigger("sync_switch", conf)
+    finally:
+        proxy.close()
+    assert proxy.dropped == 1
+    runs = [r["dag_run_id"] for r in airflow.api.dag_runs("sync_switch") if r["conf"] == conf]
+    assert runs == [run_id]
+    assert airflow.api.wait("sync_switch", run_id, timeout=300) == "failed"
+    assert airflow.api.task_states("sync_switch", run_id)["validate"] == "failed"
 
 
 def syncswitch_run(

@@ -1,6 +1,11 @@
 """A client of one Airflow's REST API (``/api/v2``), logged in as one user: DAG runs, task instances,
 backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.tools.embedded`` owns the
 processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``).
+
+Every call but the boot-time probes (``health``, ``import_errors``: their callers poll) rides out an
+api-server that does not answer for a while (a supervisor restarting a hung one, a database failing
+over): it tries again for up to two minutes. A trigger is retried too: its run id is its own, so a
+retry that finds that id taken with this conf has found the run its lost first try started.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 TERMINAL_RUN_STATES = ("success", "failed")
 # Task instance states after which a task of a run ends and will not run again.
@@ -23,6 +28,7 @@ BACKFILL_ATTEMPTS = 4
 BACKFILL_RETRY_SECONDS = 5.0
 # An api-server may not answer for a while (a supervisor restarting it); waits tolerate this long.
 _API_UNAVAILABLE_GRACE_S = 120.0
+_API_RETRY_SECONDS = 2.0
 _T = TypeVar("_T")
 
 
@@ -31,7 +37,8 @@ class AirflowError(RuntimeError):
 
 
 class AirflowUnavailable(AirflowError):
-    """The api-server answered 5xx: it is up but cannot serve now (its database restarts)."""
+    """The api-server answered 5xx (it is up but cannot serve now: its database restarts), or did not
+    answer at all for longer than a call waits."""
 
 
 class TriggerRejected(AirflowError):
@@ -41,9 +48,9 @@ class TriggerRejected(AirflowError):
 class AirflowApi:
     """The REST API at ``url`` as ``username``; a JWT is fetched on first use and again when it expires.
 
-    ``check_alive`` is called on every poll of :meth:`wait` and :meth:`fail_run`: it raises when the
-    Airflow behind the API is gone for good (not merely restarting its api-server), so a wait ends
-    instead of timing out.
+    ``check_alive`` is called before every try of a call: it raises when the Airflow behind the API
+    is gone for good (not merely restarting its api-server), so a call ends instead of waiting out
+    its grace.
     """
 
     def __init__(
@@ -76,17 +83,17 @@ class AirflowApi:
                 "POST", "/auth/token", {"username": self._username, "password": self._password}, auth=False
             )
             if status not in (200, 201):
-                raise AirflowError(f"POST /auth/token answered {status}: {body}")
+                _raise_for(status, f"POST /auth/token answered {status}: {_error_text(body)}")
             self._token = body["access_token"]
         return self._token
 
     def health(self) -> dict[str, Any]:
-        """Every component's status (``/api/v2/monitor/health``; no login needed)."""
-        return self.get_json("/api/v2/monitor/health", auth=False)
+        """Every component's status (``/api/v2/monitor/health``; no login needed). One try."""
+        return self._get_once("/api/v2/monitor/health", auth=False)
 
     def import_errors(self) -> list[dict[str, Any]]:
-        """The DAG files that do not import, with their tracebacks."""
-        return self.get_json("/api/v2/importErrors?limit=100").get("import_errors", [])
+        """The DAG files that do not import, with their tracebacks. One try."""
+        return self._get_once("/api/v2/importErrors?limit=100").get("import_errors", [])
 
     def unpause(self, dag_id: str) -> None:
         self.set_paused(dag_id, False)
@@ -95,13 +102,19 @@ class AirflowApi:
         self.set_paused(dag_id, True)
 
     def set_paused(self, dag_id: str, paused: bool) -> None:
-        status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": paused})
-        if status != 200:
-            raise AirflowError(f"{'pausing' if paused else 'unpausing'} {dag_id} answered {status}: {body}")
+        def patch() -> None:
+            status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": paused})
+            if status != 200:
+                what = "pausing" if paused else "unpausing"
+                _raise_for(status, f"{what} {dag_id} answered {status}: {_error_text(body)}")
 
-    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
-        """Unpause ``dag_id`` and start a run with ``conf``; returns the run id."""
-        self.unpause(dag_id)
+        self._answered(patch)
+
+    def trigger(self, dag_id: str, conf: dict[str, Any], unpause: bool = True) -> str:
+        """Unpause ``dag_id`` (unless told not to: a paused DAG's run stays queued) and start a run
+        with ``conf``; returns the run id."""
+        if unpause:
+            self.unpause(dag_id)
         # Due at once: the scheduler starts a run once run_after <= the database's now(), which
         # SQLite compares as text in whole seconds ("12:00:03" < "12:00:03.000000"), so Airflow's
         # default (now, with microseconds) made every run wait for the next second or two. The
@@ -115,14 +128,24 @@ class AirflowApi:
             "run_after": due.isoformat(),
             "conf": conf,
         }
+        run_id = self._answered(lambda: self._post_run(dag_id, request))
+        self._log.info("triggered %s run %s", dag_id, run_id)
+        return run_id
+
+    def _post_run(self, dag_id: str, request: dict[str, Any]) -> str:
+        """One try of a trigger. A 409 for its own run id with its own conf means that an earlier try
+        got in and only its answer was lost (a timeout, a restart): that run is the one asked for."""
         status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/dagRuns", request)
         if status in (400, 422):
             raise TriggerRejected(_error_text(body))
+        if status == 409:
+            found = self._get_once(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(request['dag_run_id'])}")
+            if found.get("conf") == request["conf"]:
+                self._log.info("run %s of %s was started by an earlier try", found["dag_run_id"], dag_id)
+                return found["dag_run_id"]
         if status != 200:
-            raise AirflowError(f"triggering {dag_id} answered {status}: {_error_text(body)}")
-        run_id = body["dag_run_id"]
-        self._log.info("triggered %s run %s", dag_id, run_id)
-        return run_id
+            _raise_for(status, f"triggering {dag_id} answered {status}: {_error_text(body)}")
+        return body["dag_run_id"]
 
     def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
         """One run's record: state, conf, and Airflow's own timestamps (queued_at, start_date, end_date)."""
@@ -237,7 +260,7 @@ class AirflowApi:
             "PATCH", f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}", {"state": "failed"}
         )
         if status != 200:
-            raise AirflowError(f"marking {run_id} failed answered {status}: {body}")
+            _raise_for(status, f"marking {run_id} failed answered {status}: {_error_text(body)}")
         self._log.info("marked %s run %s failed", dag_id, run_id)
 
     def fail_run(
@@ -247,11 +270,11 @@ class AirflowApi:
         teardown tasks after the mark, and a cluster must not outlive its run. Whether it did within
         ``teardown_seconds``."""
         # A Ctrl-C during an api-server restart must still stop the run: the mark and the polls wait
-        # for the API as wait() does. Marking again after a reset is harmless (the state is the same).
-        self._answered(lambda: self.mark_failed(dag_id, run_id), poll_seconds)
+        # for the API. Marking again after a reset is harmless (the state is the same).
+        self._answered(lambda: self.mark_failed(dag_id, run_id))
         deadline = time.monotonic() + teardown_seconds
         while time.monotonic() < deadline:
-            state, tasks = self._answered(lambda: self._run_and_tasks(dag_id, run_id), poll_seconds)
+            state, tasks = self._run_and_tasks(dag_id, run_id)
             if state in TERMINAL_RUN_STATES and all(task in FINISHED_TASK_STATES for task in tasks.values()):
                 return True
             time.sleep(poll_seconds)
@@ -271,7 +294,7 @@ class AirflowApi:
         for; AirflowGone when the instance itself is gone."""
         deadline = time.monotonic() + timeout
         while True:
-            state, tasks = self._answered(lambda: self._run_and_tasks(dag_id, run_id), poll_seconds)
+            state, tasks = self._run_and_tasks(dag_id, run_id)
             if on_poll is not None:
                 on_poll(state, tasks)
             if state in TERMINAL_RUN_STATES:
@@ -283,10 +306,11 @@ class AirflowApi:
     def _run_and_tasks(self, dag_id: str, run_id: str) -> tuple[str, dict[str, str | None]]:
         return self.run_state(dag_id, run_id), self.task_states(dag_id, run_id)
 
-    def _answered(self, call: Callable[[], _T], poll_seconds: float) -> _T:
-        """``call()``, tried again while the API does not answer (refused or reset: the api-server
-        restarts; a 5xx: its database restarts or fails over) for up to _API_UNAVAILABLE_GRACE_S;
-        AirflowError after that, AirflowGone (from ``check_alive``) when the instance itself is gone."""
+    def _answered(self, call: Callable[[], _T], poll_seconds: float = _API_RETRY_SECONDS) -> _T:
+        """``call()``, tried again while the API does not answer (refused, reset or timed out: the
+        api-server restarts or hangs; a 5xx: its database restarts or fails over) for up to
+        _API_UNAVAILABLE_GRACE_S; AirflowUnavailable after that, AirflowGone (from ``check_alive``)
+        when the instance itself is gone. ``call`` must be safe to repeat."""
         unanswered_since: float | None = None
         while True:
             self._check_alive()
@@ -299,7 +323,7 @@ class AirflowApi:
                     self._log.info("the Airflow API does not answer (%s); waiting for it", exc)
                 elif now - unanswered_since > _API_UNAVAILABLE_GRACE_S:
                     waited = now - unanswered_since
-                    raise AirflowError(f"the Airflow API did not answer for {waited:.0f} s") from exc
+                    raise AirflowUnavailable(f"the Airflow API did not answer for {waited:.0f} s") from exc
                 time.sleep(poll_seconds)
                 continue
             if unanswered_since is not None:
@@ -307,11 +331,14 @@ class AirflowApi:
             return result
 
     def get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
+        """``GET path``'s JSON body, waiting for an api-server that does not answer (``_answered``);
+        AirflowError for any other answer but 200 (a 404: no such run)."""
+        return self._answered(lambda: self._get_once(path, auth))
+
+    def _get_once(self, path: str, auth: bool = True) -> dict[str, Any]:
         status, body = self.request("GET", path, auth=auth)
-        if status >= 500:
-            raise AirflowUnavailable(f"GET {path} answered {status}: {_error_text(body)}")
         if status != 200:
-            raise AirflowError(f"GET {path} answered {status}: {_error_text(body)}")
+            _raise_for(status, f"GET {path} answered {status}: {_error_text(body)}")
         return body
 
     def request(
@@ -337,6 +364,11 @@ class AirflowApi:
                 return response.status, _decode(response.read())
         except urllib.error.HTTPError as exc:
             return exc.code, _decode(exc.read())
+
+
+def _raise_for(status: int, message: str) -> NoReturn:
+    """AirflowUnavailable for a 5xx (worth another try), AirflowError for any other refusal."""
+    raise (AirflowUnavailable if status >= 500 else AirflowError)(message)
 
 
 def quote(part: str) -> str:
