@@ -203,8 +203,9 @@ def test_a_pinned_host_key_travels_with_the_host_spec() -> None:
 
 
 def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_host(
-    bed: tb.Testbed, bucket: str, work_root: Path, tmp_path: Path
+    bed: tb.Testbed, bucket: str, work_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="syncswitch_airflow.backends.hosts")
     backend = HostsBackend()
     layout = RunLayout.for_run(bucket, "hosts", "provision-failures")
     good = host_params(bed)[:2]
@@ -241,6 +242,8 @@ def test_an_unreachable_host_or_a_refused_login_fails_provisioning_naming_the_ho
     with pytest.raises(ClusterError, match=differ):
         backend.provision(job(bed, bucket, hosts=[unpinned, good[1]], num_workers=1), layout)
 
+    # Every host was checked before any fork server started: the good hosts imported nothing.
+    assert not [r for r in caplog.records if "fork server starting" in r.getMessage()]
     # Failed provisioning left nothing behind and gave its cluster slot back.
     assert_hosts_clean(bed)
     assert backend.capacity().holders() == []

@@ -21,9 +21,10 @@ folder, the capacity lease (with the hosts it holds) in the deployment's ledger 
 
 **provision** takes the lease (no host is in two clusters; with ``hosts_per_cluster`` the job's
 hosts are a pool, and the lease takes that many free ones), logs into every host (in parallel),
-writes the token and starts the host's fork server
-(TensorFlow imported once per host), and waits until each listens. An unreachable host or a failed
-login fails provisioning, naming the host and the reason. **launch_segment** starts ``syncswitch
+writes the token and checks the host's runtime, and only then starts each host's fork server
+(TensorFlow imported once per host) and waits until each listens. An unreachable host, a failed
+login or a runtime of other versions fails provisioning before any server starts, naming the host
+and the reason. **launch_segment** starts ``syncswitch
 train --cluster`` on the chief host, detached under ``syncswitch.supervise`` (an Airflow worker
 restart does not touch it); the launcher forks every node through its host's fork server, whose
 lease kills the node if the launcher goes. **segment_status**, **stop_segment** and **teardown** run
@@ -46,6 +47,8 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import io
 import json
 import logging
@@ -56,8 +59,9 @@ import secrets
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import paramiko
@@ -95,11 +99,13 @@ FORKSERVER_READY_S = 300.0
 # Longest one command on a host waits for its fork server's ready file (then the server is looked at
 # again from here: alive, listening).
 READY_WAIT_CHUNK_S = 30.0
+STARTING = "starting"  # _check_host's word for a fork server started by an earlier try
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+H = TypeVar("H")
 
 
 class HostKeyRefused(ClusterError):
@@ -290,10 +296,10 @@ def hosts_environment() -> dict[str, str]:
     return env
 
 
-def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T]) -> list[T | ClusterError]:
+def on_hosts(hosts: Sequence[H], action: Callable[[H], T]) -> list[T | ClusterError]:
     """``action`` on every host at once; a host's ClusterError is its result, not raised."""
 
-    def guarded(host: dict[str, Any]) -> T | ClusterError:
+    def guarded(host: H) -> T | ClusterError:
         try:
             return action(host)
         except ClusterError as exc:
@@ -302,6 +308,24 @@ def on_hosts(hosts: list[dict[str, Any]], action: Callable[[dict[str, Any]], T])
     # Each thread with the caller's storage client (an Airflow task's: the bucket connection's).
     with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
         return [f.result() for f in storage.submit_each(pool, guarded, hosts)]
+
+
+def all_or_raise(results: list[T | ClusterError]) -> list[T]:
+    """``on_hosts``'s results, unless a host failed: then one ClusterError naming each that did."""
+    failures = [str(r) for r in results if isinstance(r, ClusterError)]
+    if failures:
+        raise ClusterError("; ".join(failures))
+    return [r for r in results if not isinstance(r, ClusterError)]
+
+
+@dataclass(frozen=True)
+class CheckedHost:
+    """A host ready for its fork server, logged in: ``server`` is the server's TCP address where one
+    listens already, STARTING where one is starting, "" where none runs."""
+
+    host: dict[str, Any]
+    ssh: SshSession
+    server: str
 
 
 # A shell test: the process "$pid" lives, and is not a zombie. A server killed on a host whose init is
@@ -397,64 +421,79 @@ class HostsBackend:
 
     def _start_servers(self, handle: Handle, token: str, runtime: RuntimeBundle | None = None) -> None:
         """Every host's fork server up (started where it is not), its address in the handle; a
-        ClusterError names each host that failed and why."""
+        ClusterError names each host that failed and why.
+
+        Every host is checked (login, folders, runtime) before any server starts: a host that cannot
+        take part fails provisioning in seconds, not after the other hosts' TensorFlow imports."""
         if runtime is None and any(host.get("install_from") for host in handle["hosts"]):
             runtime = RuntimeBundle.current()  # a host lost and back may need it again
-        results = on_hosts(handle["hosts"], lambda host: self._start_host(handle, host, token, runtime))
-        failures = [str(r) for r in results if isinstance(r, ClusterError)]
-        if failures:
-            raise ClusterError("; ".join(failures))
-        for host, address in zip(handle["hosts"], results, strict=True):
+        with contextlib.ExitStack() as sessions:
+            check = functools.partial(self._check_host, sessions, handle, token=token, runtime=runtime)
+            checked = all_or_raise(on_hosts(handle["hosts"], check))
+            addresses = all_or_raise(on_hosts(checked, functools.partial(self._start_host, handle)))
+        for host, address in zip(handle["hosts"], addresses, strict=True):
             host["forkserver"] = address
 
-    def _start_host(
-        self, handle: Handle, host: dict[str, Any], token: str, runtime: RuntimeBundle | None
-    ) -> str:
-        """Start the host's fork server unless it runs already, or is starting (a provisioning task
-        lost midway started it, and its retry is here); returns its TCP address."""
-        work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
-        with SshSession(host) as ssh:
-            # One command where the server listens already (every launch after provisioning).
-            folders = f"umask 077 && mkdir -p {shlex.quote(server_dir)} {shlex.quote(work)}/segments"
-            ready = _ready_address(ssh.check(f"{folders} && {_ready_command(server_dir)}", "mkdir"))
-            if ready:
-                return ready
-            ssh.write_file(posixpath.join(work, "token"), token, mode=0o600)
-            if not self._server_starting(ssh, server_dir):
-                self._launch_server(ssh, handle, host, server_dir, runtime)
-            deadline = time.monotonic() + FORKSERVER_READY_S
-            failure = f"did not listen within {FORKSERVER_READY_S:.0f}s"
-            while not (ready := self._server_ready(ssh, server_dir)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if not self._server_starting(ssh, server_dir):  # it died: its log says why, at once
-                    ready = self._server_ready(ssh, server_dir)  # (unless it was ready just now)
-                    failure = "exited before it listened"
-                    break
-                self._wait_for_ready_file(ssh, server_dir, min(left, READY_WAIT_CHUNK_S))
-            if ready:
-                log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
-                return ready
-            tail = ssh.run(f"tail -n 20 {shlex.quote(posixpath.join(server_dir, 'forkserver.log'))}")[1]
-        raise ClusterError(f"{ssh.where}: its fork server {failure}; log:\n{tail}")
-
-    def _launch_server(
+    def _check_host(
         self,
-        ssh: SshSession,
+        sessions: contextlib.ExitStack,
         handle: Handle,
         host: dict[str, Any],
-        server_dir: str,
+        *,
+        token: str,
         runtime: RuntimeBundle | None,
-    ) -> None:
-        """The runtime checked (installed first where the deployment says so), then the fork server
-        started detached; its pid goes to ``starting.pid`` until it writes ``forkserver.json``."""
-        work = host["work_dir"]
+    ) -> CheckedHost:
+        """Log into the host (the session closed with ``sessions``) and ready it for its fork server:
+        its folders made, and unless a server listens or starts there already (every launch after
+        provisioning; the retry of a provisioning task lost midway), the token written and the
+        runtime checked (installed first where the deployment says so)."""
+        ssh = sessions.enter_context(SshSession(host))
+        work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
+        folders = f"umask 077 && mkdir -p {shlex.quote(server_dir)} {shlex.quote(work)}/segments"
+        ready = _ready_address(ssh.check(f"{folders} && {_ready_command(server_dir)}", "mkdir"))
+        if ready:
+            return CheckedHost(host, ssh, ready)
+        ssh.write_file(posixpath.join(work, "token"), token, mode=0o600)
+        if self._server_starting(ssh, server_dir):
+            return CheckedHost(host, ssh, STARTING)
         if runtime is not None and host.get("install_from"):
             self._install_runtime(ssh, handle, host, runtime)
         # Workers on other TensorFlow or Keras versions than the chief's would not load each
         # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
         ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
+        return CheckedHost(host, ssh, "")
+
+    def _start_host(self, handle: Handle, checked: CheckedHost) -> str:
+        """The host's fork server's TCP address, once it listens: started here unless one listened or
+        started already."""
+        host, ssh = checked.host, checked.ssh
+        if checked.server not in ("", STARTING):
+            return checked.server
+        server_dir = posixpath.join(host["work_dir"], "forkserver")
+        if not checked.server:
+            self._launch_server(ssh, handle, host, server_dir)
+        deadline = time.monotonic() + FORKSERVER_READY_S
+        failure = f"did not listen within {FORKSERVER_READY_S:.0f}s"
+        while not (ready := self._server_ready(ssh, server_dir)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not self._server_starting(ssh, server_dir):  # it died: its log says why, at once
+                ready = self._server_ready(ssh, server_dir)  # (unless it was ready just now)
+                failure = "exited before it listened"
+                break
+            self._wait_for_ready_file(ssh, server_dir, min(left, READY_WAIT_CHUNK_S))
+        if ready:
+            log.info("run %s: fork server on %s listens at %s", handle["run"], host["name"], ready)
+            return ready
+        tail = ssh.run(f"tail -n 20 {shlex.quote(posixpath.join(server_dir, 'forkserver.log'))}")[1]
+        raise ClusterError(f"{ssh.where}: its fork server {failure}; log:\n{tail}")
+
+    @staticmethod
+    def _launch_server(ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
+        """The fork server started detached; its pid goes to ``starting.pid`` until it writes
+        ``forkserver.json``."""
+        work = host["work_dir"]
         env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
         token_file = posixpath.join(work, "token")
         command = _python(
@@ -467,6 +506,7 @@ class HostsBackend:
         # setsid exec in place, so $! is the fork server's pid.
         detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
         ssh.check(f"cd / && ({detached} & echo $! > {pid_file})", "starting the fork server")
+        log.info("run %s: fork server starting on %s", handle["run"], host["name"])
 
     @staticmethod
     def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
