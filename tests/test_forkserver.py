@@ -92,6 +92,10 @@ def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
         assert forkserver.status(str(server_dir)) == forkserver.READY
         ready = json.loads((server_dir / forkserver.READY_FILE).read_text())
         assert ready["pid"] == process.pid and ready["preload_seconds"] > 0
+        # It preloaded TensorFlow, and none of Keras's optional imports (forkserver.KERAS_OPTIONAL_IMPORTS).
+        libraries = {line.split()[-1] for line in Path(f"/proc/{process.pid}/maps").read_text().splitlines()}
+        assert any("/tensorflow/" in path for path in libraries)
+        assert not [path for path in libraries if re.search(r"/(sklearn|scipy|pandas|matplotlib)/", path)]
         # Removing its folder (what teardown does) ends the server on its own.
         for path in server_dir.iterdir():
             path.unlink()

@@ -261,6 +261,26 @@ def test_bad_gcs_data_is_rejected_naming_the_uri(gcs_bucket: str, tmp_path: Path
 # --- digits and synthetic --------------------------------------------------------------------------
 
 
+def test_digits_are_scikit_learns_with_its_stratified_split() -> None:
+    """The digits problem reads scikit-learn's data file and a fixed split without importing it; what
+    it reads is what ``load_digits`` and ``train_test_split`` give (the split the problem always had)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., np.newaxis]
+    labels = digits.target.astype(np.int32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=0.2, random_state=0, stratify=labels
+    )
+    problem = get_problem("digits")
+    for split, (x, y) in {"train": (x_train, y_train), "test": (x_test, y_test)}.items():
+        ours = problem.arrays(split)
+        assert ours[0].dtype == np.float32 and ours[1].dtype == np.int32
+        np.testing.assert_array_equal(ours[0], x)
+        np.testing.assert_array_equal(ours[1], y)
+
+
 def test_digits_split_and_batches() -> None:
     digits = get_problem("digits")
     assert digits.prepare("", "") == ""

@@ -178,18 +178,19 @@ STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight"
 # ---- server -------------------------------------------------------------------------------------
 
 
-# Keras imports these at its own import when they are installed, for its plotting helpers and its
-# DataFrame input, which no node uses: 2.5 s of the server's ~10 s import on a slow machine
-# (matplotlib.pyplot 1.7 s, pandas 0.9 s), paid by every cluster's server on every host.
-KERAS_OPTIONAL_IMPORTS = ("matplotlib", "pandas")
+# Keras and TensorFlow import these at their own import when they are installed, for Keras's plotting
+# helpers, DataFrame input and scikit-learn wrappers and TF 1 Keras's sparse input, which no node
+# uses: 2.5 s of the server's ~10 s import on a slow machine (matplotlib.pyplot 1.7 s, pandas 0.9 s),
+# and scikit-learn with SciPy ~1 s of the ~4.5 s left on a fast one, paid by every cluster's server
+# on every host. (The digits problem reads scikit-learn's data file without importing it. A node's
+# user code imports any of them as usual; only those features stay unavailable in a node.)
+KERAS_OPTIONAL_IMPORTS = ("matplotlib", "pandas", "sklearn", "scipy")
 
 
 def preload() -> None:
     """Import what every node needs, without creating a TensorFlow context."""
     with _without_modules(KERAS_OPTIONAL_IMPORTS):
         import keras  # noqa: F401
-        import sklearn.datasets  # noqa: F401 - the digits problem's loader
-        import sklearn.model_selection  # noqa: F401
         import tensorflow  # noqa: F401
 
         from syncswitch import asp, bsp, models, node, optim, problems, trainer  # noqa: F401

@@ -22,12 +22,15 @@ to validate a job spec on the Airflow side.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from syncswitch import storage
@@ -40,8 +43,12 @@ log = logging.getLogger(__name__)
 CIFAR_IMAGE_BYTES = 3 * 32 * 32
 # Pad-4 + random-crop-32, the He et al. 2016 CIFAR augmentation.
 CIFAR_PAD = 4
-DIGITS_TEST_FRACTION = 0.2
-DIGITS_SPLIT_SEED = 0
+# scikit-learn's bundled digits (what load_digits() reads), and their fixed 80/20 split: the rows of
+# each part in order, as train_test_split(test_size=0.2, random_state=0, stratify=labels) makes them
+# (tests/test_problems.py checks both against scikit-learn). Importing scikit-learn, and SciPy under
+# it, was ~1 s of CPU (a quarter) of every fork server's preload, on every host of every cluster.
+DIGITS_FILE = "datasets/data/digits.csv.gz"
+DIGITS_SPLIT = Path(__file__).with_name("digits_split.json")
 SYNTHETIC_TEST_EXAMPLES = 512
 # First component of the stateless seeds of the synthetic test set; training seeds are >= 0.
 _SYNTHETIC_TEST_KEY = -1
@@ -204,22 +211,19 @@ class DigitsProblem(ImageClassification):
         return ""
 
     def arrays(self, split: str) -> tuple[Any, Any]:
-        """``(images float32 [N, 8, 8, 1], labels int32 [N])`` of ``train`` or ``test``."""
+        """``(images float32 [N, 8, 8, 1], labels int32 [N])`` of ``train`` or ``test``: scikit-learn's
+        ``load_digits()`` split by ``train_test_split(test_size=0.2, random_state=0, stratify=labels)``,
+        read without importing scikit-learn (see DIGITS_FILE)."""
         import numpy as np
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
 
-        digits = load_digits()
-        images = (digits.images / 16.0).astype(np.float32)[..., np.newaxis]
-        labels = digits.target.astype(np.int32)
-        x_train, x_test, y_train, y_test = train_test_split(
-            images,
-            labels,
-            test_size=DIGITS_TEST_FRACTION,
-            random_state=DIGITS_SPLIT_SEED,
-            stratify=labels,
-        )
-        return (x_train, y_train) if split == "train" else (x_test, y_test)
+        spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+        if spec is None or spec.origin is None:
+            raise RuntimeError("the digits problem reads scikit-learn's bundled digits: install scikit-learn")
+        data = np.loadtxt(Path(spec.origin).parent / DIGITS_FILE, delimiter=",")
+        images = (data[:, :-1].reshape(-1, 8, 8) / 16.0).astype(np.float32)[..., np.newaxis]
+        labels = data[:, -1].astype(np.int32)
+        rows = json.loads(DIGITS_SPLIT.read_text())[split]
+        return images[rows], labels[rows]
 
     def train_dataset(
         self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
