@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 from proc_utils import wait_for
-from syncswitch_airflow.tools import airflow_api, boot
+from syncswitch_airflow.tools import airflow_api, boot, sqlite_settings
 from syncswitch_airflow.tools.airflow_supervisor import (
+    CONNECT_ARGS_ENV,
     HUNG_SECONDS,
     HUNG_SECONDS_ENV,
     MigrationStamp,
     answers,
+    component_env,
     hung_limit,
     hung_seconds,
     rotate_log,
@@ -231,6 +233,17 @@ def test_failing_a_run_rides_out_an_api_server_killed_mid_mark(monkeypatch: pyte
     mark = "PATCH /api/v2/dags/sync_switch/dagRuns/r1"
     assert _KilledMidMark.requests[:2] == [mark, mark], _KilledMidMark.requests
     assert "GET /api/v2/dags/sync_switch/dagRuns/r1/taskInstances?limit=1000" in _KilledMidMark.requests
+
+
+def test_only_the_api_server_on_sqlite_waits_less_for_the_write_lock() -> None:
+    on_sqlite = {CONNECT_ARGS_ENV: sqlite_settings.CONNECT_ARGS_PATH, "PATH": "/bin"}
+    api_server = component_env("api-server", on_sqlite)
+    assert api_server == {**on_sqlite, CONNECT_ARGS_ENV: sqlite_settings.API_SERVER_CONNECT_ARGS_PATH}
+    assert component_env("scheduler", on_sqlite) == on_sqlite
+    # A deployment's own connect args (or none: PostgreSQL) are left as they are.
+    assert component_env("api-server", {CONNECT_ARGS_ENV: "mine.ARGS"}) == {CONNECT_ARGS_ENV: "mine.ARGS"}
+    assert component_env("api-server", {"PATH": "/bin"}) == {"PATH": "/bin"}
+    assert sqlite_settings.API_SERVER_CONNECT_ARGS["timeout"] < sqlite_settings.CONNECT_ARGS["timeout"]
 
 
 def test_the_hung_limit_doubles_with_each_recent_kill_up_to_its_growth() -> None:

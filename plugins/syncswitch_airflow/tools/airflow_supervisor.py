@@ -62,6 +62,8 @@ from typing import Any
 
 from syncswitch import procs
 
+from syncswitch_airflow.tools import sqlite_settings
+
 COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
 STATUS_FILE = "components.json"
 FIRST_BACKOFF_SECONDS = 1.0
@@ -74,6 +76,7 @@ LEFTOVER_GRACE_SECONDS = 3.0
 LOG_BYTES = 16 * 1024 * 1024
 NICENESS = 10
 PROBED = "api-server"
+CONNECT_ARGS_ENV = "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"
 PROBE_SECONDS = 10.0
 PROBE_TIMEOUT_SECONDS = 5.0
 HUNG_SECONDS = 60.0  # unanswered this long (six probes) once it has answered: killed, restarted
@@ -229,6 +232,7 @@ class Supervisor:
         with open(component.log_path, "ab") as out:
             component.process = subprocess.Popen(
                 _command(component.name),
+                env=component_env(component.name, os.environ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -475,6 +479,15 @@ def answers(url: str, timeout: float) -> bool:
 def _component_preexec() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     os.nice(NICENESS)
+
+
+def component_env(name: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of component ``name``: the supervisor's, and for the api-server on SQLite a
+    shorter wait for the database's write lock (``sqlite_settings``: a stall that it bounds)."""
+    env = dict(env)
+    if name == PROBED and env.get(CONNECT_ARGS_ENV) == sqlite_settings.CONNECT_ARGS_PATH:
+        env[CONNECT_ARGS_ENV] = sqlite_settings.API_SERVER_CONNECT_ARGS_PATH
+    return env
 
 
 def _command(name: str) -> list[str]:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from syncswitch_airflow.tools import sqlite_settings
 from syncswitch_airflow.tools.airflow_api import AirflowError
 
 ADMIN_USER = "admin"
@@ -130,7 +131,7 @@ class InstanceHome:
             # A task whose process died with a killed scheduler is failed (and retried) after this
             # long without a heartbeat, rather than the default 5 minutes.
             "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
-            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "syncswitch_airflow.tools.sqlite_settings.CONNECT_ARGS",
+            "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": sqlite_settings.CONNECT_ARGS_PATH,
             # Tasks talk to the api-server; when it restarts (or boots after the scheduler on a busy
             # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
             # ~15 s and failing a healthy run.
