@@ -235,6 +235,46 @@ def test_failing_a_run_rides_out_an_api_server_killed_mid_mark(monkeypatch: pyte
     assert "GET /api/v2/dags/sync_switch/dagRuns/r1/taskInstances?limit=1000" in _KilledMidMark.requests
 
 
+class _LockedThenCut(http.server.BaseHTTPRequestHandler):
+    """Airflow's clear endpoint: the first request meets a locked database (500, rolled back), the
+    second is served but its answer is cut off, the third would be served."""
+
+    requests: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.requests.append(self.path)
+        if len(self.requests) == 1:
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif len(self.requests) == 2:
+            self.close_connection = True  # no answer: served or not, the client cannot tell
+        else:
+            _answer_json(self, {"task_instances": [{"task_id": "segment_0.bsp"}]})
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_a_clear_is_sent_again_after_a_database_error_but_not_after_a_lost_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clear done twice would clear again the tasks the first one restarted: the client repeats it
+    after a 5xx (nothing happened) and not after a cut-off answer (it may have happened)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LockedThenCut)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = airflow_api.AirflowApi(f"http://127.0.0.1:{server.server_port}", "u", "p")
+        monkeypatch.setattr(api, "token", lambda: "token")
+        with pytest.raises(OSError):
+            api.clear_tasks("sync_switch", "r1", ["segment_0.bsp"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _LockedThenCut.requests == ["/api/v2/dags/sync_switch/clearTaskInstances"] * 2
+
+
 def test_only_the_api_server_on_sqlite_waits_less_for_the_write_lock() -> None:
     on_sqlite = {CONNECT_ARGS_ENV: sqlite_settings.CONNECT_ARGS_PATH, "PATH": "/bin"}
     api_server = component_env("api-server", on_sqlite)

@@ -228,9 +228,13 @@ class AirflowApi:
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
         """Mark one task instance by hand, as the UI's "Mark as" does."""
         path = f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}/taskInstances/{quote(task_id)}"
-        status, body = self.request("PATCH", path, {"new_state": new_state})
-        if status != 200:
-            raise AirflowError(f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
+
+        def patch() -> None:
+            status, body = self.request("PATCH", path, {"new_state": new_state})
+            if status != 200:
+                _raise_for(status, f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
+
+        self._answered(patch)
         self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
 
     def clear_tasks(
@@ -245,9 +249,16 @@ class AirflowApi:
             "only_failed": False,
             "include_downstream": include_downstream,
         }
-        status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/clearTaskInstances", payload)
-        if status != 200:
-            raise AirflowError(f"clearing {task_ids} answered {status}: {_error_text(body)}")
+
+        def post() -> dict[str, Any]:
+            status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/clearTaskInstances", payload)
+            if status != 200:
+                _raise_for(status, f"clearing {task_ids} answered {status}: {_error_text(body)}")
+            return body
+
+        # Tried again after a 5xx (the clear was rolled back), not after a lost answer: a clear that
+        # did happen, done again, would clear the tasks it had started again.
+        body = self._answered(post, resend_unanswered=False)
         cleared = sorted(ti["task_id"] for ti in body.get("task_instances", []))
         self._log.info("cleared %s of run %s", ", ".join(cleared), run_id)
         return cleared
@@ -306,17 +317,23 @@ class AirflowApi:
     def _run_and_tasks(self, dag_id: str, run_id: str) -> tuple[str, dict[str, str | None]]:
         return self.run_state(dag_id, run_id), self.task_states(dag_id, run_id)
 
-    def _answered(self, call: Callable[[], _T], poll_seconds: float = _API_RETRY_SECONDS) -> _T:
+    def _answered(
+        self, call: Callable[[], _T], poll_seconds: float = _API_RETRY_SECONDS, resend_unanswered: bool = True
+    ) -> _T:
         """``call()``, tried again while the API does not answer (refused, reset or timed out: the
-        api-server restarts or hangs; a 5xx: its database restarts or fails over) for up to
+        api-server restarts or hangs; a 5xx: its database restarts, fails over or is locked) for up to
         _API_UNAVAILABLE_GRACE_S; AirflowUnavailable after that, AirflowGone (from ``check_alive``)
-        when the instance itself is gone. ``call`` must be safe to repeat."""
+        when the instance itself is gone. ``call`` must be safe to repeat; one that is not after a
+        request that may have been served (``resend_unanswered=False``) is repeated only after a 5xx or
+        a refused connection (nothing was sent)."""
         unanswered_since: float | None = None
         while True:
             self._check_alive()
             try:
                 result = call()
             except (OSError, AirflowUnavailable) as exc:
+                if isinstance(exc, OSError) and not resend_unanswered and not _refused(exc):
+                    raise
                 now = time.monotonic()
                 if unanswered_since is None:
                     unanswered_since = now
@@ -364,6 +381,12 @@ class AirflowApi:
                 return response.status, _decode(response.read())
         except urllib.error.HTTPError as exc:
             return exc.code, _decode(exc.read())
+
+
+def _refused(exc: OSError) -> bool:
+    """Whether the request never reached a server (urllib wraps the refusal in a URLError)."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return isinstance(reason, ConnectionRefusedError)
 
 
 def _raise_for(status: int, message: str) -> NoReturn:
