@@ -2,10 +2,12 @@
 backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.tools.embedded`` owns the
 processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``).
 
-Every call but the boot-time probes (``health``, ``import_errors``: their callers poll) rides out an
-api-server that does not answer for a while (a supervisor restarting a hung one, a database failing
-over): it tries again for up to two minutes. A trigger is retried too: its run id is its own, so a
-retry that finds that id taken with this conf has found the run its lost first try started.
+Every call rides out an api-server that does not answer for a while (a supervisor restarting a hung
+one; a 5xx: its database restarting, failing over or locked): it tries again for up to two minutes.
+A trigger is retried too: its run id is its own, so a retry that finds that id taken with this conf
+has found the run its lost first try started. Exceptions: the boot-time probes (``health``,
+``import_errors``: their callers poll), a clear (sent again only when nothing can have happened) and
+a backfill's creation (its own retries, ``create_backfill``).
 """
 
 from __future__ import annotations
