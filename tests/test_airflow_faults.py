@@ -108,7 +108,7 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
 
     api_server = component_pid(airflow, "api-server")
     os.kill(api_server, signal.SIGSTOP)
-    # Queued behind the training run (one active run); an unregistered model then fails its validate.
+    # An unregistered model passes the form and fails the run's validate task: nothing provisioned.
     late_conf = {"job_name": "kills-late", "bucket_dir": str(tmp_path / "runs"), "model": "no_such_model"}
     late_client = AirflowApi(lambda: airflow.url, ADMIN_USER, ADMIN_PASSWORD)
     late_trigger = ThreadPoolExecutor(max_workers=1).submit(late_client.trigger, DAG_ID, late_conf)
