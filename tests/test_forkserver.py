@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +89,19 @@ def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
     process = forkserver.start(str(server_dir), die_with_parent=True)
     try:
         assert forkserver.status(str(server_dir)) == forkserver.STARTING
+        # The folder's Unix address is taken before the import, and a second server for the folder
+        # exits without serving and leaves the first's records (a duplicate start on a host).
+        address = forkserver.address_for(str(server_dir)).replace("\0", "@")
+        bound = lambda: address in Path("/proc/net/unix").read_text()  # noqa: E731
+        wait_for(bound, timeout=60, what="the first server's address bound")
+        second = subprocess.run(
+            [sys.executable, "-m", "syncswitch.forkserver", str(server_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 0 and "runs or starts already; not serving" in second.stdout, second
+        assert json.loads((server_dir / forkserver.PID_FILE).read_text())["pid"] == process.pid
         forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
         assert forkserver.status(str(server_dir)) == forkserver.READY
         ready = json.loads((server_dir / forkserver.READY_FILE).read_text())

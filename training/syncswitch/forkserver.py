@@ -18,7 +18,8 @@ DIR holds the server's files:
     forkserver.log    its own output (nodes log to the files their requests name)
 
 Protocol: a Unix socket in the abstract namespace (no 108-byte path limit, nothing left on disk;
-reachable only from this host's network namespace), and with ``--listen`` a TCP socket bound to the
+reachable only from this host's network namespace; bound before the import, so one server per folder
+and host: another started for it exits at once), and with ``--listen`` a TCP socket bound to the
 host's cluster-internal address only. One connection per node, one JSON object per line:
     client -> server  {"argv": [node args], "env": {...}, "log": PATH, "cpu": N or null, "name": "worker-1",
                        "files": {PATH: TEXT}, "program": "node" | "linkdelay" | "preflight",
@@ -242,13 +243,25 @@ class ForkServer:
         self.listeners: list[socket.socket] = []
         self.stopping = False
 
-    def serve(self) -> int:
+    def take_folder(self) -> socket.socket | None:
+        """The folder's Unix socket, bound (not listening yet), or None where another process holds
+        it. Bound before the import, it is this host's lock on the folder (the kernel frees it with
+        its process): a second server started for a folder that one serves or starts for stops at
+        once, instead of importing TensorFlow to fail at the bind."""
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            local.bind(address_for(self.server_dir))
+        except OSError:
+            local.close()
+            return None
+        return local
+
+    def serve(self, local: socket.socket) -> int:
+        """Import, listen on ``local`` (``take_folder``'s) and the TCP address, serve until stopped."""
         started = time.monotonic()
         preload()  # SIGTERM still kills at once here: nothing to clean up yet
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        local.bind(address_for(self.server_dir))
         self._add_listener(local)
         tcp = ""
         if self.listen:
@@ -559,12 +572,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--token-file {args.token_file}: the token is shorter than 16 characters")
     if args.standby and args.listen:
         parser.error("--standby serves this host only: it takes no --listen")
+    if args.idle_exit < 0:
+        parser.error(f"--idle-exit must be 0 (never) or a number of seconds, got {args.idle_exit:g}")
+    server = ForkServer(args.server_dir, args.listen, token, args.standby, args.idle_exit)
+    local = server.take_folder()
+    if local is None:
+        log(f"pid {os.getpid()}: a fork server for {args.server_dir} runs or starts already; not serving")
+        return 0
     if not write_in_own_folder(os.path.join(args.server_dir, PID_FILE), pid_record(os.getpid())):
         log(f"pid {os.getpid()}: {args.server_dir} is gone (torn down before it started); not serving")
         return 0
-    if args.idle_exit < 0:
-        parser.error(f"--idle-exit must be 0 (never) or a number of seconds, got {args.idle_exit:g}")
-    return ForkServer(args.server_dir, args.listen, token, args.standby, args.idle_exit).serve()
+    return server.serve(local)
 
 
 def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:

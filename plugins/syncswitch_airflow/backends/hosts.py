@@ -7,7 +7,8 @@ role). The bucket (``gs://``) is the only thing the hosts share. On each host, i
     token                         the cluster's fork-server token (0600; never in a log, XCom or state;
                                   its source is the run's bucket folder: RunLayout.cluster_secrets)
     forkserver/                   the host's fork server, listening on the host's address only
-                                  (starting.pid from its start, forkserver.json once it listens)
+                                  (starting.pid from its start, forkserver.json once it listens;
+                                  forkserver.lock, flock(1)'s, for the look-and-start step)
     segments/seg-<ii>/            on the chief host: spec.json, cluster.json, process.json,
                                   launcher.log, exitcode (``syncswitch.supervise``); on the others:
                                   the nodes' logs and staged data
@@ -100,6 +101,8 @@ FORKSERVER_READY_S = 300.0
 # again from here: alive, listening).
 READY_WAIT_CHUNK_S = 30.0
 STARTING = "starting"  # _check_host's word for a fork server started by an earlier try
+# Longest a fork server's start waits for another start on its folder (each holds it for ~0.1 s).
+LAUNCH_LOCK_WAIT_S = 60.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
@@ -491,8 +494,13 @@ class HostsBackend:
 
     @staticmethod
     def _launch_server(ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
-        """The fork server started detached; its pid goes to ``starting.pid`` until it writes
-        ``forkserver.json``."""
+        """The fork server started detached, unless one listens or starts there already; its pid goes
+        to ``starting.pid`` until it writes ``forkserver.json``.
+
+        The look and the start are one step, under the folder's lock on the host (flock(1), held by
+        the step's shell, not by the server): the start sent by a provisioning try lost midway can
+        still run on the host after the retry has looked (a command in flight, its shell not yet
+        started), and two servers for one folder would each import TensorFlow."""
         work = host["work_dir"]
         env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
         token_file = posixpath.join(work, "token")
@@ -503,10 +511,23 @@ class HostsBackend:
         log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
         pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
         # Backgrounded alone, with every stream redirected, so the SSH channel closes now; env and
-        # setsid exec in place, so $! is the fork server's pid.
+        # setsid exec in place, so $! is the fork server's pid. It is written whole (renamed into
+        # place): a look never reads a half-written file.
         detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
-        ssh.check(f"cd / && ({detached} & echo $! > {pid_file})", "starting the fork server")
-        log.info("run %s: fork server starting on %s", handle["run"], host["name"])
+        start = f"cd / && ({detached} & echo $! > {pid_file}.new) && mv -f {pid_file}.new {pid_file}"
+        running = f'pid="$(cat {pid_file} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}'
+        look_and_start = (
+            # (A space after "$(": the command is a subshell, and "$((" would start arithmetic.)
+            f'if [ -n "$( {_ready_command(server_dir)} )" ] || {{ {running}; }}; then echo {STARTING}; '
+            f"else {start}; fi"
+        )
+        lock = shlex.quote(posixpath.join(server_dir, "forkserver.lock"))
+        out = ssh.check(
+            f"flock -w {LAUNCH_LOCK_WAIT_S:.0f} -o {lock} sh -c {shlex.quote(look_and_start)}",
+            "starting the fork server",
+        )
+        found = "a fork server started by an earlier try runs" if out.strip() == STARTING else ""
+        log.info("run %s: %s on %s", handle["run"], found or "fork server starting", host["name"])
 
     @staticmethod
     def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
