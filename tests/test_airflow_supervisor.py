@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from proc_utils import wait_for
-from syncswitch_airflow.tools import airflow_api, boot, sqlite_settings
+from syncswitch_airflow.tools import airflow_api, airflow_http, boot, sqlite_settings
 from syncswitch_airflow.tools.airflow_supervisor import (
     CONNECT_ARGS_ENV,
     HUNG_SECONDS,
@@ -179,7 +179,7 @@ class _SlowFirstLook(http.server.BaseHTTPRequestHandler):
 def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen on a loaded CI machine: a healthy api-server's first import-errors answer took over 30 s,
     # and the boot raised the client's TimeoutError instead of waiting on for the DAG.
-    monkeypatch.setattr(airflow_api, "_HTTP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(airflow_http, "_HTTP_TIMEOUT_S", 0.5)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowFirstLook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

@@ -1,6 +1,7 @@
 """A client of one Airflow's REST API (``/api/v2``), logged in as one user: DAG runs, task instances,
 backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.tools.embedded`` owns the
-processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``).
+processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``); its transport,
+the login and the retries are ``airflow_http.AirflowSession``'s.
 
 Every call rides out an api-server that does not answer for a while (a supervisor restarting a hung
 one; a 5xx: its database restarting, failing over or locked): it tries again for up to two minutes.
@@ -13,89 +14,50 @@ a backfill's creation (its own retries, ``create_backfill``).
 from __future__ import annotations
 
 import datetime
-import json
-import logging
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any
+
+from syncswitch_airflow.tools.airflow_http import (
+    AirflowError,
+    AirflowSession,
+    AirflowUnavailable,
+    error_text,
+    quote,
+    raise_for,
+)
+
+__all__ = [
+    "FINISHED_TASK_STATES",
+    "TERMINAL_RUN_STATES",
+    "AirflowApi",
+    "AirflowError",
+    "AirflowUnavailable",
+    "TriggerRejected",
+    "quote",
+]
 
 TERMINAL_RUN_STATES = ("success", "failed")
 # Task instance states after which a task of a run ends and will not run again.
 FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
-_HTTP_TIMEOUT_S = 30.0
 BACKFILL_ATTEMPTS = 4
 BACKFILL_RETRY_SECONDS = 5.0
-# An api-server may not answer for a while (a supervisor restarting it); waits tolerate this long.
-_API_UNAVAILABLE_GRACE_S = 120.0
-_API_RETRY_SECONDS = 2.0
-_T = TypeVar("_T")
-
-
-class AirflowError(RuntimeError):
-    """Airflow could not start, answer or stop as expected."""
-
-
-class AirflowUnavailable(AirflowError):
-    """The api-server answered 5xx (it is up but cannot serve now: its database restarts), or did not
-    answer at all for longer than a call waits."""
 
 
 class TriggerRejected(AirflowError):
     """The API refused a DAG run (HTTP 400/422): the message is the API's own text, naming the param."""
 
 
-class AirflowApi:
-    """The REST API at ``url`` as ``username``; a JWT is fetched on first use and again when it expires.
-
-    ``check_alive`` is called before every try of a call: it raises when the Airflow behind the API
-    is gone for good (not merely restarting its api-server), so a call ends instead of waiting out
-    its grace.
-    """
-
-    def __init__(
-        self,
-        url: str | Callable[[], str],
-        username: str,
-        password: str,
-        check_alive: Callable[[], None] | None = None,
-    ) -> None:
-        # A callable is asked on every request: an Airflow restarted under a long wait may come back
-        # on another port, and the client must follow it.
-        self._url = url if callable(url) else (lambda: url)
-        self._username, self._password = username, password
-        self._check_alive = check_alive or (lambda: None)
-        self._token: str | None = None
-        self._log = logging.getLogger(__name__)
-
-    @property
-    def url(self) -> str:
-        return self._url()
-
-    def log_out(self) -> None:
-        """Forget the token: the next request logs in again (the Airflow behind the URL changed)."""
-        self._token = None
-
-    def token(self) -> str:
-        """A JWT for this client's user (``POST /auth/token``), fetched once and kept until it expires."""
-        if self._token is None:
-            status, body = self.request(
-                "POST", "/auth/token", {"username": self._username, "password": self._password}, auth=False
-            )
-            if status not in (200, 201):
-                _raise_for(status, f"POST /auth/token answered {status}: {_error_text(body)}")
-            self._token = body["access_token"]
-        return self._token
+class AirflowApi(AirflowSession):
+    """Airflow's REST API at ``url`` as ``username`` (``AirflowSession``): runs, tasks, backfills."""
 
     def health(self) -> dict[str, Any]:
         """Every component's status (``/api/v2/monitor/health``; no login needed). One try."""
-        return self._get_once("/api/v2/monitor/health", auth=False)
+        return self.get_once("/api/v2/monitor/health", auth=False)
 
     def import_errors(self) -> list[dict[str, Any]]:
         """The DAG files that do not import, with their tracebacks. One try."""
-        return self._get_once("/api/v2/importErrors?limit=100").get("import_errors", [])
+        return self.get_once("/api/v2/importErrors?limit=100").get("import_errors", [])
 
     def unpause(self, dag_id: str) -> None:
         self.set_paused(dag_id, False)
@@ -108,9 +70,9 @@ class AirflowApi:
             status, body = self.request("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": paused})
             if status != 200:
                 what = "pausing" if paused else "unpausing"
-                _raise_for(status, f"{what} {dag_id} answered {status}: {_error_text(body)}")
+                raise_for(status, f"{what} {dag_id} answered {status}: {error_text(body)}")
 
-        self._answered(patch)
+        self.answered(patch)
 
     def trigger(self, dag_id: str, conf: dict[str, Any], unpause: bool = True) -> str:
         """Unpause ``dag_id`` (unless told not to: a paused DAG's run stays queued) and start a run
@@ -130,7 +92,7 @@ class AirflowApi:
             "run_after": due.isoformat(),
             "conf": conf,
         }
-        run_id = self._answered(lambda: self._post_run(dag_id, request))
+        run_id = self.answered(lambda: self._post_run(dag_id, request))
         self._log.info("triggered %s run %s", dag_id, run_id)
         return run_id
 
@@ -139,14 +101,14 @@ class AirflowApi:
         got in and only its answer was lost (a timeout, a restart): that run is the one asked for."""
         status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/dagRuns", request)
         if status in (400, 422):
-            raise TriggerRejected(_error_text(body))
+            raise TriggerRejected(error_text(body))
         if status == 409:
-            found = self._get_once(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(request['dag_run_id'])}")
+            found = self.get_once(f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(request['dag_run_id'])}")
             if found.get("conf") == request["conf"]:
                 self._log.info("run %s of %s was started by an earlier try", found["dag_run_id"], dag_id)
                 return found["dag_run_id"]
         if status != 200:
-            _raise_for(status, f"triggering {dag_id} answered {status}: {_error_text(body)}")
+            raise_for(status, f"triggering {dag_id} answered {status}: {error_text(body)}")
         return body["dag_run_id"]
 
     def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
@@ -199,7 +161,7 @@ class AirflowApi:
         queued_before = self._queued_at(dag_id)
         for attempt in range(1, BACKFILL_ATTEMPTS + 1):
             status, body = self.request("POST", "/api/v2/backfills", request)
-            locked = status == 503 and "locked" in _error_text(body).lower()
+            locked = status == 503 and "locked" in error_text(body).lower()
             if not locked or attempt == BACKFILL_ATTEMPTS:
                 break
             self._log.info("creating a backfill of %s met a locked database; again (%d)", dag_id, attempt)
@@ -211,7 +173,7 @@ class AirflowApi:
             for backfill in left:
                 self._cancel_backfill(backfill["id"])
         if status != 200:
-            raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {_error_text(body)}")
+            raise AirflowError(f"creating a backfill of {dag_id} answered {status}: {error_text(body)}")
         self._log.info("backfill %s of %s from %s to %s", body.get("id"), dag_id, from_date, to_date)
         return body
 
@@ -225,7 +187,7 @@ class AirflowApi:
         if status == 200:
             self._log.info("cancelled backfill %s, left empty by a refused create", backfill_id)
         else:  # the next attempt is refused while it stays, and says so
-            self._log.info("cancelling backfill %s answered %s: %s", backfill_id, status, _error_text(body))
+            self._log.info("cancelling backfill %s answered %s: %s", backfill_id, status, error_text(body))
 
     def set_task_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
         """Mark one task instance by hand, as the UI's "Mark as" does."""
@@ -234,9 +196,9 @@ class AirflowApi:
         def patch() -> None:
             status, body = self.request("PATCH", path, {"new_state": new_state})
             if status != 200:
-                _raise_for(status, f"marking {task_id} {new_state} answered {status}: {_error_text(body)}")
+                raise_for(status, f"marking {task_id} {new_state} answered {status}: {error_text(body)}")
 
-        self._answered(patch)
+        self.answered(patch)
         self._log.info("marked %s of run %s %s", task_id, run_id, new_state)
 
     def clear_tasks(
@@ -255,12 +217,12 @@ class AirflowApi:
         def post() -> dict[str, Any]:
             status, body = self.request("POST", f"/api/v2/dags/{quote(dag_id)}/clearTaskInstances", payload)
             if status != 200:
-                _raise_for(status, f"clearing {task_ids} answered {status}: {_error_text(body)}")
+                raise_for(status, f"clearing {task_ids} answered {status}: {error_text(body)}")
             return body
 
         # Tried again after a 5xx (the clear was rolled back), not after a lost answer: a clear that
         # did happen, done again, would clear the tasks it had started again.
-        body = self._answered(post, resend_unanswered=False)
+        body = self.answered(post, resend_unanswered=False)
         cleared = sorted(ti["task_id"] for ti in body.get("task_instances", []))
         self._log.info("cleared %s of run %s", ", ".join(cleared), run_id)
         return cleared
@@ -273,7 +235,7 @@ class AirflowApi:
             "PATCH", f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}", {"state": "failed"}
         )
         if status != 200:
-            _raise_for(status, f"marking {run_id} failed answered {status}: {_error_text(body)}")
+            raise_for(status, f"marking {run_id} failed answered {status}: {error_text(body)}")
         self._log.info("marked %s run %s failed", dag_id, run_id)
 
     def fail_run(
@@ -284,7 +246,7 @@ class AirflowApi:
         ``teardown_seconds``."""
         # A Ctrl-C during an api-server restart must still stop the run: the mark and the polls wait
         # for the API. Marking again after a reset is harmless (the state is the same).
-        self._answered(lambda: self.mark_failed(dag_id, run_id))
+        self.answered(lambda: self.mark_failed(dag_id, run_id))
         deadline = time.monotonic() + teardown_seconds
         while time.monotonic() < deadline:
             state, tasks = self._run_and_tasks(dag_id, run_id)
@@ -318,105 +280,3 @@ class AirflowApi:
 
     def _run_and_tasks(self, dag_id: str, run_id: str) -> tuple[str, dict[str, str | None]]:
         return self.run_state(dag_id, run_id), self.task_states(dag_id, run_id)
-
-    def _answered(
-        self, call: Callable[[], _T], poll_seconds: float = _API_RETRY_SECONDS, resend_unanswered: bool = True
-    ) -> _T:
-        """``call()``, tried again while the API does not answer (refused, reset or timed out: the
-        api-server restarts or hangs; a 5xx: its database restarts, fails over or is locked) for up to
-        _API_UNAVAILABLE_GRACE_S; AirflowUnavailable after that, AirflowGone (from ``check_alive``)
-        when the instance itself is gone. ``call`` must be safe to repeat; one that is not after a
-        request that may have been served (``resend_unanswered=False``) is repeated only after a 5xx or
-        a refused connection (nothing was sent)."""
-        unanswered_since: float | None = None
-        while True:
-            self._check_alive()
-            try:
-                result = call()
-            except (OSError, AirflowUnavailable) as exc:
-                if isinstance(exc, OSError) and not resend_unanswered and not _refused(exc):
-                    raise
-                now = time.monotonic()
-                if unanswered_since is None:
-                    unanswered_since = now
-                    self._log.info("the Airflow API does not answer (%s); waiting for it", exc)
-                elif now - unanswered_since > _API_UNAVAILABLE_GRACE_S:
-                    waited = now - unanswered_since
-                    raise AirflowUnavailable(f"the Airflow API did not answer for {waited:.0f} s") from exc
-                time.sleep(poll_seconds)
-                continue
-            if unanswered_since is not None:
-                self._log.info("the Airflow API answers again")
-            return result
-
-    def get_json(self, path: str, auth: bool = True) -> dict[str, Any]:
-        """``GET path``'s JSON body, waiting for an api-server that does not answer (``_answered``);
-        AirflowError for any other answer but 200 (a 404: no such run)."""
-        return self._answered(lambda: self._get_once(path, auth))
-
-    def _get_once(self, path: str, auth: bool = True) -> dict[str, Any]:
-        status, body = self.request("GET", path, auth=auth)
-        if status != 200:
-            _raise_for(status, f"GET {path} answered {status}: {_error_text(body)}")
-        return body
-
-    def request(
-        self, method: str, path: str, payload: dict[str, Any] | None = None, auth: bool = True
-    ) -> tuple[int, Any]:
-        status, body = self._send(method, path, payload, auth)
-        if status == 401 and auth:
-            self._token = None  # expired: log in again once
-            status, body = self._send(method, path, payload, auth)
-        return status, body
-
-    def _send(self, method: str, path: str, payload: dict[str, Any] | None, auth: bool) -> tuple[int, Any]:
-        headers = {"Accept": "application/json"}
-        data = None
-        if payload is not None:
-            data = json.dumps(payload).encode()
-            headers["Content-Type"] = "application/json"
-        if auth:
-            headers["Authorization"] = f"Bearer {self.token()}"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
-                return response.status, _decode(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, _decode(exc.read())
-
-
-def _refused(exc: OSError) -> bool:
-    """Whether the request never reached a server (urllib wraps the refusal in a URLError)."""
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return isinstance(reason, ConnectionRefusedError)
-
-
-def _raise_for(status: int, message: str) -> NoReturn:
-    """AirflowUnavailable for a 5xx (worth another try), AirflowError for any other refusal."""
-    raise (AirflowUnavailable if status >= 500 else AirflowError)(message)
-
-
-def quote(part: str) -> str:
-    return urllib.parse.quote(part, safe="")
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-def _error_text(body: Any) -> str:
-    """The human part of a FastAPI error body: ``detail`` as a string or a list of pydantic errors."""
-    if not isinstance(body, dict):
-        return str(body)
-    detail = body.get("detail", body)
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg')}"
-            if isinstance(item, dict)
-            else str(item)
-            for item in detail
-        )
-    return detail if isinstance(detail, str) else json.dumps(detail)
