@@ -339,6 +339,11 @@ PID_ALIVE = (
 )
 
 
+def _started_alive(pid_file: str) -> str:
+    """A shell test: the fork server whose pid ``pid_file`` holds (its start's) lives."""
+    return f'pid="$(cat {shlex.quote(pid_file)} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}'
+
+
 def _ready_command(server_dir: str) -> str:
     """A shell command that prints the fork server's ready file if the server it names is alive, and
     nothing otherwise; it always succeeds. (One command: each is a shell on the host, 0.2-1 s.)"""
@@ -515,7 +520,7 @@ class HostsBackend:
         # place): a look never reads a half-written file.
         detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
         start = f"cd / && ({detached} & echo $! > {pid_file}.new) && mv -f {pid_file}.new {pid_file}"
-        running = f'pid="$(cat {pid_file} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}'
+        running = _started_alive(posixpath.join(server_dir, "starting.pid"))
         look_and_start = (
             # (A space after "$(": the command is a subshell, and "$((" would start arithmetic.)
             f'if [ -n "$( {_ready_command(server_dir)} )" ] || {{ {running}; }}; then echo {STARTING}; '
@@ -546,8 +551,7 @@ class HostsBackend:
     @staticmethod
     def _server_starting(ssh: SshSession, server_dir: str) -> bool:
         """Whether a fork server started for this folder is still alive (not listening yet)."""
-        pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
-        return ssh.run(f'pid="$(cat {pid_file} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}')[0] == 0
+        return ssh.run(_started_alive(posixpath.join(server_dir, "starting.pid")))[0] == 0
 
     @staticmethod
     def _install_runtime(

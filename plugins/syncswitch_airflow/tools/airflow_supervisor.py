@@ -485,7 +485,7 @@ def component_env(name: str, env: Mapping[str, str]) -> dict[str, str]:
     """The environment of component ``name``: the supervisor's, and for the api-server on SQLite a
     shorter wait for the database's write lock (``sqlite_settings``: a stall that it bounds)."""
     env = dict(env)
-    if name == PROBED and env.get(CONNECT_ARGS_ENV) == sqlite_settings.CONNECT_ARGS_PATH:
+    if name == "api-server" and env.get(CONNECT_ARGS_ENV) == sqlite_settings.CONNECT_ARGS_PATH:
         env[CONNECT_ARGS_ENV] = sqlite_settings.API_SERVER_CONNECT_ARGS_PATH
     return env
 
