@@ -71,8 +71,8 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
     """Cores used by each component over ``seconds`` (processes that start or end meanwhile count
     for the part they were seen in)."""
     from syncswitch import procs
-    from syncswitch_airflow.tools.airflow_supervisor import read_status
-    from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.embedded.instance import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.embedded.supervisor import read_status
 
     marker = instance_marker(airflow.running_instance())
 
@@ -97,8 +97,8 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from syncswitch.layout import RunLayout
     from syncswitch.state import read_state
+    from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
     from syncswitch_airflow.report import load_run, summarize
-    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     airflow = EmbeddedAirflow(PROJECT_DIR, home=work / "airflow", port=0, settings=settings)
     try:

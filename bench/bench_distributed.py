@@ -74,7 +74,7 @@ def airflow_pids(airflow: Any, extra_marker: str | None) -> list[int]:
     """The Airflow instance's processes (their marker), and the deployment's (PostgreSQL, Redis,
     Celery workers) where ``extra_marker`` names it."""
     from syncswitch import procs
-    from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
+    from syncswitch_airflow.embedded.instance import INSTANCE_ENV, instance_marker
 
     pids = {
         p.pid for p in procs.processes_with_env(INSTANCE_ENV, instance_marker(airflow.running_instance()))
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from celery_deployment import CeleryDeployment, missing_prerequisites
     from gcs_emulator import GcsEmulator, free_port
     from syncswitch import storage
-    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+    from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--first-segment-steps", type=int, default=2000)

@@ -25,8 +25,8 @@ from syncswitch.layout import JobHistoryLayout
 from syncswitch.spec import JobSpec
 from syncswitch_airflow import history
 from syncswitch_airflow.dag_params import default_bucket_dir
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
 from syncswitch_airflow.job_files import jobs_dir, read_job_file
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROJECT = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"

@@ -76,7 +76,7 @@ class Sampler(Poller):
     def sample(self) -> dict[str, Any]:
         from syncswitch import procs
         from syncswitch_airflow.backends.base import CLUSTER_ENV
-        from syncswitch_airflow.tools.instance import INSTANCE_ENV, instance_marker
+        from syncswitch_airflow.embedded.instance import INSTANCE_ENV, instance_marker
 
         groups: dict[str, float] = {}
         training: dict[str, float] = {}
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--samples-out", type=Path, help="append each sample to this JSONL file as it is taken")
     args = p.parse_args(argv)
+    from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
     from syncswitch_airflow.report import load_run, summarize
-    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
     # SIGTERM unwinds like Ctrl-C, so the embedded Airflow and the run's cluster are stopped.
     signal.signal(signal.SIGTERM, _interrupt)

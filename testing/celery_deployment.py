@@ -12,7 +12,7 @@ What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.ya
 - PostgreSQL (Debian's package) as the metadata database and Celery's result backend, and Redis
   (Debian's) as the Celery broker, both with passwords, on the testbed's gateway;
 - the scheduler, dag-processor, triggerer and api-server on this machine, supervised as the embedded
-  Airflow's are (``syncswitch_airflow.tools.airflow_supervisor``), with the CeleryExecutor;
+  Airflow's are (``syncswitch_airflow.embedded.supervisor``), with the CeleryExecutor;
 - N Celery workers, each on its own testbed host: its own network namespace (address), UTS namespace
   (host name) and mount namespace, where a private tmpfs covers ``/tmp`` and the deployment's folder.
   A worker's AIRFLOW_HOME, task logs and cluster work folder live on that tmpfs: no other worker and
@@ -54,7 +54,7 @@ import wheels
 from background import Poller
 from gcs_emulator import GcsEmulator, free_port, free_ports
 from syncswitch import procs, storage
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent  # the checkout: its dags/ and plugins/
 

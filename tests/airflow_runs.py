@@ -20,8 +20,8 @@ from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow.backends.base import CLUSTER_ENV, ClusterBackend, SegmentStatus
-from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow_api import AirflowApi, AirflowError
 
 DAG_ID = "sync_switch"
 
@@ -162,7 +162,7 @@ def state_of(layout: RunLayout) -> dict[str, Any]:
 
 
 def component_pid(airflow: EmbeddedAirflow, name: str) -> int:
-    from syncswitch_airflow.tools.airflow_supervisor import read_status
+    from syncswitch_airflow.embedded.supervisor import read_status
 
     status = read_status(Path(airflow.home))
     assert status is not None and status["components"][name]["running"], status
@@ -171,7 +171,7 @@ def component_pid(airflow: EmbeddedAirflow, name: str) -> int:
 
 def wait_for_restart(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout: float = 60) -> int:
     """Wait until the supervisor has replaced component ``name`` (pid ``old_pid``); the new pid."""
-    from syncswitch_airflow.tools.airflow_supervisor import read_status
+    from syncswitch_airflow.embedded.supervisor import read_status
 
     def replaced() -> bool:
         status = read_status(Path(airflow.home)) or {}
@@ -181,6 +181,30 @@ def wait_for_restart(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout:
     wait_for(replaced, timeout=timeout, what=f"the {name} restarted", poll=0.5)
     time.sleep(1.0)
     return component_pid(airflow, name)
+
+
+def new_component_pid(airflow: EmbeddedAirflow, name: str, old_pid: int, timeout: float = 120) -> int:
+    """The pid of the component that replaced ``old_pid``, as soon as the supervisor has started it."""
+    from syncswitch_airflow.embedded.supervisor import read_status
+
+    def started() -> int | None:
+        component = (read_status(Path(airflow.home)) or {}).get("components", {}).get(name, {})
+        return component["pid"] if component.get("running") and component.get("pid") != old_pid else None
+
+    wait_for(started, timeout=timeout, what=f"the {name} restarted", poll=0.05)
+    return started() or new_component_pid(airflow, name, old_pid, timeout)
+
+
+def wait_until_answered(airflow: EmbeddedAirflow, name: str = "api-server", timeout: float = 300) -> None:
+    """Until the supervisor's status says the probed component has answered since its start: a fault
+    test of an api-server that "answered, then hung" must not stop one that has not answered yet."""
+    from syncswitch_airflow.embedded.supervisor import read_status
+
+    def answered() -> bool:
+        component = (read_status(Path(airflow.home)) or {}).get("components", {}).get(name, {})
+        return bool(component.get("running") and component.get("answered"))
+
+    wait_for(answered, timeout=timeout, what=f"the {name} to answer since its start", poll=0.5)
 
 
 def job_checkpoint_step(job_root: str) -> float:

@@ -11,7 +11,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -303,15 +305,71 @@ BUCKET_CONN_ID = "syncswitch_bucket"
 BUCKET_CONN_ENV = f"AIRFLOW_CONN_{BUCKET_CONN_ID.upper()}"
 
 
+class EmbeddedAirflowReplaced(UserWarning):
+    """The session's embedded Airflow was wedged before a test and was replaced."""
+
+
+class SessionAirflow:
+    """The test session's one embedded Airflow, checked before each test that uses it: a component
+    left stopped, dead or not answering by an earlier test is reported once, naming it and its state,
+    and the instance is replaced, so that one wedged component cannot fail every later test."""
+
+    # How long an instance that does not answer is given to recover by its supervisor's own means (a
+    # hung api-server is killed after the session's 20 s, one never answering after 60 s, a dead
+    # component restarted within its backoff) before it counts as wedged.
+    RECOVERY_SECONDS = 150.0
+
+    def __init__(self, instance: Any, wait_for_dags: tuple[str, ...]) -> None:  # noqa: ANN401
+        self.instance = instance
+        self.wait_for_dags = wait_for_dags
+        self.replaced: list[str] = []
+
+    def start(self) -> None:
+        self.instance.start(wait_for_dags=self.wait_for_dags, timeout=600)
+
+    def serving(self) -> Any:  # noqa: ANN401 - EmbeddedAirflow, imported late
+        problem = self.problem()
+        if problem is not None:
+            message = f"the session's embedded Airflow was wedged: {problem}; replacing it"
+            self.replaced.append(message)
+            warnings.warn(EmbeddedAirflowReplaced(message), stacklevel=2)
+            print(message, file=sys.stderr)
+            self.instance.stop()
+            self.start()
+        return self.instance
+
+    def problem(self) -> str | None:
+        """None while the instance answers with every component running; else what is wrong."""
+        from syncswitch_airflow.embedded.supervisor import answers
+
+        deadline = time.monotonic() + self.RECOVERY_SECONDS
+        while True:
+            if not self.instance.is_running():
+                return "its supervisor is gone"
+            problems = self.instance.component_problems()
+            stopped = [line for line in problems if "(T)" in line or "(t)" in line]
+            if stopped:  # nothing of the instance continues a stopped process
+                return "; ".join(stopped)
+            health = f"{self.instance.url}/api/v2/monitor/health"
+            if not problems and answers(health, timeout=10):
+                return None
+            if time.monotonic() > deadline:
+                unanswered = [] if answers(health, timeout=10) else [f"no answer from {health}"]
+                return "; ".join(problems + unanswered)
+            time.sleep(5.0)
+
+
 @pytest.fixture(scope="session")
-def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def session_airflow(
+    gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SessionAirflow]:
     """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
     whole session, with this project's dags/ and plugins/ and a private AIRFLOW_HOME; it reaches the
     session's GCS emulator. Stopped at the end by ``syncswitch run --stop-ui`` (one instance serves
     that check too: a second one costs a minute or two), and nothing of it may be left running."""
     from syncswitch import procs
-    from syncswitch_airflow.tools.airflow_supervisor import HUNG_SECONDS_ENV
-    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+    from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+    from syncswitch_airflow.embedded.supervisor import BOOT_SECONDS_ENV, HUNG_SECONDS_ENV
 
     # Runs triggered with the DAG's defaults (the Trigger form) go to a throwaway bucket folder, not
     # to <project>/runs: the DAG file reads SYNCSWITCH_BUCKET_DIR when Airflow parses it.
@@ -328,18 +386,20 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
     # hook), as on a deployment that keeps its key in one: a named connection must exist, so a task
     # that did not read it would fail.
     os.environ[BUCKET_CONN_ENV] = ANONYMOUS_GOOGLE_CONNECTION
-    # The hung api-server test waits this long for its restart rather than the default minute (the
-    # instance the CLI starts again in the whole-Airflow restart test reads it from here too).
-    saved[HUNG_SECONDS_ENV] = os.environ.get(HUNG_SECONDS_ENV)
-    os.environ[HUNG_SECONDS_ENV] = "20"
+    # The api-server fault tests wait this long for its restart rather than the defaults (an instance
+    # the CLI starts again, or a replacement, reads them from here too).
+    for name, seconds in ((HUNG_SECONDS_ENV, "20"), (BOOT_SECONDS_ENV, "60")):
+        saved[name] = os.environ.get(name)
+        os.environ[name] = seconds
     settings = {"SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID}
     # Any free port: 8080 is left to a demo or another test session on the same machine.
     instance = EmbeddedAirflow(
         PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0, settings=settings
     )
+    holder = SessionAirflow(instance, wait_for_dags=("sync_switch",))
     try:
-        instance.start(wait_for_dags=("sync_switch",), timeout=600)
-        yield instance
+        holder.start()
+        yield holder
     finally:
         for name, value in saved.items():
             if value is None:
@@ -352,6 +412,12 @@ def embedded_airflow(gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathF
         if record is not None:
             assert procs.processes_in_group(record.pid) == [], "the supervisor's process group is left"
         assert not instance.is_running() and not instance.pid_file.exists()
+
+
+@pytest.fixture
+def embedded_airflow(session_airflow: SessionAirflow):  # noqa: ANN201 - EmbeddedAirflow
+    """The session's embedded Airflow, found serving before the test (or replaced: SessionAirflow)."""
+    return session_airflow.serving()
 
 
 def stop_with_the_cli(home: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,9 +24,11 @@ from airflow_runs import (
     LocalSegmentNodes,
     assert_stopped_by_hand,
     checkpoint_names,
+    checkpoint_step,
     component_pid,
     is_error_line,
     latest_step,
+    new_component_pid,
     relaunch_evidence,
     segment_starts,
     state_of,
@@ -36,6 +39,7 @@ from airflow_runs import (
     wait_for_step,
     wait_for_task,
     wait_run,
+    wait_until_answered,
 )
 from proc_utils import assert_no_processes, environ, wait_for
 from syncswitch import checkpoints, procs, storage
@@ -43,10 +47,10 @@ from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
 from syncswitch_airflow import history
 from syncswitch_airflow.backends.base import CLUSTER_ENV
-from syncswitch_airflow.tools.airflow_api import AirflowApi
-from syncswitch_airflow.tools.airflow_supervisor import PROBE_SECONDS, hung_seconds
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
-from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow_api import AirflowApi
+from syncswitch_airflow.embedded.instance import ADMIN_PASSWORD, ADMIN_USER
+from syncswitch_airflow.embedded.supervisor import LIMIT_GROWTH, PROBE_SECONDS, ProbeLimits, read_status
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 
@@ -106,6 +110,7 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
     wait_for_step(layout, 0, "bsp", 20)
 
+    wait_until_answered(airflow)  # "answered, then hung": not one still booting
     api_server = component_pid(airflow, "api-server")
     os.kill(api_server, signal.SIGSTOP)
     # An unregistered model passes the form and fails the run's validate task: nothing provisioned.
@@ -123,7 +128,7 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     )
 
     kill_component(airflow, "scheduler")
-    limit = hung_seconds(os.environ)  # the session's instance has the environment of this process
+    limit = ProbeLimits.from_environ(os.environ).hung * LIMIT_GROWTH  # (the session's environment)
     wait_for_restart(airflow, "api-server", api_server, timeout=limit + 2 * PROBE_SECONDS + 60)
     assert "killing it (hung)" in airflow.log_path.read_text()
     late = late_trigger.result(timeout=150)
@@ -150,6 +155,30 @@ def test_killed_triggerer_and_scheduler_and_a_hung_api_server_lose_no_training_a
     assert state_of(layout)["status"] == "success"
 
 
+def test_an_api_server_stopped_before_its_first_answer_is_killed_at_its_boot_limit(
+    embedded_airflow: EmbeddedAirflow,
+) -> None:
+    """The api-server wedges as it starts, before any probe has had an answer from it (SIGSTOP right
+    after its restart): the supervisor kills it once the boot limit has passed since its start (60 s
+    in the test session), says so with both times, and the next one serves."""
+    airflow = embedded_airflow
+    wait_until_answered(airflow)
+    old = component_pid(airflow, "api-server")
+    os.kill(old, signal.SIGKILL)
+    booting = new_component_pid(airflow, "api-server", old)
+    os.kill(booting, signal.SIGSTOP)
+    status = read_status(Path(airflow.home))["components"]["api-server"]
+    assert status["pid"] == booting and status["answered"] is False, status  # stopped before answering
+
+    limit = ProbeLimits.from_environ(os.environ).boot * LIMIT_GROWTH
+    wait_for_restart(airflow, "api-server", booting, timeout=limit + 2 * PROBE_SECONDS + 60)
+    kills = [line for line in airflow.log_path.read_text().splitlines() if f"(pid {booting})" in line]
+    boot_kill = re.compile(r"started at \d\d:\d\d:\d\d, no answer since .*: killing it \(no answer since")
+    assert any(boot_kill.search(line) for line in kills), kills
+    wait_until_answered(airflow)
+    assert airflow.api.health()["metadatabase"]["status"] == "healthy"
+
+
 def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
     embedded_airflow: EmbeddedAirflow, tmp_path: Path
 ) -> None:
@@ -169,8 +198,11 @@ def test_a_failed_run_cleared_resumes_on_a_new_cluster_from_its_last_checkpoint(
     }
     run_id, layout = trigger(airflow, conf)
     wait_for_task(airflow, run_id, "segment_0.bsp", ("deferred",))
-    wait_for_step(layout, 0, "bsp", 250)
-    for pid in LocalSegmentNodes("resume", 0)():  # the cluster crashes
+    # Right past a checkpoint (no lag, unlike the step events), ~1,000 steps before the segment's end.
+    wait_for(lambda: checkpoint_step(layout) >= 200, timeout=300, what="segment 0's checkpoint 200")
+    nodes = LocalSegmentNodes("resume", 0)()
+    assert nodes, "segment 0's nodes were not found"
+    for pid in nodes:  # the cluster crashes
         os.kill(pid, signal.SIGKILL)
     assert wait_run(airflow, run_id) == "failed"
     segment = task_instances(airflow.api, run_id)["segment_0.bsp"]
@@ -259,13 +291,14 @@ def test_a_bucket_outage_mid_segment_under_the_scheduler(
     embedded_airflow: EmbeddedAirflow, gcs_server, gcs_bucket: str, tmp_path: Path
 ) -> None:
     airflow = embedded_airflow
-    conf = job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs", train_steps=[400, 200])
+    conf = job(tmp_path, "outage", bucket_dir=f"{gcs_bucket}/runs", train_steps=[1000, 200])
     run_id, layout = trigger(airflow, conf)
-    wait_for_step(layout, 0, "bsp", 30)
-    gcs_server.outage(60.0).join()  # the issue's minute; BSP waits at its next checkpoint (100)
+    # Right past checkpoint 100 (no lag, unlike the step events), ~900 steps before the segment's end.
+    wait_for(lambda: checkpoint_step(layout) >= 100, timeout=300, what="segment 0's checkpoint 100", poll=0.1)
+    gcs_server.outage(60.0).join()  # the issue's minute; BSP waits at its next checkpoint
     assert wait_run(airflow, run_id) == "success"
     state = state_of(layout)
-    assert state["final"]["global_step"] == 600
+    assert state["final"]["global_step"] == 1200
     assert segment_starts(layout) == {0: 1, 1: 1}, relaunch_evidence(airflow, run_id, layout)
     names = checkpoint_names(layout)
     assert all(storage.exists(f"{layout.checkpoints}/{n}/manifest.json") for n in names), names

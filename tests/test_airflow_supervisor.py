@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
+import re
 import shutil
 import socket
 import sqlite3
@@ -15,21 +17,25 @@ import subprocess
 import sys
 import threading
 import time
-import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from proc_utils import wait_for
-from syncswitch_airflow.tools import airflow_api, airflow_http, boot, sqlite_settings
-from syncswitch_airflow.tools.airflow_supervisor import (
+from syncswitch_airflow.embedded import airflow_api, airflow_http, boot, sqlite_settings
+from syncswitch_airflow.embedded.instance import InstanceRecord
+from syncswitch_airflow.embedded.supervisor import (
+    BOOT_SECONDS,
+    BOOT_SECONDS_ENV,
     CONNECT_ARGS_ENV,
     HUNG_SECONDS,
     HUNG_SECONDS_ENV,
     MigrationStamp,
+    ProbeLimits,
     answers,
     component_env,
-    hung_limit,
-    hung_seconds,
+    grown_limit,
+    read_status,
     rotate_log,
 )
 
@@ -143,10 +149,13 @@ def test_the_api_server_probe_counts_any_http_answer_and_not_a_silent_or_closed_
 
 
 @pytest.mark.parametrize(
-    ("raw", "limit"), [("", HUNG_SECONDS), ("25", 25.0), ("0", HUNG_SECONDS), ("x", HUNG_SECONDS)]
+    ("raw", "factor"), [("", None), ("25", 25.0), ("0", None), ("x", None), ("-3", None)]
 )
-def test_the_hung_api_server_limit_is_a_positive_number_of_seconds(raw: str, limit: float) -> None:
-    assert hung_seconds({HUNG_SECONDS_ENV: raw} if raw else {}) == limit
+def test_the_api_servers_limits_are_positive_numbers_of_seconds(raw: str, factor: float | None) -> None:
+    environ = {HUNG_SECONDS_ENV: raw, BOOT_SECONDS_ENV: raw} if raw else {}
+    limits = ProbeLimits.from_environ(environ)
+    assert (limits.hung, limits.boot) == ((factor, factor) if factor else (HUNG_SECONDS, BOOT_SECONDS))
+    assert BOOT_SECONDS > HUNG_SECONDS  # a boot is slower than an answer
 
 
 def _answer_json(handler: http.server.BaseHTTPRequestHandler, body: dict) -> None:
@@ -176,6 +185,26 @@ class _SlowFirstLook(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@dataclass
+class _ApiOnly:
+    """A booting instance (``boot.Booting``) that is only its REST API."""
+
+    api: airflow_api.AirflowApi
+    home: Path = Path("home")
+    log_path: Path = Path("log")
+    dags_folder: Path = Path("dags")
+    url: str = "http://127.0.0.1"
+
+    def record(self) -> InstanceRecord:
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        pass
+
+    def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        raise NotImplementedError
+
+
 def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen on a loaded CI machine: a healthy api-server's first import-errors answer took over 30 s,
     # and the boot raised the client's TimeoutError instead of waiting on for the DAG.
@@ -185,8 +214,7 @@ def test_the_wait_for_a_dag_outlasts_an_api_that_answers_too_late(monkeypatch: p
     try:
         api = airflow_api.AirflowApi(f"http://127.0.0.1:{server.server_port}", "u", "p")
         monkeypatch.setattr(api, "token", lambda: "token")
-        airflow = types.SimpleNamespace(check_alive=lambda: None, api=api, dags_folder="dags", log_path="log")
-        boot.wait_for_dag(airflow, "sync_switch", deadline=time.monotonic() + 30)  # type: ignore[arg-type]
+        boot.wait_for_dag(_ApiOnly(api), "sync_switch", deadline=time.monotonic() + 30)
     finally:
         server.shutdown()
         server.server_close()
@@ -286,13 +314,91 @@ def test_only_the_api_server_on_sqlite_waits_less_for_the_write_lock() -> None:
     assert sqlite_settings.API_SERVER_CONNECT_ARGS["timeout"] < sqlite_settings.CONNECT_ARGS["timeout"]
 
 
-def test_the_hung_limit_doubles_with_each_recent_kill_up_to_its_growth() -> None:
+def test_a_limit_doubles_with_each_recent_kill_up_to_its_growth() -> None:
     """A live api-server on a machine so loaded that it goes the limit without answering is killed
-    once; killed again at once after each restart, it would never serve (the suite saw four kills in
-    five minutes): each kill in the last hour doubles the next limit."""
+    once; killed again at once after each restart, it would never serve: each kill in the last hour
+    doubles the next limit."""
     now = 10_000.0
-    assert hung_limit(20.0, [], now) == 20.0
-    assert hung_limit(20.0, [now - 100], now) == 40.0
-    assert hung_limit(20.0, [now - 300, now - 100], now) == 80.0
-    assert hung_limit(20.0, [now - 500 + i for i in range(6)], now) == 160.0  # at most 8 x
-    assert hung_limit(20.0, [now - 4000, now - 100], now) == 40.0  # over an hour ago: forgotten
+    assert grown_limit(20.0, [], now) == 20.0
+    assert grown_limit(20.0, [now - 100], now) == 40.0
+    assert grown_limit(20.0, [now - 300, now - 100], now) == 80.0
+    assert grown_limit(20.0, [now - 500 + i for i in range(6)], now) == 160.0  # at most 8 x
+    assert grown_limit(20.0, [now - 4000, now - 100], now) == 40.0  # over an hour ago: forgotten
+
+
+# ---- the boot limit, with stand-in components ---------------------------------------------------------
+
+STAND_IN_API_SERVER = """
+import http.server, pathlib, socket, sys, time
+port, starts = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+starts.write_text(starts.read_text() + "x" if starts.exists() else "x")
+if len(starts.read_text()) < 3:  # the first two starts wedge: the port open, no answer ever
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    silent.bind(("127.0.0.1", port))
+    silent.listen(8)
+    time.sleep(3600)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+SUPERVISOR_WITH_STAND_INS = """
+import json, sys
+from dataclasses import dataclass
+from pathlib import Path
+from syncswitch_airflow.embedded.supervisor import ProbeLimits, Supervisor
+limits = ProbeLimits(boot=2.0, hung=60.0, interval=0.5, timeout=0.5)
+sys.exit(Supervisor(Path(sys.argv[1]), commands=json.loads(sys.argv[2]), limits=limits).run())
+"""
+
+
+def test_an_api_server_that_never_answers_after_its_start_is_killed_at_a_growing_boot_limit(
+    tmp_path: Path,
+) -> None:
+    """A real supervisor over stand-in components: an api-server that wedges before its first answer
+    is killed once the boot limit has passed since its start (2 s here), the next one at twice
+    that; the third start answers, and components.json says so."""
+    from gcs_emulator import free_port
+
+    port = free_port()
+    (tmp_path / "api.py").write_text(STAND_IN_API_SERVER)
+    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    commands = {name: idle for name in ("scheduler", "dag-processor", "triggerer")}
+    commands["api-server"] = [sys.executable, str(tmp_path / "api.py"), str(port), str(tmp_path / "starts")]
+    commands["migrate"] = ["true"]
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}"}
+    argv = [sys.executable, "-c", SUPERVISOR_WITH_STAND_INS, str(tmp_path), json.dumps(commands)]
+    log = tmp_path / "embedded.log"
+    with open(log, "wb") as out:
+        # A session of its own, as EmbeddedAirflow starts it: at its stop it ends its whole group.
+        supervisor = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for(
+            lambda: (read_status(tmp_path) or {}).get("components", {}).get("api-server", {}).get("answered"),
+            timeout=90,
+            what="the third api-server to answer",
+        )
+    finally:
+        supervisor.terminate()
+        supervisor.wait(timeout=60)
+    kills = [line for line in log.read_text().splitlines() if "killing it" in line]
+    assert len(kills) == 2, log.read_text()
+    assert all("no answer since ((" not in k and "no answer since its start" in k for k in kills), kills
+    assert all(re.search(r"started at \d\d:\d\d:\d\d, no answer since", k) for k in kills), kills
+    assert [re.search(r"boot limit (\d+) s", k).group(1) for k in kills] == ["2", "4"], kills
+    api_server = read_status(tmp_path)["components"]["api-server"]
+    assert api_server["restarts"] == 2 and api_server["answered"] and api_server["last_answer_at"]
+    assert "answered" not in read_status(tmp_path)["components"]["scheduler"]  # only the probed one
+    assert supervisor.returncode == 0
+    assert len((tmp_path / "starts").read_text()) == 3

@@ -21,9 +21,9 @@ import pytest
 from airflow_runs import LocalSegmentNodes, segment_starts, task_log
 from proc_utils import ProgressThrottle, assert_no_processes, wait_for
 from syncswitch.layout import RunLayout
-from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError, TriggerRejected
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
-from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow_api import AirflowApi, AirflowError, TriggerRejected
+from syncswitch_airflow.embedded.instance import ADMIN_PASSWORD, ADMIN_USER
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 SYNCSWITCH = Path(sys.executable).parent / "syncswitch"
@@ -54,7 +54,7 @@ def test_start_serves_the_project_dags_healthy_on_localhost(airflow: EmbeddedAir
 
 
 def test_the_triggerer_builds_its_execution_api_as_it_starts(airflow: EmbeddedAirflow) -> None:
-    """Not on the first trigger's first call, beside the first segment's start-up (tools/triggerer.py)."""
+    """Not on the first trigger's first call, beside the first segment's start-up (embedded/triggerer.py)."""
     logs = Path(airflow.home) / "logs" / "components"
 
     def said_ready() -> bool:  # in the log, or in one rotated since
@@ -79,7 +79,7 @@ def test_a_new_instance_waits_for_dags_parsed_since_it_started(airflow: Embedded
     ready only once its own dag-processor has parsed the files (what the API says of the parse)."""
     import time
 
-    from syncswitch_airflow.tools import boot
+    from syncswitch_airflow.embedded import boot
 
     boot.wait_for_dag(airflow, "sync_switch", time.monotonic() + 30, parsed_after=0.0)
     with pytest.raises(AirflowError, match="did not appear"):
@@ -293,15 +293,15 @@ def test_greedy_switches_to_asp_and_back_around_a_transient_straggler(
         return asp_nodes() if started else []
 
     # Tied to progress, not to the clock (a --straggler episode is timed from the segment's start, and
-    # on a slow machine it could end before the first step). Greedy switches back after 3 clean 5 s
-    # windows of ASP (+2.5 s lateness, + the sensor's resume): ~20 s, which unthrottled ASP fills with
-    # ~3,200 steps here (158 steps/s) and more on a faster machine, while the switch itself came
-    # anywhere from step 480 (here, alone) to 1,870 (CI, beside other tests). So the whole ASP segment
-    # runs 4x slower, every node at once (no worker looks slower than another), until greedy has
-    # switched back: ~660-760 steps here. The rest of the BSP budget then trains as BSP (125 steps/s).
+    # on a slow machine it could end before the first step): worker 1 of the BSP segment runs at a
+    # quarter speed until greedy has switched. Greedy then switches back after 3 clean 5 s windows of
+    # ASP (+ lateness, + the sensor's resume), ~20 s that unthrottled ASP would fill with thousands of
+    # steps, more than the BSP budget has left on a fast machine: so the whole ASP segment runs at a
+    # sixteenth of its speed, every node at once (no worker looks slower than another), until greedy
+    # has switched back. The rest of the BSP budget then trains as BSP.
     asp_nodes = LocalSegmentNodes("greedy-e2e", 1)
     straggler = ProgressThrottle(LocalSegmentNodes("greedy-e2e", 0, "worker-1"), lambda: decided("switch"))
-    asp_brake = ProgressThrottle(asp_nodes_once_stepping, lambda: decided("switch_back"))
+    asp_brake = ProgressThrottle(asp_nodes_once_stepping, lambda: decided("switch_back"), slowdown=16)
     with straggler, asp_brake:
         _result, summary = syncswitch_run(
             airflow,

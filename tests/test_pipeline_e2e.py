@@ -11,6 +11,7 @@ online-switching tests (real scheduler) cover it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -22,9 +23,10 @@ from typing import Any
 
 import pytest
 from background import Poller
-from proc_utils import assert_no_processes
+from proc_utils import ProgressThrottle, assert_no_processes
 from syncswitch import storage
 from syncswitch.layout import RunLayout, safe_run_id
+from syncswitch.procs import processes_in_group
 from syncswitch.state import read_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +98,9 @@ class LaunchKiller(Poller):
 
     ``ready`` says when the current launch may be killed; ``group`` kills the launch's whole process
     group (wrapper, launcher and cluster, like a host crash), otherwise only the launcher (a crash:
-    the wrapper reports its exit status, its cluster processes die with it).
+    the wrapper reports its exit status, its cluster processes die with it). Inside its block, every
+    launch it has not killed yet runs at a sixteenth of its speed (``throttle``), so that a kill due
+    after a checkpoint lands before the segment's end, however fast the machine.
     """
 
     def __init__(
@@ -116,6 +120,32 @@ class LaunchKiller(Poller):
             if record["pid"] not in self.killed and self.ready():
                 self._kill(record)
         return len(self.killed) >= self.times
+
+    def unkilled_launch_pids(self) -> list[int]:
+        """Every process of the launches not killed yet: the launch's process group, and the nodes
+        that the cluster's fork server forked for it."""
+        pids: list[int] = []
+        for path in glob.glob(self.pattern):
+            try:
+                record = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if record["pid"] not in self.killed:
+                pids += processes_in_group(record["pgid"])  # the wrapper and the launcher
+                with contextlib.suppress(OSError, ValueError, KeyError):  # the nodes, once started
+                    nodes = json.loads(Path(path).with_name("scratch").joinpath("nodes.json").read_text())
+                    pids += [int(node["pid"]) for node in nodes.values()]
+        return pids
+
+    def __enter__(self) -> LaunchKiller:
+        super().__enter__()
+        done = lambda: len(self.killed) >= self.times  # noqa: E731
+        self._throttle = ProgressThrottle(self.unkilled_launch_pids, done, slowdown=16).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._throttle.__exit__(*exc)
+        super().__exit__(*exc)
 
     def _kill(self, record: dict[str, Any]) -> None:
         try:

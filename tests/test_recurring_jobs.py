@@ -23,8 +23,8 @@ from proc_utils import wait_for
 from syncswitch.layout import RunLayout
 from syncswitch.state import read_state
 from syncswitch_airflow import history, timing
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
 from syncswitch_airflow.tools.compare import RunRef, build_comparison
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster]
 

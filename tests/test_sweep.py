@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from airflow_runs import DAG_ID, assert_stopped_by_hand
+from airflow_runs import DAG_ID, LocalSegmentNodes, assert_stopped_by_hand
 from conftest import PROJECT_DIR
-from proc_utils import wait_for
+from proc_utils import ProgressThrottle, wait_for
 from syncswitch import usercode
 from syncswitch_airflow.job_files import read_job_file
 from syncswitch_airflow.tools.sweep import (
@@ -119,30 +119,36 @@ def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and
         if line.startswith("[2/2]") and ": run " in line:
             raise Killed
 
-    with pytest.raises(Killed):
-        run_sweep(sweep, embedded_airflow, killed_once_the_second_run_is_triggered, progress)
-    first = SweepProgress(progress).earlier
-    assert (first[("bsp", 0)]["state"], first[("asp", 0)]["state"]) == ("success", "queued")
-    in_flight = first[("asp", 0)]["run_id"]
+    # The ASP run's nodes run at a sixteenth of their speed until the Ctrl-C below, so that its 300
+    # steps cannot end before it, however fast the machine.
+    interrupted: list[bool] = []
+    brake = ProgressThrottle(LocalSegmentNodes("resumable-asp", 0), lambda: bool(interrupted), slowdown=16)
+    with brake:
+        with pytest.raises(Killed):
+            run_sweep(sweep, embedded_airflow, killed_once_the_second_run_is_triggered, progress)
+        first = SweepProgress(progress).earlier
+        assert (first[("bsp", 0)]["state"], first[("asp", 0)]["state"]) == ("success", "queued")
+        in_flight = first[("asp", 0)]["run_id"]
 
-    # Started again: the finished run is kept and the one in flight followed, until Ctrl-C while it
-    # trains, which fails that run and lets its teardown run before the sweep stops.
-    def ctrl_c_while_following(line: str) -> None:
-        lines.append(line)
-        if ": following run" in line:
-            wait_for(
-                lambda: (
-                    embedded_airflow.api.task_states(DAG_ID, in_flight).get("segment_0.asp") == "deferred"
-                ),
-                timeout=120,
-                poll=0.2,
-                what="the followed run's segment training",
-            )
-            raise KeyboardInterrupt
+        # Started again: the finished run is kept and the one in flight followed, until Ctrl-C while
+        # it trains, which fails that run and lets its teardown run before the sweep stops.
+        def ctrl_c_while_following(line: str) -> None:
+            lines.append(line)
+            if ": following run" in line:
+                wait_for(
+                    lambda: (
+                        embedded_airflow.api.task_states(DAG_ID, in_flight).get("segment_0.asp") == "deferred"
+                    ),
+                    timeout=120,
+                    poll=0.2,
+                    what="the followed run's segment training",
+                )
+                interrupted.append(True)
+                raise KeyboardInterrupt
 
-    lines.clear()
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(sweep, embedded_airflow, ctrl_c_while_following, progress)
+        lines.clear()
+        with pytest.raises(KeyboardInterrupt):
+            run_sweep(sweep, embedded_airflow, ctrl_c_while_following, progress)
     assert lines[0].startswith("resuming: 2 run(s) recorded"), lines
     assert lines[1].startswith(f"[1/2] bsp repeat 1: kept run {first[('bsp', 0)]['run_id']} (success"), lines
     assert lines[2].startswith(f"[2/2] asp repeat 1: following run {in_flight}"), lines

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 from airflow_runs import DAG_ID, wait_run
 from proc_utils import wait_for
-from syncswitch_airflow.tools.boot import wait_healthy
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
-from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.boot import wait_healthy
+from syncswitch_airflow.embedded.instance import ADMIN_PASSWORD, ADMIN_USER
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

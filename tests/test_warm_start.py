@@ -273,7 +273,7 @@ def test_the_embedded_triggerer_reaps_its_runner_once_its_sockets_have_closed(
 ) -> None:
     import airflow.__main__
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
-    from syncswitch_airflow.tools import triggerer
+    from syncswitch_airflow.embedded import triggerer
 
     # Restored after the test: the patch is process-wide by design.
     monkeypatch.setattr(TriggerRunnerSupervisor, "start", TriggerRunnerSupervisor.start)

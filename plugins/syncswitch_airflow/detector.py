@@ -15,12 +15,15 @@ Windows. Time is cut into windows of ``window_seconds`` aligned on the first sam
 closed once a sample at least ``lateness`` seconds past its end has been seen, so events that reach
 storage a little late (gs:// uploads are batched) still land in their window.
 
-Per window and worker the statistic is the median of the signal. Each worker is compared with the
-cluster's own baseline: the median of the *other* workers' statistics in the same window, so no
-threshold is tied to a model or a machine, and a cluster that slows down as a whole is not a
-straggler. ``factor = stat / baseline``; a worker is flagged when ``factor >= threshold``. In ASP a
-worker with too few samples in a window is measured by the step it is still in (time since its last
-completed step, a lower bound), so a worker that slows to a crawl or freezes is still named.
+Per window and worker the statistic is the mean of the signal, not its median: a duty-cycled
+straggler (CPU quota throttling, the injector's SIGSTOP cycles) slows only the steps its stops fall
+in, and where those are a minority of its steps a median skips them and reads it healthy. Each
+worker is compared with the cluster's own baseline: the median of the *other* workers' statistics in
+the same window, so no threshold is tied to a model or a machine, and a cluster that slows down as a
+whole is not a straggler. ``factor = stat / baseline``; a worker is flagged when ``factor >=
+threshold``. In ASP a worker with too few samples in a window is measured by the step it is still
+in (time since its last completed step, a lower bound), so a worker that slows to a crawl or
+freezes is still named.
 
 Hysteresis: ``raise_after`` consecutive flagged windows raise the verdict, ``clear_after``
 consecutive clean windows clear it. Windows without evidence (fewer than two workers measured)
@@ -75,10 +78,18 @@ class WorkerStat:
     """One worker in one window."""
 
     worker: int
-    median: float  # of the signal, seconds
+    mean: float  # of the signal, seconds
     samples: int
-    factor: float | None  # median / baseline of the other workers; None without a baseline
-    open_step: bool = False  # the median was raised by a step still in progress at window end
+    factor: float | None  # mean / baseline of the other workers; None without a baseline
+    open_step: bool = False  # the mean was raised by a step still in progress at window end
+
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerStat:
+        values = dict(data)
+        if "median" in values:  # a verdict recorded before the statistic became the mean
+            values["mean"] = values.pop("median")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class Verdict:
     stats: dict[int, WorkerStat]
     signal: str
     change: str | None = None  # "raised" | "cleared" when this window changed the state
-    baseline: float = 0.0  # median signal of the healthy workers, s
+    baseline: float = 0.0  # median of the healthy workers' mean signals, s
     extra_time: float = 0.0  # s the slowest straggler's signal exceeds the baseline by
     step_time: float = 0.0  # median raw step_time of all workers in the window, s
     global_step: float = 0.0  # largest global_step seen so far
@@ -109,7 +120,7 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
         values = dict(data)
-        values["stats"] = {int(w): WorkerStat(**s) for w, s in values.get("stats", {}).items()}
+        values["stats"] = {int(w): WorkerStat.from_dict(s) for w, s in values.get("stats", {}).items()}
         values["workers"] = [int(w) for w in values.get("workers", [])]
         return cls(**values)
 
@@ -235,16 +246,16 @@ class StragglerDetector:
             verdicts.append(self._close(window, start, end))
 
     def _close(self, window: _Window, start: float, end: float) -> Verdict:
-        medians = self._window_medians(window, end)
+        means = self._window_means(window, end)
         self._last_wall_time.update(window.last_wall_time)
-        stats = self._compare(medians)
+        stats = self._compare(means)
         threshold = self.config.threshold
         flagged = sorted(w for w, s in stats.items() if s.factor is not None and s.factor >= threshold)
         evidence = sum(1 for s in stats.values() if s.factor is not None) >= 2
         change = self._advance(flagged, stats, start, evidence)
-        healthy = [s.median for w, s in stats.items() if w not in flagged]
+        healthy = [s.mean for w, s in stats.items() if w not in flagged]
         baseline = statistics.median(healthy) if healthy else 0.0
-        worst = max((stats[w].median for w in flagged), default=baseline)
+        worst = max((stats[w].mean for w in flagged), default=baseline)
         factors = [s.factor for s in stats.values() if s.factor is not None]
         slowdown = self._slowdown if self._straggling else max(factors, default=0.0)
         return Verdict(
@@ -264,13 +275,13 @@ class StragglerDetector:
             evidence=evidence,
         )
 
-    def _window_medians(self, window: _Window, end: float) -> dict[int, tuple[float, int, bool]]:
-        """worker -> (median, samples, raised by an open step)."""
-        medians: dict[int, tuple[float, int, bool]] = {}
+    def _window_means(self, window: _Window, end: float) -> dict[int, tuple[float, int, bool]]:
+        """worker -> (mean, samples, raised by an open step)."""
+        means: dict[int, tuple[float, int, bool]] = {}
         for worker in sorted(set(self._last_wall_time) | set(window.signal)):
             values = window.signal.get(worker, [])
             if len(values) >= self.config.min_samples:
-                medians[worker] = (statistics.median(values), len(values), False)
+                means[worker] = (statistics.fmean(values), len(values), False)
                 continue
             # In ASP a worker that barely finishes a step in a window is slow; the time since its
             # last completed step is a lower bound on the step it is still in. In BSP a missing
@@ -279,18 +290,18 @@ class StragglerDetector:
             if self.signal != "step_time" or last is None:
                 continue
             open_step = end - last
-            median = statistics.median(values) if values else 0.0
-            medians[worker] = (max(median, open_step), len(values), open_step > median)
-        return medians
+            mean = statistics.fmean(values) if values else 0.0
+            means[worker] = (max(mean, open_step), len(values), open_step > mean)
+        return means
 
     @staticmethod
-    def _compare(medians: dict[int, tuple[float, int, bool]]) -> dict[int, WorkerStat]:
+    def _compare(means: dict[int, tuple[float, int, bool]]) -> dict[int, WorkerStat]:
         stats: dict[int, WorkerStat] = {}
-        for worker, (median, samples, open_step) in sorted(medians.items()):
-            others = [m for w, (m, _, _) in medians.items() if w != worker]
+        for worker, (mean, samples, open_step) in sorted(means.items()):
+            others = [m for w, (m, _, _) in means.items() if w != worker]
             baseline = statistics.median(others) if others else 0.0
-            factor = round(median / baseline, 4) if baseline > 0 else None
-            stats[worker] = WorkerStat(worker, median, samples, factor, open_step)
+            factor = round(mean / baseline, 4) if baseline > 0 else None
+            stats[worker] = WorkerStat(worker, mean, samples, factor, open_step)
         return stats
 
     def _advance(

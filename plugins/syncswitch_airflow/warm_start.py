@@ -47,7 +47,7 @@ of the watchers that end a run's last segment, and 8 of 22 ``evaluate``s.
 sockets have closed. The triggerer's supervisor has the same race when it stops its trigger runner
 (``kill``: a select() on no socket until the 10 s escalation delay is out): one stop in three of the
 embedded Airflow took 12-13 s instead of 4, so the embedded triggerer applies it too
-(``tools/triggerer.py``).
+(``embedded/triggerer.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from airflow.utils.state import DagRunState, TaskInstanceState
 log = logging.getLogger(__name__)
 
 # Longest an executor heartbeat waits for a worker's result; with the embedded Airflow's idle sleep
-# (tools/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop. Everything a run waits
+# (embedded/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop. Everything a run waits
 # for ends the wait (a task's end, a deferred task's end, a new run), so the loop is long: 5 s, where
 # 2 s cost 0.009 cores more while a segment trained (0.028 -> 0.019, bench_airflow_cpu).
 RESULT_WAIT_SECONDS = 4.8

@@ -37,9 +37,9 @@ from syncswitch.layout import RunLayout
 from syncswitch.plan import step_text
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError, TriggerRejected
-from syncswitch_airflow.tools.embedded import AirflowGone, EmbeddedAirflow
-from syncswitch_airflow.tools.instance import ADMIN_PASSWORD, ADMIN_USER
+from syncswitch_airflow.embedded.airflow import AirflowGone, EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow_api import AirflowApi, AirflowError, TriggerRejected
+from syncswitch_airflow.embedded.instance import ADMIN_PASSWORD, ADMIN_USER
 
 DAG_ID = "sync_switch"
 PROG = "syncswitch run"

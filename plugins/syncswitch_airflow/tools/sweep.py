@@ -47,7 +47,8 @@ from syncswitch import storage, usercode
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
-from syncswitch_airflow.tools.airflow_api import TERMINAL_RUN_STATES, AirflowError, AirflowUnavailable
+from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.airflow_api import TERMINAL_RUN_STATES, AirflowError, AirflowUnavailable
 from syncswitch_airflow.tools.cli import (
     DAG_ID,
     dag_conf,
@@ -56,7 +57,6 @@ from syncswitch_airflow.tools.cli import (
     interrupt_on_sigterm,
     stop_airflow,
 )
-from syncswitch_airflow.tools.embedded import EmbeddedAirflow
 
 PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from syncswitch_airflow.tools import sqlite_settings
-from syncswitch_airflow.tools.airflow_api import AirflowError
+from syncswitch_airflow.embedded import sqlite_settings
+from syncswitch_airflow.embedded.airflow_api import AirflowError
 
 ADMIN_USER = "admin"
 # A fixed password so the CLI, the tests and the README agree on it. The API listens on 127.0.0.1

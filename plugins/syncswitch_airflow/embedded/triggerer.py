@@ -13,7 +13,7 @@ It also makes the triggerer's supervisor reap its trigger runner as soon as the 
 closed (``warm_start.reap_exiting_processes``): stopping the triggerer otherwise took 10 s more in
 about one stop in three, a select() on no socket until the escalation delay ran out.
 
-    python -m syncswitch_airflow.tools.triggerer     # in place of: airflow triggerer
+    python -m syncswitch_airflow.embedded.triggerer     # in place of: airflow triggerer
 """
 
 from __future__ import annotations

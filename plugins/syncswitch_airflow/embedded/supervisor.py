@@ -1,42 +1,34 @@
-"""The embedded Airflow's supervisor: runs its components and restarts any that dies.
+"""The embedded Airflow's supervisor: runs its components and restarts any that dies or hangs.
 
-    python -m syncswitch_airflow.tools.airflow_supervisor      (started by EmbeddedAirflow, env included)
+    python -m syncswitch_airflow.embedded.supervisor      (started by EmbeddedAirflow, env included)
 
-It replaces ``airflow standalone``, which starts the scheduler, dag-processor, triggerer and
-api-server once and never restarts them: a triggerer killed while a segment task was deferred left the
-run waiting until someone started one by hand. Here:
+It replaces ``airflow standalone``, which starts each component once and never restarts it (a killed
+triggerer left every deferred segment waiting for a person). The rules:
 
-- the metadata database is migrated first (``airflow db migrate``), unless it is a SQLite file that a
-  migration left at its revision under the same Airflow packages and settings (``migrated.json``):
-  then the ~4 s of a migration that would change nothing are skipped (a restart of ``syncswitch run``);
-- each component runs as ``airflow <component>`` with its output in ``logs/components/<name>.log``;
-- a component that exits is restarted after a backoff (1 s, doubling up to 60 s; reset once it has
-  run for 10 minutes), with one line in this process's log (``embedded.log``) saying which, how it
-  ended and the how-many-th restart it is;
-- ``components.json`` in AIRFLOW_HOME says where each component stands (phase, pid, restarts, last
-  exit), so ``syncswitch run`` can say what it is waiting for and report restarts;
-- the supervisor is a child subreaper: the Airflow processes a dead component leaves behind (the
-  LocalExecutor workers and log server of a SIGKILLed scheduler, which would otherwise wait forever
-  on a queue nobody writes) become its children and are killed before the component restarts, so
-  nothing stale lingers; detached training processes (in sessions of their own) become its children
-  too once the task that started them exits, and are left alone (only reaped when they end);
-- components run at a lower CPU priority (nice 10) than the rest of the machine and die with the
-  supervisor (PR_SET_PDEATHSIG), and SIGTERM stops them all in order; a local cluster that their
-  tasks start inherits that niceness (run above them, it measured no faster, and its switches
-  slower: docs/benchmarks.md, "Training at the supervisor's priority");
-- the api-server is also probed: its health endpoint is asked every ``PROBE_SECONDS``, and once it has
-  answered since its start, ``HUNG_SECONDS`` without an answer (alive but hung: seen in the test
-  suite, a minute without answers and a SIGTERM ignored; ``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``
-  sets another limit) gets it SIGKILLed and restarted like a dead one, and the limit doubles with
-  each such kill in the last hour (at most ``HUNG_LIMIT_GROWTH`` times): on a machine so loaded that
-  a live api-server goes that long without answering, killing it again at once would only keep it
-  restarting (seen in the test suite under twice its usual load). Every task of the instance
-  talks to it (the execution API), so a hung one would stall every run while its clusters train on;
-  tasks retry their API calls for ~5 minutes, longer than a restart takes. Any HTTP answer counts,
-  even an error (a database error is not the api-server's to fix);
-- a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated (the component
-  writes in append mode, so it goes on at the start), so a week-long job keeps at most twice that per
-  component (the api-server logs every request: ~1 MB an hour while ``syncswitch run`` follows a run).
+- the metadata database is migrated first, unless it is a SQLite file that a migration left at its
+  revision under the same Airflow packages and settings (``MigrationStamp``);
+- each component runs as ``airflow <component>``, its output in ``logs/components/<name>.log``,
+  at nice 10 (a local cluster its tasks start inherits it), dying with the supervisor
+  (PR_SET_PDEATHSIG);
+- a component that exits is restarted after a backoff (1 s doubling up to 60 s, reset once it has
+  run for 10 minutes), with one line in ``embedded.log`` saying which, how it ended and the
+  how-many-th restart it is;
+- the api-server is probed: its health endpoint is asked every ``PROBE_SECONDS``. It is SIGKILLed
+  and restarted like a dead one when it has not answered within the *boot limit* of its start
+  (``BOOT_SECONDS``, ``$SYNCSWITCH_AIRFLOW_API_BOOT_SECONDS``), or, once it has answered, for the
+  *hung limit* (``HUNG_SECONDS``, ``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``). Every task talks to it
+  (the execution API), so one that never serves would stall every run while its clusters train on.
+  Each limit doubles with each kill of its kind in the last hour, up to ``LIMIT_GROWTH`` times, so
+  that a merely overloaded api-server is not killed again and again. Any HTTP answer counts, even an
+  error (a database error is not the api-server's to fix);
+- ``components.json`` says where each component stands (phase, pid, restarts, last exit, and for the
+  api-server whether it has answered since its start and when last);
+- the supervisor is a child subreaper: what a dead component leaves behind (a SIGKILLed scheduler's
+  executor workers) is killed before the component restarts; detached training processes (sessions
+  of their own) are left alone and only reaped;
+- SIGTERM stops the components in order (``Supervisor._shutdown``);
+- a component log past ``LOG_BYTES`` is copied to ``<name>.log.1`` and truncated, so a week-long job
+  keeps at most twice that per component.
 """
 
 from __future__ import annotations
@@ -62,7 +54,7 @@ from typing import Any
 
 from syncswitch import procs
 
-from syncswitch_airflow.tools import sqlite_settings
+from syncswitch_airflow.embedded import sqlite_settings
 
 COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
 STATUS_FILE = "components.json"
@@ -79,10 +71,12 @@ PROBED = "api-server"
 CONNECT_ARGS_ENV = "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"
 PROBE_SECONDS = 10.0
 PROBE_TIMEOUT_SECONDS = 5.0
+BOOT_SECONDS = 300.0  # no answer this long after its start: killed, restarted (a loaded boot takes minutes)
+BOOT_SECONDS_ENV = "SYNCSWITCH_AIRFLOW_API_BOOT_SECONDS"
 HUNG_SECONDS = 60.0  # unanswered this long (six probes) once it has answered: killed, restarted
-HUNG_SECONDS_ENV = "SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS"  # another limit (a test instance's shorter one)
-HUNG_KILLS_WINDOW_SECONDS = 3600.0  # the hung kills that raise the next limit
-HUNG_LIMIT_GROWTH = 8  # the limit is at most this many times HUNG_SECONDS
+HUNG_SECONDS_ENV = "SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS"
+LIMIT_WINDOW_SECONDS = 3600.0  # the kills that raise the next limit of their kind
+LIMIT_GROWTH = 8  # a limit is at most this many times its base
 _TICK_SECONDS = 1.0
 _ORPHAN_SCAN_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
@@ -97,6 +91,24 @@ def log(message: str) -> None:
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} embedded airflow: {message}", flush=True)
 
 
+@dataclass(frozen=True)
+class ProbeLimits:
+    """When the probed component is killed: ``boot`` s without an answer since its start, ``hung`` s
+    without one once it has answered; asked every ``interval`` s, each probe waiting ``timeout`` s."""
+
+    boot: float = BOOT_SECONDS
+    hung: float = HUNG_SECONDS
+    interval: float = PROBE_SECONDS
+    timeout: float = PROBE_TIMEOUT_SECONDS
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> ProbeLimits:
+        return cls(
+            boot=seconds_setting(environ, BOOT_SECONDS_ENV, BOOT_SECONDS),
+            hung=seconds_setting(environ, HUNG_SECONDS_ENV, HUNG_SECONDS),
+        )
+
+
 @dataclass
 class Component:
     name: str
@@ -108,12 +120,16 @@ class Component:
     last_exit: int | None = None
     next_start: float = 0.0
     backoff: float = FIRST_BACKOFF_SECONDS
-    answered_at: float | None = None  # the probed component's last answer since its start (monotonic)
-    hung_kills: list[float] = field(default_factory=list)  # when it was killed for not answering
+    started_monotonic: float = 0.0
+    probed: bool = False
+    answered_at: float | None = None  # the last answer since its start (monotonic)
+    last_answer_at: float | None = None  # the same, wall time, for people
+    boot_kills: list[float] = field(default_factory=list)  # when it was killed for never answering
+    hung_kills: list[float] = field(default_factory=list)  # when it was killed for no longer answering
     next_probe: float = 0.0
 
     def status(self) -> dict[str, Any]:
-        return {
+        status = {
             "pid": self.pid,
             "running": self.process is not None and self.process.poll() is None,
             "started_at": self.started_at,
@@ -121,17 +137,35 @@ class Component:
             "last_exit": self.last_exit,
             "log": self.log_path,
         }
+        if self.probed:
+            status["answered"] = self.answered_at is not None  # since its start
+            status["last_answer_at"] = self.last_answer_at
+        return status
 
 
 class Supervisor:
-    def __init__(self, home: Path) -> None:
+    """``commands``: each component's command line and ``migrate``'s (default: Airflow's); ``limits``:
+    the api-server's probe (default: from ``environ``)."""
+
+    def __init__(
+        self,
+        home: Path,
+        environ: Mapping[str, str] | None = None,
+        commands: Mapping[str, list[str]] | None = None,
+        limits: ProbeLimits | None = None,
+    ) -> None:
         self.home = home
+        self.environ = dict(os.environ if environ is None else environ)
+        self.commands = dict(commands or default_commands())
         self.log_dir = home / "logs" / "components"
-        self.components = {name: Component(name, str(self.log_dir / f"{name}.log")) for name in COMPONENTS}
+        self.components = {
+            name: Component(name, str(self.log_dir / f"{name}.log"), probed=name == PROBED)
+            for name in COMPONENTS
+        }
         self.phase = "starting"
         self.stopping = False
-        self.health_url = _health_url(os.environ)
-        self.hung_seconds = hung_seconds(os.environ)
+        self.health_url = _health_url(self.environ)
+        self.limits = limits or ProbeLimits.from_environ(self.environ)
         self._status_written = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -165,14 +199,16 @@ class Supervisor:
         self.stopping = True
 
     def _migrate(self) -> bool:
-        stamp = MigrationStamp(self.home, os.environ)
+        stamp = MigrationStamp(self.home, self.environ)
         if stamp.is_current():
             log("the metadata database is migrated for these Airflow packages and settings: no migration")
             return True
         log("migrating the metadata database")
         stamp.forget()  # written again only once this migration has succeeded
         with open(self.log_dir / "db-migrate.log", "ab") as out:
-            done = subprocess.run(_command("db") + ["migrate"], stdout=out, stderr=subprocess.STDOUT)
+            done = subprocess.run(
+                self.commands["migrate"], env=self.environ, stdout=out, stderr=subprocess.STDOUT
+            )
         if done.returncode != 0:
             log(f"`airflow db migrate` failed with {done.returncode}; see {self.log_dir / 'db-migrate.log'}")
             return False
@@ -188,7 +224,7 @@ class Supervisor:
             if code is None:
                 if component.started_at and time.time() - component.started_at > HEALTHY_RUN_SECONDS:
                     component.backoff = FIRST_BACKOFF_SECONDS
-                if component.name == PROBED and self.health_url:
+                if component.probed and self.health_url:
                     self._probe(component, now)
                 return False
             component.process, component.last_exit = None, code
@@ -206,40 +242,62 @@ class Supervisor:
         return False
 
     def _probe(self, component: Component, now: float) -> None:
-        """Ask the api-server's health endpoint every PROBE_SECONDS; SIGKILL it (the restart follows
-        on the next tick) once it has gone ``hung_seconds`` without an answer after answering since
-        its start. Before its first answer it is booting, which takes minutes on a loaded machine."""
+        """Ask the health endpoint every ``limits.interval``; SIGKILL the component (the restart
+        follows on the next tick) once it is past its boot or hung limit (``_overdue``)."""
         if now < component.next_probe:
             return
-        component.next_probe = now + PROBE_SECONDS
-        answered = answers(self.health_url, PROBE_TIMEOUT_SECONDS)
+        component.next_probe = now + self.limits.interval
+        answered = answers(self.health_url, self.limits.timeout)
         checked = time.monotonic()  # after the probe, which may have waited its timeout
         if answered:
-            component.answered_at = checked
+            first = component.answered_at is None
+            component.answered_at, component.last_answer_at = checked, time.time()
+            if first:
+                waited = checked - component.started_monotonic
+                log(f"{component.name} (pid {component.pid}) answers, {waited:.0f} s after its start")
+                self._write_status()
             return
-        limit = hung_limit(self.hung_seconds, component.hung_kills, checked)
-        if component.answered_at is None or checked - component.answered_at < limit:
-            return
-        log(
-            f"{component.name} (pid {component.pid}) has not answered {self.health_url} for "
-            f"{checked - component.answered_at:.0f} s (limit {limit:.0f} s): killing it (hung)"
-        )
+        overdue = self._overdue(component, checked)
+        if overdue:
+            log(f"{component.name} (pid {component.pid}) {overdue}")
+            component.process.kill()
+            component.process.wait()
+
+    def _overdue(self, component: Component, checked: float) -> str | None:
+        """Why an unanswering component is to be killed now (and the kill counted), or None."""
+        if component.answered_at is None:
+            limit = grown_limit(self.limits.boot, component.boot_kills, checked)
+            waited = checked - component.started_monotonic
+            if waited < limit:
+                return None
+            component.boot_kills.append(checked)
+            return (
+                f"started at {clock(component.started_at)}, no answer since ({waited:.0f} s, boot limit "
+                f"{limit:.0f} s): killing it (no answer since its start)"
+            )
+        limit = grown_limit(self.limits.hung, component.hung_kills, checked)
+        silent = checked - component.answered_at
+        if silent < limit:
+            return None
         component.hung_kills.append(checked)
-        component.process.kill()
-        component.process.wait()
+        return (
+            f"has not answered {self.health_url} since {clock(component.last_answer_at)} ({silent:.0f} s, "
+            f"limit {limit:.0f} s): killing it (hung)"
+        )
 
     def _start(self, component: Component) -> None:
         with open(component.log_path, "ab") as out:
             component.process = subprocess.Popen(
-                _command(component.name),
-                env=component_env(component.name, os.environ),
+                self.commands[component.name],
+                env=component_env(component.name, self.environ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_component_preexec,  # noqa: PLW1509 - only prctl and nice
             )
         component.pid, component.started_at = component.process.pid, time.time()
-        component.answered_at, component.next_probe = None, 0.0
+        component.started_monotonic = time.monotonic()
+        component.answered_at, component.last_answer_at, component.next_probe = None, None, 0.0
         what = "started" if component.restarts == 0 else "restarted"
         log(f"{component.name} {what} as pid {component.pid} (log {component.log_path})")
 
@@ -442,9 +500,9 @@ def _health_url(environ: Mapping[str, str]) -> str | None:
     return f"{base_url.rstrip('/')}/api/v2/monitor/health" if base_url else None
 
 
-def hung_seconds(environ: Mapping[str, str]) -> float:
-    """``$SYNCSWITCH_AIRFLOW_API_HUNG_SECONDS``, or HUNG_SECONDS where unset or not a positive number."""
-    raw = environ.get(HUNG_SECONDS_ENV, "")
+def seconds_setting(environ: Mapping[str, str], name: str, default: float) -> float:
+    """``environ[name]`` as seconds, or ``default`` where unset or not a positive number."""
+    raw = environ.get(name, "")
     try:
         value = float(raw)
     except ValueError:
@@ -452,16 +510,20 @@ def hung_seconds(environ: Mapping[str, str]) -> float:
     if value > 0:
         return value
     if raw:
-        log(f"{HUNG_SECONDS_ENV}={raw!r} is not a positive number of seconds: {HUNG_SECONDS:.0f} s instead")
-    return HUNG_SECONDS
+        log(f"{name}={raw!r} is not a positive number of seconds: {default:.0f} s instead")
+    return default
 
 
-def hung_limit(base: float, kills: list[float], now: float) -> float:
-    """How long the api-server may go unanswered before it is killed: ``base``, doubled for each of
-    its hung ``kills`` (monotonic times) within the last HUNG_KILLS_WINDOW_SECONDS, up to
-    HUNG_LIMIT_GROWTH times ``base``."""
-    recent = sum(1 for moment in kills if now - moment < HUNG_KILLS_WINDOW_SECONDS)
-    return base * min(2**recent, HUNG_LIMIT_GROWTH)
+def grown_limit(base: float, kills: list[float], now: float) -> float:
+    """``base``, doubled for each of ``kills`` (monotonic times) within the last
+    LIMIT_WINDOW_SECONDS, up to LIMIT_GROWTH times ``base``."""
+    recent = sum(1 for moment in kills if now - moment < LIMIT_WINDOW_SECONDS)
+    return base * min(2**recent, LIMIT_GROWTH)
+
+
+def clock(moment: float | None) -> str:
+    """A wall time as the log's HH:MM:SS, or "never"."""
+    return "never" if moment is None else time.strftime("%H:%M:%S", time.localtime(moment))
 
 
 def answers(url: str, timeout: float) -> bool:
@@ -490,11 +552,14 @@ def component_env(name: str, env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _command(name: str) -> list[str]:
-    """``airflow <name>``; the triggerer builds its execution API as it starts (``tools/triggerer.py``)."""
-    if name == "triggerer":
-        return [sys.executable, "-m", "syncswitch_airflow.tools.triggerer"]
-    return [str(Path(sys.executable).parent / "airflow"), name]
+def default_commands() -> dict[str, list[str]]:
+    """``airflow <component>`` for each component (the triggerer through ``embedded/triggerer.py``,
+    which builds its execution API as it starts) and ``airflow db migrate``."""
+    airflow = str(Path(sys.executable).parent / "airflow")
+    commands = {name: [airflow, name] for name in COMPONENTS}
+    commands["triggerer"] = [sys.executable, "-m", "syncswitch_airflow.embedded.triggerer"]
+    commands["migrate"] = [airflow, "db", "migrate"]
+    return commands
 
 
 def main() -> int:

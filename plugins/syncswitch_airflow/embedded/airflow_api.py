@@ -1,5 +1,5 @@
 """A client of one Airflow's REST API (``/api/v2``), logged in as one user: DAG runs, task instances,
-backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.tools.embedded`` owns the
+backfills. It knows nothing of how that Airflow runs (``syncswitch_airflow.embedded.airflow`` owns the
 processes of the embedded one and hands out its client as ``EmbeddedAirflow.api``); its transport,
 the login and the retries are ``airflow_http.AirflowSession``'s.
 
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from syncswitch_airflow.tools.airflow_http import (
+from syncswitch_airflow.embedded.airflow_http import (
     AirflowError,
     AirflowSession,
     AirflowUnavailable,

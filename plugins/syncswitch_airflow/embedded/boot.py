@@ -1,5 +1,5 @@
 """Waiting for a started embedded Airflow to serve: every component healthy on our own port, the
-execution API built, the DAGs parsed and free of import errors (``embedded.EmbeddedAirflow.start``).
+execution API built, the DAGs parsed and free of import errors (``EmbeddedAirflow.start``).
 
 Booting takes 25-50 s on an idle 2-core machine and several minutes on a loaded one: the deadline
 only guards against waiting forever (``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT``), and a progress line every
@@ -14,15 +14,34 @@ import subprocess
 import threading
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from syncswitch import procs
 
-from syncswitch_airflow.tools.airflow_api import AirflowError, AirflowUnavailable, quote
-from syncswitch_airflow.tools.airflow_supervisor import read_status
+from syncswitch_airflow.embedded.airflow_api import AirflowApi, AirflowError, AirflowUnavailable, quote
+from syncswitch_airflow.embedded.instance import InstanceRecord
+from syncswitch_airflow.embedded.supervisor import read_status
 
-if TYPE_CHECKING:
-    from syncswitch_airflow.tools.embedded import EmbeddedAirflow
+
+class Booting(Protocol):
+    """What the wait for a started instance needs of it (``EmbeddedAirflow`` is one)."""
+
+    home: Path
+    log_path: Path
+    dags_folder: Path
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def api(self) -> AirflowApi: ...
+
+    def record(self) -> InstanceRecord: ...
+
+    def check_alive(self) -> None: ...
+
+    def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]: ...
 
 BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
 DEFAULT_BOOT_TIMEOUT_S = 1800.0
@@ -46,7 +65,7 @@ def boot_timeout() -> float:
 
 
 def wait_for_dags(
-    airflow: EmbeddedAirflow, dag_ids: tuple[str, ...], deadline: float, spawned_at: float | None = None
+    airflow: Booting, dag_ids: tuple[str, ...], deadline: float, spawned_at: float | None = None
 ) -> None:
     """Once healthy (:func:`wait_healthy`): ``dag_ids`` ready by ``deadline``, parsed from the files as
     they are now. An instance started at ``spawned_at`` (a time.time()) is waited for until its
@@ -64,7 +83,7 @@ def wait_for_dags(
     warm_up.join(max(deadline - time.monotonic(), 0.0))
 
 
-def wait_healthy(airflow: EmbeddedAirflow, deadline: float) -> None:
+def wait_healthy(airflow: Booting, deadline: float) -> None:
     """Until the health endpoint reports every component healthy, on a port our api-server holds."""
     started = time.monotonic()
     next_report = started + _PROGRESS_EVERY_S
@@ -98,7 +117,7 @@ def wait_healthy(airflow: EmbeddedAirflow, deadline: float) -> None:
         time.sleep(1.0)
 
 
-def _check_port_is_ours(airflow: EmbeddedAirflow) -> None:
+def _check_port_is_ours(airflow: Booting) -> None:
     """A healthy answer on our port could come from another Airflow that took the port between
     pick_port() and our api-server's bind; then everything we do would go to the wrong instance."""
     record = airflow.record()
@@ -110,14 +129,14 @@ def _check_port_is_ours(airflow: EmbeddedAirflow) -> None:
         )
 
 
-def _warm_execution_api(airflow: EmbeddedAirflow) -> None:
+def _warm_execution_api(airflow: Booting) -> None:
     try:
         airflow.api.request("GET", "/execution/health", auth=False)
     except (OSError, AirflowError) as exc:  # only a warm-up: the first task pays for it instead
         _log.debug("execution API warm-up failed: %s", exc)
 
 
-def reserialize(airflow: EmbeddedAirflow, deadline: float) -> None:
+def reserialize(airflow: Booting, deadline: float) -> None:
     """Parse the dags folder now instead of waiting for the dag-processor's next refresh."""
     _log.info("reserializing DAGs from %s", airflow.dags_folder)
     try:
@@ -129,7 +148,7 @@ def reserialize(airflow: EmbeddedAirflow, deadline: float) -> None:
 
 
 def wait_for_dag(
-    airflow: EmbeddedAirflow, dag_id: str, deadline: float, parsed_after: float | None = None
+    airflow: Booting, dag_id: str, deadline: float, parsed_after: float | None = None
 ) -> None:
     """Until ``dag_id`` is serialized, active and free of import errors; with ``parsed_after`` (a
     time.time()), parsed since then, and only import errors recorded since then count: what a

@@ -2,13 +2,13 @@
 
     airflow = EmbeddedAirflow(project_dir)
     airflow.start()                       # or reuse the one already running in <project>/.airflow
-    run_id = airflow.api.trigger("sync_switch", conf)     # syncswitch_airflow.tools.airflow_api.AirflowApi
+    run_id = airflow.api.trigger("sync_switch", conf)     # syncswitch_airflow.embedded.airflow_api.AirflowApi
     airflow.api.wait("sync_switch", run_id)
     airflow.stop()
 
 The instance lives in ``<project>/.airflow`` (AIRFLOW_HOME): SQLite, LocalExecutor, the project's
 ``dags/`` and ``plugins/``, sized for a 2-core machine. Its components (scheduler, dag-processor,
-triggerer, api-server) run under ``syncswitch_airflow.tools.airflow_supervisor``, which restarts any that
+triggerer, api-server) run under ``syncswitch_airflow.embedded.supervisor``, which restarts any that
 dies and says so in ``embedded.log``. Its files, ports and settings are ``instance.py``'s; waiting
 for it to serve is ``boot.py``'s; its REST client is ``airflow_api.py``'s. This module talks to
 Airflow over HTTP and processes only; it never imports Airflow, so the CLI starts fast and bad flags
@@ -33,10 +33,9 @@ from typing import Any
 
 from syncswitch import procs
 
-from syncswitch_airflow.tools import boot
-from syncswitch_airflow.tools.airflow_api import AirflowApi, AirflowError
-from syncswitch_airflow.tools.airflow_supervisor import read_status
-from syncswitch_airflow.tools.instance import (
+from syncswitch_airflow.embedded import boot
+from syncswitch_airflow.embedded.airflow_api import AirflowApi, AirflowError
+from syncswitch_airflow.embedded.instance import (
     ADMIN_PASSWORD,
     ADMIN_USER,
     INSTANCE_ENV,
@@ -46,10 +45,15 @@ from syncswitch_airflow.tools.instance import (
     instance_marker,
     pick_port,
 )
+from syncswitch_airflow.embedded.supervisor import clock, read_status
 
 
 class AirflowGone(AirflowError):
     """The embedded Airflow (its supervisor) is no longer running."""
+
+
+# Process states in which a component cannot serve and nothing of the instance will change that.
+STUCK_STATES = {"T": "stopped (T)", "t": "stopped by a tracer (t)", "Z": "a zombie (Z)"}
 
 
 class EmbeddedAirflow:
@@ -128,7 +132,7 @@ class EmbeddedAirflow:
             # Own session: stop() can wait for (and at worst SIGKILL) the whole process group, and a
             # Ctrl-C in the terminal reaches only the CLI, which then stops Airflow in order.
             self._process = subprocess.Popen(
-                [self.python, "-m", "syncswitch_airflow.tools.airflow_supervisor"],
+                [self.python, "-m", "syncswitch_airflow.embedded.supervisor"],
                 cwd=self.project_dir,
                 env=self.env(record),
                 stdin=subprocess.DEVNULL,
@@ -192,6 +196,25 @@ class EmbeddedAirflow:
             if c.get("restarts")
         }
 
+    def component_problems(self) -> list[str]:
+        """One line per component that does not run as it should: not running, stopped or a zombie,
+        or (the probed api-server) not answered since its start. Empty when all look well."""
+        status = read_status(self.home) or {}
+        problems = []
+        for name, component in sorted(status.get("components", {}).items()):
+            pid = component.get("pid")
+            stat = procs.read_stat(pid) if pid else None
+            last = component.get("last_answer_at")
+            answered = f", its last answer at {clock(last)}" if last else ""
+            if not component.get("running") or stat is None:
+                problems.append(f"{name} not running (restarts {component.get('restarts', 0)})")
+            elif stat.state in STUCK_STATES:
+                problems.append(f"{name} pid {pid} {STUCK_STATES[stat.state]}{answered}")
+            elif component.get("answered") is False:
+                started = clock(component.get("started_at"))
+                problems.append(f"{name} pid {pid} has not answered since its start at {started}")
+        return problems
+
     def check_alive(self) -> None:
         """Raise AirflowGone when no supervisor of this home runs any more (waits poll it)."""
         if self._process is not None and self._process.poll() is not None:
@@ -231,6 +254,9 @@ class EmbeddedAirflow:
 
     def _stop_instance(self, record: InstanceRecord, timeout: float) -> None:
         self._log.info("stopping embedded Airflow pid %d", record.pid)
+        # A stopped process (SIGSTOP, a detached debugger) takes no SIGTERM until it is continued.
+        for process in self._processes(record):
+            procs.signal_pid(process, signal.SIGCONT)
         # The supervisor alone: it stops each component once. A SIGTERM to the whole group reached
         # every component twice (directly and from the supervisor), and Airflow's triggerer takes a
         # second one as "force exit", which left its runner to be SIGKILLed 5 s later.
