@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from syncswitch_airflow.dag_factory import build_sync_switch_dag
-from syncswitch_airflow.dag_params import build_params, default_bucket_dir
+from syncswitch_airflow.dag_params import build_params, default_bucket_dir, default_job
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 dag = build_sync_switch_dag(
     "sync_switch",
-    build_params(default_bucket_dir(PROJECT_DIR)),
+    # The deployment's defaults ([syncswitch] default_params), else the digits demo on a local cluster.
+    build_params(default_bucket_dir(PROJECT_DIR), default_job()),
     doc_md=__doc__,
     tags=["training"],
     # Runs triggered together (users, a sweep) all start; each waits for a cluster at provision_cluster,

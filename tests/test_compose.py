@@ -1,8 +1,9 @@
-"""Deployment files, validated without a Docker engine.
+"""Deployment files, validated without a Docker engine (the stack itself runs in test_compose_stack).
 
 docker-compose.yaml goes through the real compose v2 binary (``config`` checks schema, types and
 references without a daemon); the Dockerfiles are parsed and checked against the repository, the
-compose file and .dockerignore; the airflow-init snippets are run against the GCS emulator.
+compose file, .dockerignore and the stand-in bases; airflow-init's set-up runs against the GCS
+emulator.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import ast
 import fnmatch
 import json
 import os
-import shlex
+import re
 import subprocess
 import sys
 import uuid
@@ -126,13 +127,15 @@ def test_broken_copies_are_rejected(
 # --- compose: content ---------------------------------------------------------------------------
 
 
-def test_expected_services_exist(config: dict[str, Any]) -> None:
+def test_expected_services_exist_and_each_has_an_init(config: dict[str, Any]) -> None:
     assert set(config["services"]) == {"postgres", "redis", "fake-gcs", "trainer", *AIRFLOW_SERVICES}
-    assert config["services"]["trainer"]["profiles"] == ["trainer"]
-    # without the profile, the trainer is not started by `docker compose up`
-    result = run_compose(COMPOSE_FILE, "config", "--services")
+    result = run_compose(COMPOSE_FILE, "config", "--services")  # all of them start with a plain `up`
     assert result.returncode == 0, result.stderr
-    assert "trainer" not in result.stdout.split()
+    assert set(result.stdout.split()) == set(config["services"])
+    # An init process reaps what a service's main process leaves (Airflow's children, sshd's sessions).
+    assert {name: s.get("init") for name, s in config["services"].items()} == dict.fromkeys(
+        config["services"], True
+    )
 
 
 def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> None:
@@ -151,11 +154,14 @@ def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> No
         assert env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"] == warm, name
         # One Fernet key, one JWT secret and one API secret key for all: a connection saved by the UI
         # is read by a task, and the api-server may fetch a task's log from the worker that ran it.
+        # Each is read from the deployment's secrets volume, never written in the file.
+        for key in ("AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY"):
+            assert key not in env, f"{name}: {key} is written in the compose file"
         secrets.add(
             (
-                env["AIRFLOW__CORE__FERNET_KEY"],
-                env["AIRFLOW__API_AUTH__JWT_SECRET"],
-                env["AIRFLOW__API__SECRET_KEY"],
+                env["AIRFLOW__CORE__FERNET_KEY_CMD"],
+                env["AIRFLOW__API_AUTH__JWT_SECRET_CMD"],
+                env["AIRFLOW__API__SECRET_KEY_CMD"],
             )
         )
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://"), name
@@ -163,11 +169,11 @@ def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> No
         assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "false", name
         assert int(env["AIRFLOW__CORE__PARALLELISM"]) >= 1, name
         assert env["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443", name
-        assert env["AIRFLOW__API_AUTH__JWT_SECRET"], name
+        assert env["AIRFLOW__SYNCSWITCH__DEFAULT_PARAMS"] == "/opt/airflow/config/default-params.yaml", name
+        mounts = {m["target"]: m for m in service["volumes"]}
+        assert mounts["/opt/airflow/secrets"]["source"] == "secrets", name
     assert len(secrets) == 1
-    from cryptography.fernet import Fernet
-
-    Fernet(secrets.pop()[0])  # a valid key
+    assert all(command.startswith("cat /opt/airflow/secrets/") for command in secrets.pop())
     commands = {name: config["services"][name]["command"][:3] for name in AIRFLOW_SERVICES[1:]}
     assert commands == {
         "api-server": ["airflow", "api-server", "--port"],
@@ -178,14 +184,19 @@ def test_airflow_services_share_image_and_settings(config: dict[str, Any]) -> No
     }
 
 
-def test_workers_share_no_disk(config: dict[str, Any]) -> None:
-    """Two workers, each with only its container's own filesystem: nothing mounted that another
-    component also mounts (the bucket is how they share)."""
+def test_workers_share_no_writable_disk(config: dict[str, Any]) -> None:
+    """Two workers, each writing only to its container's own filesystem: what every service mounts
+    (the secrets, ./jobs, ./usr, ./config) is read-only for it; the bucket is how they share."""
     services = config["services"]
     assert services["airflow-worker"]["deploy"]["replicas"] >= 2
-    assert not services["airflow-worker"].get("volumes")
-    for name in ("scheduler", "triggerer", "dag-processor"):
-        assert not services[name].get("volumes"), name
+    for name in (*AIRFLOW_SERVICES[1:], "trainer"):
+        writable = [m["target"] for m in services[name].get("volumes", []) if not m.get("read_only")]
+        # The simple auth manager opens its passwords file (in the secrets) for appending.
+        allowed = ["/opt/airflow/secrets"] if name == "api-server" else []
+        assert writable == allowed, f"{name} writes to a shared mount: {writable}"
+    mounts = {m["target"]: m["source"] for m in services["airflow-worker"]["volumes"]}
+    for folder in ("jobs", "usr", "config"):
+        assert Path(mounts[f"/opt/airflow/{folder}"]) == REPO / folder, folder
 
 
 def test_dependencies_wait_for_health_and_init(config: dict[str, Any]) -> None:
@@ -193,6 +204,7 @@ def test_dependencies_wait_for_health_and_init(config: dict[str, Any]) -> None:
     for name in LONG_RUNNING:
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     assert services["airflow-init"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["trainer"]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
     for name in AIRFLOW_SERVICES[1:]:
         depends = services[name]["depends_on"]
         assert depends["postgres"]["condition"] == "service_healthy", name
@@ -207,41 +219,77 @@ def test_fake_gcs_service_and_volumes(config: dict[str, Any]) -> None:
     command = fake_gcs["command"]
     assert command[command.index("-scheme") + 1] == "http"
     assert command[command.index("-port") + 1] == "4443"
-    assert config["services"]["trainer"]["environment"]["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443"
-    auth_mounts = {m["target"]: m for m in config["services"]["api-server"]["volumes"]}
-    assert auth_mounts["/opt/airflow/auth"]["source"] == "airflow-auth"
-    assert {"postgres-db", "airflow-auth"} <= set(config["volumes"])
+    # Named volumes only: `docker compose down -v` leaves nothing of a deployment behind.
+    assert {"postgres-db", "gcs-data", "secrets"} == set(config["volumes"])
+    for name, service in config["services"].items():
+        for mount in service.get("volumes", []):
+            assert mount["type"] == "volume" or mount.get("read_only"), f"{name} binds {mount['source']}"
 
 
-# --- airflow-init snippets, run for real ----------------------------------------------------------
-
-
-def test_init_snippets_create_bucket_and_password_file(
-    config: dict[str, Any], gcs_emulator: str, tmp_path: Path
+def test_the_default_params_are_a_valid_job_on_the_trainers(
+    config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    init = config["services"]["airflow-init"]
-    script_lines = [line for line in init["command"][-1].splitlines() if line.strip()]
-    assert script_lines[0] == "airflow db migrate"
-    python_snippets = [shlex.split(line)[2] for line in script_lines if line.startswith("python -c ")]
-    assert len(python_snippets) == 2
+    from syncswitch_airflow.dag_params import deployment_defaults
+
+    bucket_dir = config["services"]["scheduler"]["environment"]["AIRFLOW__SYNCSWITCH__BUCKET_DIR"]
+    monkeypatch.setenv("AIRFLOW__SYNCSWITCH__BUCKET_DIR", bucket_dir)
+
+    params = deployment_defaults(str(REPO / "config" / "default-params.yaml"))
+    assert params["cluster_backend"] == "hosts"
+    from syncswitch.spec import JobSpec
+
+    [trainers] = JobSpec.from_params({"bucket_dir": bucket_dir, **params}).hosts
+    assert (trainers.address, trainers.each_address, trainers.user) == ("trainer", True, "trainer")
+    assert trainers.key == "/opt/airflow/secrets/ssh/id_ed25519"
+
+
+def test_every_image_the_stack_names_has_a_stand_in() -> None:
+    """images/stand-ins/build.sh builds each base under its official tag where no registry is
+    reachable: every image the compose file pulls and every FROM of our Dockerfiles."""
+    script = (REPO / "images" / "stand-ins" / "build.sh").read_text()
+    built = set(re.findall(r"(?:stand_in|! have) (\S+:\S+)", script))
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"].values()
+    pulled = {service["image"] for service in services if "build" not in service}
+    dockerfiles = (AIRFLOW_DOCKERFILE, TRAINER_DOCKERFILE)
+    bases = {args for path in dockerfiles for args in _args(dockerfile_instructions(path), "FROM")}
+    assert pulled | bases <= built, sorted((pulled | bases) - built)
+
+
+# --- airflow-init's set-up, run for real -------------------------------------------------------------
+
+
+def test_the_deployments_secrets_are_made_once_each_and_the_keys_work(tmp_path: Path) -> None:
+    import paramiko
+    from syncswitch.hosts import check_host_key
+    from syncswitch_airflow.deploy_init import make_secrets
+
+    make_secrets(tmp_path, admin_password="")
+    first = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    make_secrets(tmp_path, admin_password="another")  # again on every `up`: nothing changes
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == first
+    from cryptography.fernet import Fernet
+
+    Fernet((tmp_path / "fernet_key").read_text())  # a valid key
+    password = (tmp_path / "admin_password").read_text()
+    assert len(password) >= 12
+    assert json.loads((tmp_path / "passwords.json").read_text()) == {"admin": password}
+    assert (tmp_path / "jwt_secret").read_text() != (tmp_path / "api_secret_key").read_text()
+    client = paramiko.Ed25519Key.from_private_key_file(str(tmp_path / "ssh" / "id_ed25519"))
+    authorized = (tmp_path / "ssh" / "authorized_keys").read_text().split()
+    assert authorized[:2] == [client.get_name(), client.get_base64()]
+    host = (tmp_path / "ssh" / "host_ed25519_key.pub").read_text().split()
+    check_host_key(" ".join(host[:2]), "host")
+    assert oct((tmp_path / "ssh" / "id_ed25519").stat().st_mode & 0o777) == "0o400"
+
+
+def test_init_makes_the_runs_bucket_once(gcs_emulator: str) -> None:
+    from syncswitch_airflow.deploy_init import make_bucket
 
     bucket = f"init-{uuid.uuid4().hex[:12]}"
-    env = {
-        **os.environ,
-        **init["environment"],
-        "STORAGE_EMULATOR_HOST": gcs_emulator,
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(tmp_path / "passwords.json"),
-        "SYNCSWITCH_BUCKET_DIR": f"gs://{bucket}/runs",
-    }
-    for _ in range(2):  # the init container may run again on every `up`: it must be idempotent
-        for snippet in python_snippets:
-            result = subprocess.run(
-                [sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=120
-            )
-            assert result.returncode == 0, result.stderr
-
-    assert json.loads((tmp_path / "passwords.json").read_text()) == {"admin": "admin"}
+    for _ in range(2):  # the init container runs again on every `up`
+        make_bucket(f"gs://{bucket}/runs")
     assert storage.gcs_client().lookup_bucket(bucket) is not None
+    make_bucket("/a/local/folder")  # not a bucket: nothing to make
 
 
 # --- Dockerfiles ----------------------------------------------------------------------------------
@@ -286,7 +334,7 @@ def _is_ignored(rel_path: str, patterns: list[str]) -> bool:
 @pytest.mark.parametrize("dockerfile", [AIRFLOW_DOCKERFILE, TRAINER_DOCKERFILE], ids=lambda p: p.name)
 def test_dockerfile_copies_exist_and_are_in_the_build_context(dockerfile: Path) -> None:
     instructions = dockerfile_instructions(dockerfile)
-    assert _args(instructions, "FROM") == ["python:3.11-slim"]
+    assert _args(instructions, "FROM") == ["python:3.11-slim-bookworm"]
     patterns = _dockerignore_patterns()
     copies = [args.split() for args in _args(instructions, "COPY")]
     assert copies, f"{dockerfile.name} copies nothing"
@@ -300,12 +348,11 @@ def test_dockerfile_copies_exist_and_are_in_the_build_context(dockerfile: Path) 
 
 @pytest.mark.parametrize("dockerfile", [AIRFLOW_DOCKERFILE, TRAINER_DOCKERFILE], ids=lambda p: p.name)
 def test_uv_cache_stays_out_of_the_image(dockerfile: Path) -> None:
-    """Every `uv sync` keeps its downloads in a build cache mount: without one, the trainer image
-    carried 1.8 GB of wheels in its dependency layer (built with buildah, 2026-11-27)."""
+    """Every `uv sync` keeps its downloads in a build cache mount (else the wheels stay in the layer)."""
     syncs = [args for args in _args(dockerfile_instructions(dockerfile), "RUN") if "uv sync" in args]
     assert syncs, f"{dockerfile.name} runs no uv sync"
     for args in syncs:
-        assert args.startswith("--mount=type=cache,target=/root/.cache/uv "), args
+        assert "--mount=type=cache,target=/root/.cache/uv" in args.split(" if ")[0].split(), args
 
 
 def test_dockerignore_excludes_local_state() -> None:
@@ -324,16 +371,15 @@ def test_airflow_dockerfile(config: dict[str, Any]) -> None:
     assert {"training", "plugins", "dags"} <= copied
     env = " ".join(_args(instructions, "ENV"))
     assert "AIRFLOW_HOME=/opt/airflow" in env
-    compose_env = config["services"]["scheduler"]["environment"]
-    # the compose settings point at the installed provider's DAG files and the image's empty plugins
-    assert f"AIRFLOW__CORE__DAGS_FOLDER={compose_env['AIRFLOW__CORE__DAGS_FOLDER']}" in env
-    assert f"AIRFLOW__CORE__PLUGINS_FOLDER={compose_env['AIRFLOW__CORE__PLUGINS_FOLDER']}" in env
+    # The image points Airflow at the installed provider's DAG files and an empty plugins folder.
+    assert "AIRFLOW__CORE__DAGS_FOLDER=/opt/syncswitch/.venv/lib/python3.11/site-packages/" in env
+    assert "AIRFLOW__CORE__PLUGINS_FOLDER=/opt/airflow/plugins" in env
     assert _args(instructions, "EXPOSE") == ["8080"]
 
 
 def test_trainer_dockerfile() -> None:
     instructions = dockerfile_instructions(TRAINER_DOCKERFILE)
-    assert json.loads(_args(instructions, "ENTRYPOINT")[0]) == ["syncswitch", "train"]
+    assert json.loads(_args(instructions, "ENTRYPOINT")[0]) == ["trainer-sshd"]
     runs = " ".join(_args(instructions, "RUN"))
     assert "uv sync --frozen --no-default-groups --package syncswitch" in runs
     assert "airflow" not in runs.lower()
@@ -341,7 +387,7 @@ def test_trainer_dockerfile() -> None:
     # The other members' manifests (uv reads the whole workspace), never their code.
     members = ("training", "plugins", "testing")
     manifests = {"pyproject.toml", *(f"{member}/pyproject.toml" for member in members)}
-    assert copied == {*manifests, "training"}
+    assert copied == {*manifests, "training", "images/trainer-sshd.sh"}
 
 
 def _imported_top_modules(path: Path) -> set[str]:

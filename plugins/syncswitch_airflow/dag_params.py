@@ -24,10 +24,56 @@ def default_bucket_dir(project_dir: str | Path) -> str:
     return settings.get("bucket_dir") or str(Path(project_dir).resolve() / "runs")
 
 
+class DefaultParamsError(ValueError):
+    """``[syncswitch] default_params`` names a file that is not a valid set of job params; the message
+    names the file and the field (the DAG's import error)."""
+
+
+def deployment_defaults(path: str | None = None) -> dict[str, Any]:
+    """The deployment's default job params (``[syncswitch] default_params``: a YAML mapping of JobSpec
+    fields, checked as a whole job), under every run's own: the ad-hoc DAG's and each job file's. Empty
+    where unset. A ``usr_dir`` in it is relative to the file."""
+    import yaml
+    from syncswitch import usercode
+    from syncswitch.spec import SpecError
+
+    path = path or settings.get("default_params")
+    if not path:
+        return {}
+    try:
+        params = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise DefaultParamsError(f"[syncswitch] default_params {path}: not readable YAML: {exc}") from None
+    if not isinstance(params, dict):
+        raise DefaultParamsError(f"[syncswitch] default_params {path}: must be a mapping of job params")
+    params = usercode.beside(params, str(Path(path).parent))
+    try:
+        JobSpec.from_params(_with_bucket(params))
+    except SpecError as err:
+        raise DefaultParamsError(f"[syncswitch] default_params {path}: {err}") from None
+    return params
+
+
+def default_job() -> JobSpec | None:
+    """The ad-hoc DAG's defaults: the deployment's (:func:`deployment_defaults`), or None."""
+    defaults = deployment_defaults()
+    return JobSpec.from_params(_with_bucket(defaults)) if defaults else None
+
+
+def _with_bucket(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the deployment's bucket folder where they name none."""
+    bucket_dir = settings.get("bucket_dir")
+    return {"bucket_dir": bucket_dir, **params} if bucket_dir else params
+
+
 def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, Param]:
     """One Param per job field, in the table's order, defaulting to ``defaults`` (a recurring job's
-    settings) or to JobSpec() (the embedded digits demo), with ``bucket_dir`` as the bucket folder."""
-    values = {**(defaults or JobSpec()).to_params(), "bucket_dir": bucket_dir}
+    settings, a deployment's default params) or to JobSpec() (the embedded digits demo), with
+    ``bucket_dir`` as the bucket folder unless ``defaults`` names one."""
+    values = {"bucket_dir": bucket_dir}
+    if defaults is not None and defaults.bucket_dir != JobSpec().bucket_dir:
+        values = {}
+    values = {**(defaults or JobSpec()).to_params(), **values}
     return {field.name: field_param(field, values[field.name]) for field in FIELDS}
 
 

@@ -35,7 +35,7 @@ from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow import settings
 from syncswitch_airflow.dag_factory import build_sync_switch_dag
-from syncswitch_airflow.dag_params import build_params
+from syncswitch_airflow.dag_params import build_params, deployment_defaults
 
 KEYS = (
     "dag_id",
@@ -96,7 +96,8 @@ def read_job_file(path: Path) -> JobFile:
     if not isinstance(params, dict):
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
     try:
-        job = JobSpec.from_params({"job_name": stem, **usercode.beside(params, str(path.parent))})
+        own = {"job_name": stem, **usercode.beside(params, str(path.parent))}
+        job = JobSpec.from_params({**deployment_defaults(), **own})
     except SpecError as err:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None
     schedule = _schedule(path, data.get("schedule"))
@@ -187,10 +188,9 @@ def _tags(path: Path, value: Any) -> list[str]:
 def build_job_dag(job_file: JobFile, bucket_dir: str) -> DAG:
     """The Sync-Switch DAG of one job file, its params defaulting to the file's settings."""
     job = job_file.job
-    defaults_bucket = job.bucket_dir if job.bucket_dir != JobSpec().bucket_dir else bucket_dir
     return build_sync_switch_dag(
         job_file.dag_id,
-        build_params(defaults_bucket, job),
+        build_params(bucket_dir, job),
         schedule=job_file.schedule,
         start_date=job_file.start_date,
         end_date=job_file.end_date,

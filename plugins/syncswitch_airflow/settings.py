@@ -61,6 +61,13 @@ SETTINGS: tuple[Setting, ...] = (
         example="gs://my-bucket/syncswitch",
     ),
     Setting(
+        "default_params",
+        "A YAML file of job params (JobSpec fields) that the ad-hoc sync_switch DAG's Trigger form, "
+        "REST conf and syncswitch run default to: a deployment's cluster backend, hosts and bucket; "
+        "empty: the built-in digits demo on a local cluster",
+        example="/opt/airflow/config/default-params.yaml",
+    ),
+    Setting(
         "jobs_dir",
         "Folder of the recurring job files (one DAG per file); empty: <project>/jobs",
         example="/opt/airflow/syncswitch-jobs",

@@ -68,9 +68,14 @@ class HostSpec:
     # port where this spec names none. Read by the Airflow side at each login, never stored here.
     conn: str = ""
     # The public host key the host must present ("ssh-ed25519 AAAA..."), pinned with the run (a gce
-    # VM's, from its guest attributes): no known_hosts file needs to be on every Airflow worker.
+    # VM's, from its guest attributes): no known_hosts file needs to be on every Airflow worker. Or a
+    # file holding it (an absolute path or gs:// object: a .pub line), read at each login.
     # Empty: [syncswitch] ssh_known_hosts, or (neither set) any key, with a warning.
     host_key: str = ""
+    # The address is a DNS name that resolves to several hosts (a compose service's replicas, a
+    # Kubernetes headless service): one host per address it resolves to at provisioning, in address
+    # order, each with this spec's other keys.
+    each_address: bool = False
 
     @property
     def label(self) -> str:
@@ -125,6 +130,7 @@ class HostSpec:
             conn=conn,
             # TYPE BASE64, a comment after them dropped (a .pub file's line works as it is).
             host_key=" ".join(str(pairs.get("host_key") or "").split()[:2]),
+            each_address=_flag(pairs.get("each_address"), where),
         )
         host.validate(where)
         return host
@@ -141,7 +147,10 @@ class HostSpec:
                 raise SpecError(
                     FIELD, f"{where}: give host_key or conn (whose connection pins the host key), not both"
                 )
-            check_host_key(self.host_key, where)
+            if not self.host_key_file:
+                check_host_key(self.host_key, where)
+        if self.each_address and (self.conn or not _HOSTNAME_RE.match(self.address) or _is_ip(self.address)):
+            raise SpecError(FIELD, f"{where}: each_address needs an address that is a DNS name, not conn")
         from_conn = bool(self.conn)  # what is empty here comes from the connection
         if (self.address or not from_conn) and not _is_address(self.address):
             raise SpecError(FIELD, f"{where}: address {self.address!r} is not an IP address or host name")
@@ -152,12 +161,18 @@ class HostSpec:
         if self.role not in ROLES:
             raise SpecError(FIELD, f"{where}: role {self.role!r} is not one of: {', '.join(ROLES)}")
         checked = ("work_root",) + (("python",) if self.python else ()) + (("key",) if self.key else ())
+        checked += ("host_key",) if self.host_key_file else ()
         for name in checked:
             value = getattr(self, name)
-            in_bucket = name == "key" and value.startswith("gs://")
+            in_bucket = name in ("key", "host_key") and value.startswith("gs://")
             if not (value.startswith("/") or in_bucket) or any(c in value for c in "\n\0'\"$`\\ "):
-                what = "an absolute path or (key) a gs:// object" if name == "key" else "an absolute path"
+                what = "an absolute path" + ("" if name in ("work_root", "python") else " or a gs:// object")
                 raise SpecError(FIELD, f"{where}: {name} must be {what}, without quotes or spaces")
+
+    @property
+    def host_key_file(self) -> bool:
+        """Whether ``host_key`` names a file (a path or gs:// object) rather than being the key."""
+        return self.host_key.startswith(("/", "gs://"))
 
     def to_text(self) -> str:
         """The ``key=value,...`` form: address and key always (unless a connection gives them), the
@@ -186,6 +201,26 @@ def check_host_key(text: str, where: str) -> None:
             f"{where}: host_key must be 'TYPE BASE64' as in known_hosts (TYPE: {', '.join(HOST_KEY_TYPES)}), "
             f"got {text[:40]!r}",
         )
+
+
+def _flag(value: Any, where: str) -> bool:  # noqa: ANN401 - text or JSON
+    """A host spec's boolean key: true/false (any case), 1/0, or a JSON boolean."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise SpecError(FIELD, f"{where}: each_address must be true or false, got {value!r}")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _is_address(text: str) -> bool:

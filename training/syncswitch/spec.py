@@ -416,7 +416,8 @@ class JobSpec:
             return
         if self.cluster_backend == "hosts" and not self.hosts:
             raise SpecError("hosts", "cluster_backend 'hosts' needs at least one host (address=..., key=...)")
-        if self.hosts_per_cluster > len(self.hosts):
+        # A DNS name with each_address is as many hosts as it resolves to, counted at provisioning.
+        if self.hosts_per_cluster > len(self.hosts) and not any(h.each_address for h in self.hosts):
             raise SpecError(
                 "hosts_per_cluster",
                 f"{self.hosts_per_cluster} of {len(self.hosts)} host(s): at most the number of hosts listed",

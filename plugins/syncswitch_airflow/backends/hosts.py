@@ -90,7 +90,7 @@ from syncswitch_airflow.backends.node_runtime import (
     RuntimeBundle,
     hosts_install_runtime,
 )
-from syncswitch_airflow.hooks.ssh import connected_client, resolve_hosts
+from syncswitch_airflow.hooks.ssh import connected_client, pinned_host_key, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
 FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
@@ -176,7 +176,10 @@ class SshSession:
         """Refuse any host key but the host's pinned one, else those of ``[syncswitch] ssh_known_hosts``;
         with neither, accept any (paramiko warns). Returns where the expected key comes from."""
         if self.host.get("host_key"):
-            key_type, _, blob = self.host["host_key"].partition(" ")
+            try:
+                key_type, _, blob = pinned_host_key(self.host["host_key"], self.where).partition(" ")
+            except SpecError as exc:
+                raise ClusterError(str(exc)) from None
             port = int(self.host["port"])
             name = self.host["address"] if port == 22 else f"[{self.host['address']}]:{port}"
             key = paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
@@ -386,6 +389,9 @@ class HostsBackend:
         runtime = RuntimeBundle.current() if hosts_install_runtime() else None  # a bad setting: named
         capacity = self.capacity()
         need = job.hosts_per_cluster or None  # a number: the hosts are a pool shared with other runs
+        if need is not None and need > len(hosts):  # (a DNS name's addresses are counted only now)
+            listed = ", ".join(h.label for h in hosts)
+            raise ClusterError(f"hosts_per_cluster {need} is more than the {len(hosts)} host(s): {listed}")
         held = capacity.claim(run, hosts=tuple(h.address for h in hosts), need=need, run_dir=layout.root)
         try:
             return self.start_cluster(job, _by_address(hosts, held), layout, runtime)

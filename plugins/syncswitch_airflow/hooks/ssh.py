@@ -11,12 +11,15 @@ whichever Airflow worker logs in, and never written to a disk, a spec or state.j
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
+from pathlib import Path
 from typing import Any
 
 import paramiko
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from syncswitch.errors import SpecError
-from syncswitch.hosts import FIELD, HostSpec
+from syncswitch.hosts import FIELD, HOST_KEY_TYPES, HostSpec, check_host_key
 
 
 def connection_hook(
@@ -57,9 +60,29 @@ def resolve_host(spec: HostSpec, position: int) -> HostSpec:
     return resolved
 
 
+def each_address(spec: HostSpec, position: int) -> list[HostSpec]:
+    """One host per address ``spec``'s DNS name resolves to now, in address order, where it asks so
+    (``each_address``); else ``spec`` alone. A name that does not resolve is a SpecError."""
+    if not spec.each_address:
+        return [spec]
+    try:
+        found = socket.getaddrinfo(spec.address, spec.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise SpecError(FIELD, f"host {position}: {spec.address} does not resolve ({exc})") from None
+    addresses = sorted({info[4][0] for info in found}, key=ipaddress.ip_address)
+    name = spec.name or spec.address
+    return [
+        dataclasses.replace(spec, address=address, name=f"{name}@{address}", each_address=False)
+        for address in addresses
+    ]
+
+
 def resolve_hosts(hosts: tuple[HostSpec, ...]) -> tuple[HostSpec, ...]:
-    """Every host resolved (:func:`resolve_host`); two that resolve to one address are a SpecError."""
-    resolved = tuple(resolve_host(h, i) for i, h in enumerate(hosts))
+    """Every host resolved (:func:`resolve_host`) and expanded (:func:`each_address`); two that resolve
+    to one address are a SpecError."""
+    resolved = tuple(
+        expanded for i, h in enumerate(hosts) for expanded in each_address(resolve_host(h, i), i)
+    )
     seen: dict[tuple[str, int], int] = {}
     for i, host in enumerate(resolved):
         where = (host.address, host.port)
@@ -67,6 +90,24 @@ def resolve_hosts(hosts: tuple[HostSpec, ...]) -> tuple[HostSpec, ...]:
             raise SpecError(FIELD, f"host {i}: {host.address}:{host.port} is also host {seen[where]}")
         seen[where] = i
     return resolved
+
+
+def pinned_host_key(host_key: str, where: str) -> str:
+    """A host spec's ``host_key`` as ``TYPE BASE64``: the key itself, or read from the file it names
+    (a path on the Airflow worker or a gs:// object: a .pub or known_hosts-style line)."""
+    if not host_key.startswith(("/", "gs://")):
+        return host_key
+    from syncswitch import storage
+
+    try:
+        text = storage.read_text(host_key) if storage.is_remote(host_key) else Path(host_key).read_text()
+    except Exception as exc:  # missing, unreadable, the bucket away: named
+        reason = type(exc).__name__
+        raise SpecError(FIELD, f"{where}: host_key file {host_key} cannot be read: {reason}") from None
+    fields = text.split()
+    key = " ".join(fields[:2] if fields and fields[0] in HOST_KEY_TYPES else fields[1:3])
+    check_host_key(key, where)
+    return key
 
 
 def connected_client(host: dict[str, Any], timeout: float) -> paramiko.SSHClient:
