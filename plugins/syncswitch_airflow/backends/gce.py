@@ -74,15 +74,10 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
-from syncswitch_airflow.backends.hosts import (
-    HostKeyRefused,
-    HostsBackend,
-    SshSession,
-    host_record,
-    host_work_dir,
-)
+from syncswitch_airflow.backends.hosts import HostsBackend, host_record, host_work_dir
 from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_wheel
 from syncswitch_airflow.hooks.compute import ComputeHook
+from syncswitch_airflow.hooks.ssh import HostKeyRefused, SshSession
 
 CAPACITY_SETTING = "gce_clusters"
 HOST_KEY_SETTING = "gce_host_keys"

@@ -47,10 +47,8 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import io
 import json
 import logging
 import os
@@ -60,12 +58,9 @@ import secrets
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import paramiko
 from syncswitch import storage
 from syncswitch.errors import SpecError
 from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
@@ -90,12 +85,10 @@ from syncswitch_airflow.backends.node_runtime import (
     RuntimeBundle,
     hosts_install_runtime,
 )
-from syncswitch_airflow.hooks.ssh import connected_client, resolve_hosts
+from syncswitch_airflow.hooks.ssh import COMMAND_TIMEOUT_S, SshSession, all_or_raise, on_hosts, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
 FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
-CONNECT_TIMEOUT_S = 10.0
-COMMAND_TIMEOUT_S = 120.0
 FORKSERVER_READY_S = 300.0
 # Longest one command on a host waits for its fork server's ready file (then the server is looked at
 # again from here: alive, listening).
@@ -107,140 +100,6 @@ INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-H = TypeVar("H")
-
-
-class HostKeyRefused(ClusterError):
-    """The host showed another SSH host key than the one expected: not the machine it should be."""
-
-
-class SshSession:
-    """One SSH connection to one host; commands and small files. Errors name the host."""
-
-    def __init__(self, host: dict[str, Any], timeout: float = CONNECT_TIMEOUT_S) -> None:
-        self.host, self.timeout = host, timeout
-        self.where = f"host {host['name']} ({host['user']}@{host['address']}:{host['port']})"
-        self.client = paramiko.SSHClient()
-
-    def __enter__(self) -> SshSession:
-        if self.host.get("conn"):
-            self._connect_with_connection()
-            return self
-        pinned = self._host_key_policy()
-        key = self._key()
-        try:
-            self.client.connect(
-                self.host["address"],
-                port=int(self.host["port"]),
-                username=self.host["user"],
-                **key,
-                look_for_keys=False,
-                allow_agent=False,
-                timeout=self.timeout,
-                banner_timeout=self.timeout,
-                auth_timeout=self.timeout,
-            )
-        except paramiko.AuthenticationException as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: SSH login failed: {exc}") from None
-        except paramiko.BadHostKeyException as exc:
-            self.client.close()
-            raise HostKeyRefused(f"{self.where}: its host key is not the one {pinned}: {exc}") from None
-        except paramiko.SSHException as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: SSH failed: {exc}") from None
-        except TimeoutError:
-            self.client.close()
-            raise ClusterError(f"{self.where}: unreachable: no answer within {self.timeout:.0f}s") from None
-        except OSError as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: unreachable: {exc.strerror or exc}") from None
-        return self
-
-    def _connect_with_connection(self) -> None:
-        """Log in as the host's Airflow SSH connection says (its key and host-key policy)."""
-        conn = f"connection {self.host['conn']}"
-        try:
-            self.client = connected_client(self.host, self.timeout)
-        except paramiko.AuthenticationException as exc:
-            raise ClusterError(f"{self.where}: SSH login failed ({conn}): {exc}") from None
-        except paramiko.BadHostKeyException as exc:
-            raise ClusterError(f"{self.where}: host key refused ({conn}): {exc}") from None
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: SSH failed ({conn}): {exc}") from None
-        except Exception as exc:  # the connection is gone or malformed: its reason, never a secret
-            raise ClusterError(f"{self.where}: SSH {conn}: {exc}") from None
-
-    def _host_key_policy(self) -> str:
-        """Refuse any host key but the host's pinned one, else those of ``[syncswitch] ssh_known_hosts``;
-        with neither, accept any (paramiko warns). Returns where the expected key comes from."""
-        if self.host.get("host_key"):
-            key_type, _, blob = self.host["host_key"].partition(" ")
-            port = int(self.host["port"])
-            name = self.host["address"] if port == 22 else f"[{self.host['address']}]:{port}"
-            key = paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
-            self.client.get_host_keys().add(name, key_type, key)
-            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            return "pinned with the run (host_key)"
-        known_hosts = settings.get("ssh_known_hosts")
-        if known_hosts:
-            self.client.load_host_keys(known_hosts)
-            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            return f"in {known_hosts}"
-        self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
-        return "accepted"
-
-    def _key(self) -> dict[str, Any]:
-        """paramiko's key argument: a key file on this worker, or a key in the bucket (a gce run's own,
-        in its run folder, which every Airflow worker reads)."""
-        key = self.host["key"]
-        if not storage.is_remote(key):
-            if not os.path.isfile(key):
-                raise ClusterError(f"{self.where}: SSH key file {key} does not exist")
-            return {"key_filename": key}
-        try:
-            return {"pkey": load_private_key(storage.read_text(key))}
-        except Exception as exc:  # not found, not a key, the bucket down: named, never its content
-            reason = type(exc).__name__
-            raise ClusterError(f"{self.where}: SSH key {key} cannot be loaded: {reason}") from None
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
-
-    def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = "") -> tuple[int, str, str]:
-        try:
-            into, stdout, stderr = self.client.exec_command(command, timeout=timeout)
-            if stdin:
-                into.write(stdin)
-                into.channel.shutdown_write()
-            out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
-            return stdout.channel.recv_exit_status(), out, err
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: command failed to run: {exc}") from None
-
-    def check(self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = "") -> str:
-        code, out, err = self.run(command, timeout, stdin)
-        if code != 0:
-            raise ClusterError(f"{self.where}: {what} failed (exit {code}): {(err or out).strip()[-800:]}")
-        return out
-
-    def json(
-        self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = ""
-    ) -> dict[str, Any]:
-        out = self.check(command, what, timeout, stdin)
-        try:
-            return json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise ClusterError(f"{self.where}: {what} printed no JSON: {out[-300:]!r}") from None
-
-    def write_file(self, path: str, content: str | bytes, mode: int = 0o644) -> None:
-        try:
-            with self.client.open_sftp() as sftp, sftp.open(path, "w") as f:
-                f.write(content)
-                sftp.chmod(path, mode)
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: cannot write {path}: {exc}") from None
 
 
 def host_record(host: HostSpec, work_dir: str, runtime: RuntimeBundle | None = None) -> dict[str, Any]:
@@ -273,16 +132,6 @@ def host_work_dir(host: HostSpec, job_name: str, run: str) -> str:
     return posixpath.join(host.work_root, folder)
 
 
-def load_private_key(text: str) -> paramiko.PKey:
-    """A private key in OpenSSH or PEM form, of any type paramiko knows."""
-    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-        try:
-            return kind.from_private_key(io.StringIO(text))
-        except paramiko.SSHException:
-            continue
-    raise ValueError("not an unencrypted Ed25519, ECDSA or RSA private key")
-
-
 def cluster_token(layout: RunLayout) -> str:
     """The cluster's fork-server token: made by the first task that asks, the same for every worker."""
     uri = join(layout.cluster_secrets, "token")
@@ -297,28 +146,6 @@ def hosts_environment() -> dict[str, str]:
         if sep and key:
             env[key] = value
     return env
-
-
-def on_hosts(hosts: Sequence[H], action: Callable[[H], T]) -> list[T | ClusterError]:
-    """``action`` on every host at once; a host's ClusterError is its result, not raised."""
-
-    def guarded(host: H) -> T | ClusterError:
-        try:
-            return action(host)
-        except ClusterError as exc:
-            return exc
-
-    # Each thread with the caller's storage client (an Airflow task's: the bucket connection's).
-    with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
-        return [f.result() for f in storage.submit_each(pool, guarded, hosts)]
-
-
-def all_or_raise(results: list[T | ClusterError]) -> list[T]:
-    """``on_hosts``'s results, unless a host failed: then one ClusterError naming each that did."""
-    failures = [str(r) for r in results if isinstance(r, ClusterError)]
-    if failures:
-        raise ClusterError("; ".join(failures))
-    return [r for r in results if not isinstance(r, ClusterError)]
 
 
 @dataclass(frozen=True)
