@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
-from airflow.triggers.base import BaseTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
+from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.events import EventTail, read_stream
@@ -51,6 +51,7 @@ from syncswitch.state import State, read_state, record_fork_servers, record_segm
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
 from syncswitch_airflow.hooks.bucket import BucketHook
+from syncswitch_airflow.triggers.base import FieldsTrigger
 
 # How long a launcher may stay unknown to the backend before the segment counts as lost: a wiped
 # work folder (local; the launch record is written right after the process starts), or a chief host
@@ -184,7 +185,7 @@ def _launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
         launch_entry(run_dir, state, entry, log)
 
 
-class SegmentTrigger(BaseTrigger):
+class SegmentTrigger(FieldsTrigger):
     """Fires when segment ``index`` of the run in ``run_dir`` ends, fails, or stalls."""
 
     def __init__(
@@ -219,24 +220,6 @@ class SegmentTrigger(BaseTrigger):
         # Where this try's events begin in the segment's event files (an earlier, killed try's
         # steps come before), so that its progress and stall check start from this try's own.
         self.event_offsets = event_offsets or {}
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "run_dir": self.run_dir,
-                "index": self.index,
-                "protocol": self.protocol,
-                "until_step": self.until_step,
-                "stall_seconds": self.stall_seconds,
-                "stall_grace_seconds": self.stall_grace_seconds,
-                "poll_seconds": self.poll_seconds,
-                "progress_seconds": self.progress_seconds,
-                "log_seconds": self.log_seconds,
-                "last_try": self.last_try,
-                "event_offsets": self.event_offsets,
-            },
-        )
 
     @property
     def label(self) -> str:
