@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +213,29 @@ class VmPlan:
     machine_type: str
     gpu: GpuSpec
     spot: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The VM's record as state.json's ``vms`` and the gce handle's ``plan`` keep it (syncswitch.state):
+        flat, its GPU as ``gpu_type`` and ``gpu_count``; ``host_role`` is left out, as ``role`` decides it."""
+        record = dataclasses.asdict(self)
+        gpu = record.pop("gpu")
+        del record["host_role"]
+        return record | {"gpu_type": gpu["type"], "gpu_count": gpu["count"]}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> VmPlan:
+        """The VM a record describes (:meth:`to_dict`'s; what state.json adds to it, its state and
+        times, is not the plan's and is ignored)."""
+        return cls(
+            name=record["name"],
+            role=record["role"],
+            task=record["task"],
+            host_role=host_role(record["role"]),
+            zone=record["zone"],
+            machine_type=record["machine_type"],
+            gpu=GpuSpec(record.get("gpu_type", ""), int(record.get("gpu_count", 0))),
+            spot=bool(record["spot"]),
+        )
 
     def replacement(self, attempt: int) -> VmPlan:
         """The VM that replaces this one after its ``attempt``-th revocation (a new name: the revoked

@@ -54,7 +54,6 @@ from syncswitch.gce import (
     LABEL_ROLE,
     LABEL_RUN,
     GceSpec,
-    GpuSpec,
     VmPlan,
     host_role,
     run_label,
@@ -202,7 +201,7 @@ class GceBackend:
             "labels": {LABEL_JOB: job.job_name, LABEL_RUN: run_label(run)},
             "tag": f"{plan[0].name.removesuffix('-chief')}-net",
             "firewall": f"{plan[0].name.removesuffix('-chief')}-train",
-            "plan": [_plan_record(vm) for vm in plan],
+            "plan": [vm.to_dict() for vm in plan],
             "spec": gce.to_params(),
             "host_keys": host_keys,
             # The run's own SSH key, in its bucket folder: whichever Airflow worker runs a later task
@@ -245,7 +244,7 @@ class GceBackend:
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
 
         def create(vm: VmPlan) -> None:
-            state.record_vm(layout, vm.name, **_vm_fields(vm), state="requested", requested_at=time.time())
+            _record_requested(layout, vm)
             body = instance_body(vm, gce, labels, cloud["tag"], metadata)
             try:
                 self.hook.insert_instance(body=body, zone=vm.zone, project_id=gce.project)
@@ -358,19 +357,11 @@ class GceBackend:
         gce = GceSpec.parse(cloud["spec"], len([p for p in cloud["plan"] if p["role"] != "ps"]))
         assert gce is not None
         attempt = int(vm.get("attempt", 0)) + 1
-        new = _vm_from_record(vm).replacement(attempt)
+        new = VmPlan.from_dict(vm).replacement(attempt)
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
         metadata = vm_metadata(gce, layout, _ensure_key(cloud["key"]))
         body = instance_body(new, gce, labels, cloud["tag"], metadata)
-        state.record_vm(
-            layout,
-            new.name,
-            **_vm_fields(new),
-            state="requested",
-            requested_at=time.time(),
-            replaces=vm["name"],
-            attempt=attempt,
-        )
+        _record_requested(layout, new, replaces=vm["name"], attempt=attempt)
         try:
             operation = self.hook.request_instance(body, new.zone, gce.project)
         except Exception as exc:  # a stock-out answers at once; the next launch tries again
@@ -554,33 +545,10 @@ def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: flo
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _plan_record(vm: VmPlan) -> dict[str, Any]:
-    return _vm_fields(vm) | {"name": vm.name}
-
-
-def _vm_fields(vm: VmPlan) -> dict[str, Any]:
-    return {
-        "role": vm.role,
-        "task": vm.task,
-        "zone": vm.zone,
-        "machine_type": vm.machine_type,
-        "gpu_type": vm.gpu.type,
-        "gpu_count": vm.gpu.count,
-        "spot": vm.spot,
-    }
-
-
-def _vm_from_record(vm: dict[str, Any]) -> VmPlan:
-    return VmPlan(
-        name=vm["name"],
-        role=vm["role"],
-        task=vm["task"],
-        host_role=host_role(vm["role"]),
-        zone=vm["zone"],
-        machine_type=vm["machine_type"],
-        gpu=GpuSpec(vm.get("gpu_type", ""), int(vm.get("gpu_count", 0))),
-        spot=bool(vm["spot"]),
-    )
+def _record_requested(layout: RunLayout, vm: VmPlan, **more: Any) -> None:
+    """The VM's record in state.json, requested now: its plan's fields (VmPlan.to_dict), then ``more``."""
+    fields = vm.to_dict()
+    state.record_vm(layout, fields.pop("name"), **fields, state="requested", requested_at=time.time(), **more)
 
 
 def _replacement_of(vms: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
