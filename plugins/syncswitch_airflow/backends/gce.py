@@ -649,7 +649,7 @@ def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, s
         "startup-script": STARTUP_SCRIPT.read_text(),
         "syncswitch-runtime": layout.cluster_runtime,
         "syncswitch-python": gce.python,
-        # The runtime's dependencies at the lock's versions (70 lines: well under metadata's 256 KB),
+        # The runtime's dependencies at the lock's versions (well under metadata's 256 KB limit),
         # and the installer the hosts backend runs on its hosts too.
         "syncswitch-requirements": requirements_text(),
         "syncswitch-install": NODE_INSTALL_SCRIPT.read_text(),

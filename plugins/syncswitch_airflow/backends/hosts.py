@@ -94,7 +94,8 @@ FORKSERVER_READY_S = 300.0
 # again from here: alive, listening).
 READY_WAIT_CHUNK_S = 30.0
 STARTING = "starting"  # _check_host's word for a fork server started by an earlier try
-# Longest a fork server's start waits for another start on its folder (each holds it for ~0.1 s).
+# Longest a fork server's start waits for another start on its folder (each holds it only to look and
+# start).
 LAUNCH_LOCK_WAIT_S = 60.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
@@ -173,7 +174,7 @@ def _started_alive(pid_file: str) -> str:
 
 def _ready_command(server_dir: str) -> str:
     """A shell command that prints the fork server's ready file if the server it names is alive, and
-    nothing otherwise; it always succeeds. (One command: each is a shell on the host, 0.2-1 s.)"""
+    nothing otherwise; it always succeeds. (One command, as each is a shell on the host.)"""
     pid = r"""$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' forkserver.json 2>/dev/null)"""
     alive = f'pid={pid} && [ -n "$pid" ] && {PID_ALIVE}'
     return f"(cd {shlex.quote(server_dir)} 2>/dev/null && {alive} && cat forkserver.json; true)"
@@ -364,8 +365,8 @@ class HostsBackend:
     @staticmethod
     def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
         """Wait on the host itself (its disk looked at every 0.1 s) until the starting fork server has
-        written its ready file or has died, for at most ``seconds``: one command, where a look per
-        second over SSH (a session, a shell) came up to a second late and took CPU from the imports."""
+        written its ready file or has died, for at most ``seconds``: one command, as each look over
+        SSH (a session, a shell) would come late and take CPU from the server's imports."""
         folder = shlex.quote(server_dir)
         ssh.run(
             f'cd {folder} && pid="$(cat starting.pid 2>/dev/null)" && '

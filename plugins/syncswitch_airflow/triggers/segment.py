@@ -22,8 +22,8 @@ log every ``log_seconds``. A segment whose step stops moving is failed by the ru
 ``syncswitch.stall`` (the launcher applies it first; the trigger only when the launcher itself hangs).
 
 The next segment starts here, not in its own task: between the two segment tasks Airflow needs the
-triggerer's next loop (up to 1 s, 3.3 s seen), the scheduler's next loop and a task start, 2-4 s of
-every switch gap on the demo job. Its task finds the segment running and follows it (as a retry
+triggerer's next loop, the scheduler's next loop and a task start, which would all add to every
+switch gap. Its task finds the segment running and follows it (as a retry
 does), and launches it itself where this launch failed. The plan cannot move under the launch: an
 online switch is refused once the segment's result is recorded (``syncswitch.state.apply_switch``),
 and the next entry is read after that record.
@@ -59,8 +59,8 @@ from syncswitch_airflow.triggers.base import FieldsTrigger
 _UNKNOWN_GRACE_S = 30.0
 # A remote backend's status is an SSH login to the chief host (and on gce a Compute Engine list): asked
 # every ``status_poll_seconds`` while the segment is young, when a launcher that cannot start dies,
-# then less often as it ages, at most this far apart: a day-long segment costs ~1,500 logins instead
-# of ~29,000. The bucket's result.json is still read every poll, so an end is seen as fast.
+# then less often as it ages, at most this far apart, so a long segment costs a login a minute, not
+# one a poll. The bucket's result.json is still read every poll, so an end is seen as fast.
 STATUS_POLL_MAX_S = 60.0
 
 

@@ -53,8 +53,8 @@ from syncswitch_airflow.triggers.base import FieldsTrigger
 END_CHECK_SECONDS = 0.5
 # How often the segment task's state is asked for while a poll brought no step timings (the segment
 # starts, evaluates, or has failed: a failed segment's teardown waits for this watcher). Each ask is
-# an execution API call, ~0.017 cores of the triggerer at one a second, so while steps come it is
-# asked every ``task_check_seconds`` instead.
+# an execution API call, CPU of the triggerer's, so while steps come it is asked every
+# ``task_check_seconds`` instead.
 QUIET_TASK_CHECK_SECONDS = 1.0
 # Task states after which a segment task will not run again in this DAG run (no retry pending).
 FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
