@@ -79,6 +79,15 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
+from syncswitch_airflow.backends.host_commands import (
+    STARTING,
+    python_command,
+    ready_address,
+    ready_command,
+    start_command,
+    started_alive,
+    wait_for_ready_command,
+)
 from syncswitch_airflow.backends.node_runtime import (
     MARKER,
     NODE_INSTALL_SCRIPT,
@@ -93,10 +102,6 @@ FORKSERVER_READY_S = 300.0
 # Longest one command on a host waits for its fork server's ready file (then the server is looked at
 # again from here: alive, listening).
 READY_WAIT_CHUNK_S = 30.0
-STARTING = "starting"  # _check_host's word for a fork server started by an earlier try
-# Longest a fork server's start waits for another start on its folder (each holds it only to look and
-# start).
-LAUNCH_LOCK_WAIT_S = 60.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
@@ -157,39 +162,6 @@ class CheckedHost:
     host: dict[str, Any]
     ssh: SshSession
     server: str
-
-
-# A shell test: the process "$pid" lives, and is not a zombie. A server killed on a host whose init is
-# slow to reap (a container's, often) stays a zombie, which `kill -0` counts as alive; its state is
-# the letter after the last ")" of /proc/PID/stat.
-PID_ALIVE = (
-    """kill -0 "$pid" 2>/dev/null && [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ]"""
-)
-
-
-def _started_alive(pid_file: str) -> str:
-    """A shell test: the fork server whose pid ``pid_file`` holds (its start's) lives."""
-    return f'pid="$(cat {shlex.quote(pid_file)} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}'
-
-
-def _ready_command(server_dir: str) -> str:
-    """A shell command that prints the fork server's ready file if the server it names is alive, and
-    nothing otherwise; it always succeeds. (One command, as each is a shell on the host.)"""
-    pid = r"""$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' forkserver.json 2>/dev/null)"""
-    alive = f'pid={pid} && [ -n "$pid" ] && {PID_ALIVE}'
-    return f"(cd {shlex.quote(server_dir)} 2>/dev/null && {alive} && cat forkserver.json; true)"
-
-
-def _ready_address(ready_file: str) -> str:
-    """The TCP address in a ready file that ``_ready_command`` printed ("" for none)."""
-    try:
-        return str(json.loads(ready_file).get("tcp", "")) if ready_file.strip() else ""
-    except (ValueError, AttributeError):
-        return ""
-
-
-def _python(host: dict[str, Any], module: str, *args: str) -> str:
-    return shlex.join([host["python"], "-m", module, *args])
 
 
 class HostsBackend:
@@ -286,7 +258,7 @@ class HostsBackend:
         ssh = sessions.enter_context(SshSession(host))
         work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
         folders = f"umask 077 && mkdir -p {shlex.quote(server_dir)} {shlex.quote(work)}/segments"
-        ready = _ready_address(ssh.check(f"{folders} && {_ready_command(server_dir)}", "mkdir"))
+        ready = ready_address(ssh.check(f"{folders} && {ready_command(server_dir)}", "mkdir"))
         if ready:
             return CheckedHost(host, ssh, ready)
         ssh.write_file(posixpath.join(work, "token"), token, mode=0o600)
@@ -296,7 +268,7 @@ class HostsBackend:
             self._install_runtime(ssh, handle, host, runtime)
         # Workers on other TensorFlow or Keras versions than the chief's would not load each
         # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
-        ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
+        ssh.check(python_command(host, "syncswitch.requirements", "--check"), "the runtime's version check")
         return CheckedHost(host, ssh, "")
 
     def _start_host(self, handle: Handle, checked: CheckedHost) -> str:
@@ -327,59 +299,28 @@ class HostsBackend:
 
     @staticmethod
     def _launch_server(ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
-        """The fork server started detached, unless one listens or starts there already; its pid goes
-        to ``starting.pid`` until it writes ``forkserver.json``.
-
-        The look and the start are one step, under the folder's lock on the host (flock(1), held by
-        the step's shell, not by the server): the start sent by a provisioning try lost midway can
-        still run on the host after the retry has looked (a command in flight, its shell not yet
-        started), and two servers for one folder would each import TensorFlow."""
+        """The host's fork server started detached, unless one listens or starts there already (one
+        step under the folder's lock: ``host_commands.start_command``)."""
         work = host["work_dir"]
         env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
         token_file = posixpath.join(work, "token")
-        command = _python(
+        command = python_command(
             host, "syncswitch.forkserver", server_dir, "--listen", host["address"], "--token-file", token_file
         )
-        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
-        pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
-        # Backgrounded alone, with every stream redirected, so the SSH channel closes now; env and
-        # setsid exec in place, so $! is the fork server's pid. It is written whole (renamed into
-        # place): a look never reads a half-written file.
-        detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
-        start = f"cd / && ({detached} & echo $! > {pid_file}.new) && mv -f {pid_file}.new {pid_file}"
-        running = _started_alive(posixpath.join(server_dir, "starting.pid"))
-        look_and_start = (
-            # (A space after "$(": the command is a subshell, and "$((" would start arithmetic.)
-            f'if [ -n "$( {_ready_command(server_dir)} )" ] || {{ {running}; }}; then echo {STARTING}; '
-            f"else {start}; fi"
-        )
-        lock = shlex.quote(posixpath.join(server_dir, "forkserver.lock"))
-        out = ssh.check(
-            f"flock -w {LAUNCH_LOCK_WAIT_S:.0f} -o {lock} sh -c {shlex.quote(look_and_start)}",
-            "starting the fork server",
-        )
+        out = ssh.check(start_command(server_dir, command, env), "starting the fork server")
         found = "a fork server started by an earlier try runs" if out.strip() == STARTING else ""
         log.info("run %s: %s on %s", handle["run"], found or "fork server starting", host["name"])
 
     @staticmethod
     def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
-        """Wait on the host itself (its disk looked at every 0.1 s) until the starting fork server has
-        written its ready file or has died, for at most ``seconds``: one command, as each look over
-        SSH (a session, a shell) would come late and take CPU from the server's imports."""
-        folder = shlex.quote(server_dir)
-        ssh.run(
-            f'cd {folder} && pid="$(cat starting.pid 2>/dev/null)" && '
-            f"end=$(( $(date +%s) + {int(seconds) + 1} )) && "
-            f'while [ ! -s forkserver.json ] && {PID_ALIVE} && [ "$(date +%s)" -lt "$end" ]; '
-            "do sleep 0.1; done",
-            timeout=seconds + COMMAND_TIMEOUT_S,
-        )
+        """Until the starting fork server has written its ready file or has died, for at most
+        ``seconds``, waited for on the host itself (``host_commands.wait_for_ready_command``)."""
+        ssh.run(wait_for_ready_command(server_dir, seconds), timeout=seconds + COMMAND_TIMEOUT_S)
 
     @staticmethod
     def _server_starting(ssh: SshSession, server_dir: str) -> bool:
         """Whether a fork server started for this folder is still alive (not listening yet)."""
-        return ssh.run(_started_alive(posixpath.join(server_dir, "starting.pid")))[0] == 0
+        return ssh.run(started_alive(posixpath.join(server_dir, "starting.pid")))[0] == 0
 
     @staticmethod
     def _install_runtime(
@@ -434,7 +375,7 @@ class HostsBackend:
     @staticmethod
     def _server_ready(ssh: SshSession, server_dir: str) -> str:
         """The fork server's TCP address if it is up and alive, else ""."""
-        return _ready_address(ssh.run(_ready_command(server_dir))[1])
+        return ready_address(ssh.run(ready_command(server_dir))[1])
 
     def teardown(self, handle: Handle) -> dict[str, Any]:
         """Stop every process of the run on every host, verify, remove the hosts' work folders."""
@@ -458,7 +399,7 @@ class HostsBackend:
     def _teardown_hosts(self, handle: Handle) -> dict[str, dict[str, Any]]:
         def stop(host: dict[str, Any]) -> dict[str, Any]:
             work = host["work_dir"]
-            stop_processes = _python(
+            stop_processes = python_command(
                 host,
                 "syncswitch.supervise",
                 "stop",
@@ -574,12 +515,12 @@ class HostsBackend:
         files = {"spec.json": spec.to_json(), "cluster.json": cluster.to_json()}
         launch = ["launch", seg_dir, "--marker", SEGMENT_ENV, "--files-on-stdin", *flags, "--", *train]
         with SshSession(chief) as ssh:
-            command = f"cd / && {_python(chief, 'syncswitch.supervise', *launch)}"
+            command = f"cd / && {python_command(chief, 'syncswitch.supervise', *launch)}"
             return ssh.json(command, "launching the segment", stdin=json.dumps(files))
 
     def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
         chief = self._chief(handle)
-        command = _python(chief, "syncswitch.supervise", "status", self.segment_dir(handle, index))
+        command = python_command(chief, "syncswitch.supervise", "status", self.segment_dir(handle, index))
         try:
             with SshSession(chief) as ssh:
                 answer = ssh.json(f"{command} --marker {SEGMENT_ENV}", "segment status")
@@ -600,7 +541,7 @@ class HostsBackend:
     def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
         """Stop the launcher on the chief host; the nodes on the other hosts go with its leases."""
         chief, seg_dir = self._chief(handle), self.segment_dir(handle, index)
-        command = _python(
+        command = python_command(
             chief,
             "syncswitch.supervise",
             "stop",
