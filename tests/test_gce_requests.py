@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from syncswitch.errors import SpecError
 from syncswitch.gce import LABEL_EXPIRES, LABEL_JOB, LABEL_ROLE, LABEL_RUN, VmPlan, vm_plan
 from syncswitch.spec import JobSpec
-from syncswitch_airflow.backends.gce import firewall_body, instance_body
+from syncswitch_airflow.backends.gce_requests import firewall_body, instance_body
 
 RUN = "manual__2026-11-23T15:04:05+00:00"
 GCE = "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;gpus=k80 k80 p100 v100:2"
@@ -212,7 +212,7 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     on them, never pip on a bare package name."""
     from syncswitch.layout import RunLayout
     from syncswitch.requirements import locked_versions, requirements_text
-    from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, vm_metadata
+    from syncswitch_airflow.backends.gce_requests import STARTUP_SCRIPT, vm_metadata
     from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT
 
     spec = job()

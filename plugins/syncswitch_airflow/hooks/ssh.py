@@ -11,13 +11,14 @@ login on whichever Airflow worker logs in, and never written to a disk, a spec o
 
 Without a connection, the host key is checked against the host's pinned ``host_key``, else
 ``[syncswitch] ssh_known_hosts``; with neither, any is accepted. Every error is a ClusterError that
-names the host.
+names the host. A gce run's own key is made here too (``ensure_private_key``), in its bucket folder.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -27,6 +28,8 @@ from typing import Any, TypeVar
 
 import paramiko
 from airflow.providers.ssh.hooks.ssh import SSHHook
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from syncswitch import storage
 from syncswitch.errors import SpecError
 from syncswitch.hosts import FIELD, HostSpec
@@ -237,6 +240,25 @@ def load_private_key(text: str) -> paramiko.PKey:
         except paramiko.SSHException:
             continue
     raise ValueError("not an unencrypted Ed25519, ECDSA or RSA private key")
+
+
+def ensure_private_key(uri: str) -> str:
+    """The Ed25519 key at ``uri`` (a run's, in its bucket folder), made once (``storage.create_private``:
+    the first worker's wins); returns its public half, as an ``authorized_keys`` line."""
+    private = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    key = serialization.load_ssh_private_key(storage.create_private(uri, private), password=None)
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return public.decode() + " syncswitch-run"
+
+
+def host_key_fingerprint(host_key: str) -> str:
+    """OpenSSH's fingerprint of a ``TYPE BASE64`` key (what ``ssh-keygen -lf`` and a VM's serial console
+    print), for logs."""
+    key_type, _, blob = host_key.partition(" ")
+    digest = base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
+    return f"{key_type} SHA256:{digest}"
 
 
 def on_hosts(hosts: Sequence[H], action: Callable[[H], T]) -> list[T | ClusterError]:
