@@ -226,16 +226,9 @@ class VmPlan:
     def from_dict(cls, record: Mapping[str, Any]) -> VmPlan:
         """The VM a record describes (:meth:`to_dict`'s; what state.json adds to it, its state and
         times, is not the plan's and is ignored)."""
-        return cls(
-            name=record["name"],
-            role=record["role"],
-            task=record["task"],
-            host_role=host_role(record["role"]),
-            zone=record["zone"],
-            machine_type=record["machine_type"],
-            gpu=GpuSpec(record.get("gpu_type", ""), int(record.get("gpu_count", 0))),
-            spot=bool(record["spot"]),
-        )
+        flat = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name not in ("gpu", "host_role")}
+        gpu = GpuSpec(record.get("gpu_type", ""), int(record.get("gpu_count", 0)))
+        return cls(**flat | {"spot": bool(record["spot"])}, host_role=host_role(record["role"]), gpu=gpu)
 
     def replacement(self, attempt: int) -> VmPlan:
         """The VM that replaces this one after its ``attempt``-th revocation (a new name: the revoked
