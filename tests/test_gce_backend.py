@@ -46,7 +46,8 @@ from syncswitch.state import read_state
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends import gce as gce_backend
-from syncswitch_airflow.backends.gce import GceBackend, vm_metadata
+from syncswitch_airflow.backends.gce import GceBackend
+from syncswitch_airflow.backends.gce_requests import vm_metadata
 from syncswitch_airflow.hooks.compute import ComputeHook
 from syncswitch_airflow.settings import SettingError
 

@@ -19,9 +19,9 @@ import pytest
 from google.cloud import compute_v1
 from google.protobuf import json_format
 from syncswitch.errors import SpecError
-from syncswitch.gce import LABEL_EXPIRES, LABEL_JOB, LABEL_ROLE, LABEL_RUN, vm_plan
+from syncswitch.gce import LABEL_EXPIRES, LABEL_JOB, LABEL_ROLE, LABEL_RUN, VmPlan, vm_plan
 from syncswitch.spec import JobSpec
-from syncswitch_airflow.backends.gce import firewall_body, instance_body
+from syncswitch_airflow.backends.gce_requests import firewall_body, instance_body
 
 RUN = "manual__2026-11-23T15:04:05+00:00"
 GCE = "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;gpus=k80 k80 p100 v100:2"
@@ -62,6 +62,25 @@ def test_the_plan_puts_the_checkpointer_on_demand_and_the_other_workers_on_spot(
     ]
     assert len({v.name for v in vms}) == len(vms) and all(len(v.name) <= 63 for v in vms)
     assert vms[1].replacement(1).name == f"{vms[1].name}-r1" and vms[1].replacement(2).name.endswith("-w1-r2")
+
+
+def test_a_planned_vms_record_is_flat_and_gives_the_same_vm_back() -> None:
+    spec = job()
+    vms = vm_plan(spec.gce, spec.job_name, RUN, spec.num_workers, 1)
+    record = vms[3].to_dict()
+    assert record == {
+        "name": vms[3].name,
+        "role": "worker",
+        "task": 3,
+        "zone": "us-east1-c",
+        "machine_type": "n1-standard-8",
+        "gpu_type": "nvidia-tesla-v100",
+        "gpu_count": 2,
+        "spot": True,
+    }
+    assert [VmPlan.from_dict(vm.to_dict()) for vm in vms] == vms
+    # A record as state.json keeps it: the plan's fields and the VM's life beside them.
+    assert VmPlan.from_dict({**record, "state": "revoked", "requested_at": 1.0}) == vms[3]
 
 
 def test_a_spot_gpu_worker_request_has_every_field_compute_engine_needs() -> None:
@@ -193,7 +212,7 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     on them, never pip on a bare package name."""
     from syncswitch.layout import RunLayout
     from syncswitch.requirements import locked_versions, requirements_text
-    from syncswitch_airflow.backends.gce import STARTUP_SCRIPT, vm_metadata
+    from syncswitch_airflow.backends.gce_requests import STARTUP_SCRIPT, vm_metadata
     from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT
 
     spec = job()

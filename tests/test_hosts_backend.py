@@ -54,8 +54,9 @@ from syncswitch.state import create_run, read_state, record_cluster
 from syncswitch_airflow import settings
 from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.base import UNKNOWN
-from syncswitch_airflow.backends.hosts import HostsBackend, SshSession, host_record
+from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
+from syncswitch_airflow.hooks.ssh import SshSession
 from syncswitch_airflow.triggers.segment import launch_entry
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]

@@ -2,7 +2,7 @@
 
 A Celery worker runs each task in a process forked from its pool, and the pool is forked from the
 worker's main process, which imports neither Airflow's DAG parsing nor our DAG's modules: every task
-process did so afresh, 9-19 s per task on the test machine (``syncswitch_airflow.warm_start``).
+process would import them afresh (``syncswitch_airflow.warm_start``).
 
 Celery imports the modules of its ``imports`` setting in the main process before it forks the pool,
 so every task process inherits them. Use it with::

@@ -88,8 +88,8 @@ def build_sync_switch_dag(
         )
         # One report at a time across the DAG's runs: a job's first asset events create its assets,
         # and Airflow 3.3 creates one without a guard, so two runs of a new job reporting at once on
-        # PostgreSQL hit its unique index and the api-server marks the second report failed (the
-        # task's own code had succeeded). A report waits for the other's few seconds instead.
+        # PostgreSQL would hit its unique index and the api-server would mark the second report
+        # failed though its code succeeded. A report waits for the other's instead.
         report = ReportRunOperator(
             task_id="report", run_dir=RUN_DIR, outlets=[MODELS, REPORTS], max_active_tis_per_dag=1
         )

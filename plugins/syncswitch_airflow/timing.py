@@ -53,6 +53,10 @@ Rules (k = ``TimingConfig.repeats``, tol = ``TimingConfig.tolerance``):
    baseline), the second 0.5 (baseline in flight) and the third 0.25 (1.0 and 0.5 in flight). The
    exploit phase ignores claims. Deciding and claiming are one atomic step
    (``history.claim_decision``), so runs deciding in the same instant still see each other.
+
+One module past the usual length, on purpose: the rules above and the code that applies them are
+read side by side, and the replay, the generations and the decision's explanation share private
+records (``_Item``, ``_Search``, ``_Generation``) that a split would have to export.
 """
 
 from __future__ import annotations

@@ -1,53 +1,37 @@
 """Task processes that start warm, under the LocalExecutor and under Celery.
 
 Airflow runs each task in a process forked from an executor's worker: a LocalExecutor worker is
-itself forked from the scheduler, a Celery pool process from the Celery worker's main process. Neither
-parent imports Airflow's task runner, its DAG parsing or our DAG's modules, so every task process
-imported them afresh before it ran a line of ours (the task log's "Pre Execute" to "Worker startup
-parse complete"): 1.0 s for dags/sync_switch.py and 2.3 s for dags/recurring_jobs.py on the 2-core
-test machine under the LocalExecutor, 9-19 s in a Celery worker. One run of the DAG starts about 17
-task processes, three at a time beside each segment, all of them on the same cores as its training.
+itself forked from the scheduler, a Celery pool process from the Celery worker's main process.
+``WARM_IMPORTS`` (Airflow's task runner and DAG parsing, our DAG's modules) are imported in that
+parent before it forks, so no task process imports them again: a run's task processes share the
+cores of its training. Each task still parses its DAG file, so a changed job file or DAG file shows
+at once; a changed *module* of this package shows once the scheduler (or Celery worker) restarts, as
+with any executor that keeps its workers.
 
-Imported in the parent before it forks, these modules are every task process's at no cost; the DAG
-file itself is still parsed by each task, so a changed job file or DAG file shows at once. A changed
-*module* of this package shows once the scheduler (or Celery worker) restarts, as with any executor
-that keeps its workers.
+The WarmLocalExecutor starts the next task as soon as one ends, where the scheduler would notice the
+end only on its next loop, after an idle sleep (``[scheduler] scheduler_idle_sleep_time``), and every
+switch gap holds such a change-over. Its heartbeat waits up to ``RESULT_WAIT_SECONDS`` for a
+worker's result unless it has just handed out work, and the embedded Airflow's idle sleep is the rest
+of the scheduler's loop. The wait ends at once when
 
-The WarmLocalExecutor also starts the next task as soon as one ends. The scheduler notices a finished
-task on its next loop, and an idle loop sleeps (``[scheduler] scheduler_idle_sleep_time``): at the
-embedded Airflow's 2 s, each change-over between two short tasks of a run (validate -> timing_policy
--> plan, evaluate -> report -> finalize) waited ~1.9 s, as
-the task log timestamps showed, for tasks that ran 0.2-2 s. Its heartbeat now waits for a worker's
-result for up to ``RESULT_WAIT_SECONDS`` unless it has just handed out work, and the embedded
-Airflow's idle sleep is the rest of a 5 s loop: an idle scheduler loops less often than Airflow's
-(less CPU), and a task that ends ends that wait at once. What does not end it waits up to 5 s: a
-scheduled run's creation, the scheduler's timers.
+- a worker reports a task's end;
+- the task states of the running DAG runs change (how many task instances are in each state: one
+  grouped count, read every ``DEFERRED_LOOK_SECONDS`` while any is deferred), as a task that ends on
+  the triggerer (a segment task: ``end_from_trigger``) and a state that the scheduler or a user sets
+  send no result to a worker;
+- a DAG run newer than the newest one the last look saw exists (read with the states, every
+  ``QUEUED_LOOK_SECONDS`` while no task is deferred), as a newly triggered run sends nothing either.
 
-A task that ends on the triggerer (a segment task: ``end_from_trigger``) sends no result to a worker,
-and neither does a state that the scheduler or a user sets: so the wait also ends when the task
-states of the running DAG runs change (how many task instances are in each state: one grouped count),
-read every ``DEFERRED_LOOK_SECONDS`` while any is deferred. Without it the next segment's task started
-0.8-1.9 s after the previous one ended, in every switch gap; a failed segment's run was torn down
-22 s after the failure, as the scheduler marked one later slot ``upstream_failed`` per 5 s loop (a
-change of its own, made before this wait, which its first look now sees); and a clear or a mark in
-the UI waited up to 5 s. A newly triggered run sends nothing either: the wait also ends when a DAG
-run newer than the newest one the last look saw exists (read with the states), looked at every
-``QUEUED_LOOK_SECONDS`` when no task is deferred. What a look saw is remembered from one wait to the
-next, so a change made while the scheduler was busy ends the next wait at once. Without it a run
-started 1.2-2.4 s after its trigger.
+What a look saw is remembered from one wait to the next, so a change made while the scheduler was
+busy (its own ``upstream_failed`` after a failed segment) ends the next wait at once. What none of
+these covers (a scheduled run's creation, the scheduler's timers) waits for the loop's end.
 
-A task's end also reached the executor late: Airflow's supervisor learns of its task process's exit
-only by polling, after the process's sockets have closed, and the process closes them (its last
-act, then ``os._exit``) a moment before it can be reaped. When the poll comes first, every socket is
-gone and the supervisor's next ``select()`` has nothing to wake it: it sleeps its full heartbeat
-interval (``[workers] min_heartbeat_interval``, 1 s in the embedded Airflow). In one evening's
-bench runs that second was added to 20 of 22 ``plan`` tasks (the first segment waits for it), half
-of the watchers that end a run's last segment, and 8 of 22 ``evaluate``s.
-``reap_exiting_processes`` makes the supervisor wait for the process itself once all its
-sockets have closed. The triggerer's supervisor has the same race when it stops its trigger runner
-(``kill``: a select() on no socket until the 10 s escalation delay is out): one stop in three of the
-embedded Airflow took 12-13 s instead of 4, so the embedded triggerer applies it too
-(``embedded/triggerer.py``).
+``reap_exiting_processes`` makes Airflow's supervisor wait for a task process whose sockets have all
+closed, rather than sleep its heartbeat interval (``[workers] min_heartbeat_interval``): the process
+closes them as its last act, a moment before it can be reaped, so a poll that comes first leaves its
+next ``select()`` nothing to wake it. The triggerer's supervisor has the same race when it stops its
+trigger runner (``kill``: a select() on no socket until the escalation delay is out), so the embedded
+triggerer applies it too (``embedded/triggerer.py``).
 """
 
 from __future__ import annotations
@@ -70,8 +54,8 @@ log = logging.getLogger(__name__)
 
 # Longest an executor heartbeat waits for a worker's result; with the embedded Airflow's idle sleep
 # (embedded/instance.py: IDLE_SLEEP_SECONDS) it makes the scheduler's idle loop. Everything a run waits
-# for ends the wait (a task's end, a deferred task's end, a new run), so the loop is long: 5 s, where
-# 2 s cost 0.009 cores more while a segment trained (0.028 -> 0.019, bench_airflow_cpu).
+# for ends the wait (a task's end, a deferred task's end, a new run), so the loop can be long, and
+# a long loop costs the scheduler less CPU beside training.
 RESULT_WAIT_SECONDS = 4.8
 # How often that wait looks at the database (the deferred tasks' count on the ti_state index, the
 # newest run's primary key): while a task is deferred, and while none is.
@@ -84,7 +68,7 @@ STANDBY_LOOK_SECONDS = 2.0
 EXITING_PROCESS_WAIT_SECONDS = 0.5
 
 # What a task process needs before it runs a line of ours, then our DAG files' own modules, then
-# what the report task draws with (1.7 s of imports once per run).
+# what the report task draws with (every run's report task imports it).
 WARM_IMPORTS = (
     "airflow.sdk.execution_time.supervisor",
     "airflow.sdk.execution_time.task_runner",

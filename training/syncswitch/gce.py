@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +213,22 @@ class VmPlan:
     machine_type: str
     gpu: GpuSpec
     spot: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The VM's record as state.json's ``vms`` and the gce handle's ``plan`` keep it (syncswitch.state):
+        flat, its GPU as ``gpu_type`` and ``gpu_count``; ``host_role`` is left out, as ``role`` decides it."""
+        record = dataclasses.asdict(self)
+        gpu = record.pop("gpu")
+        del record["host_role"]
+        return record | {"gpu_type": gpu["type"], "gpu_count": gpu["count"]}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> VmPlan:
+        """The VM a record describes (:meth:`to_dict`'s; what state.json adds to it, its state and
+        times, is not the plan's and is ignored)."""
+        flat = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name not in ("gpu", "host_role")}
+        gpu = GpuSpec(record.get("gpu_type", ""), int(record.get("gpu_count", 0)))
+        return cls(**flat | {"spot": bool(record["spot"])}, host_role=host_role(record["role"]), gpu=gpu)
 
     def replacement(self, attempt: int) -> VmPlan:
         """The VM that replaces this one after its ``attempt``-th revocation (a new name: the revoked

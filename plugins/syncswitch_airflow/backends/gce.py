@@ -32,18 +32,13 @@ gce_api_endpoint (hooks.compute), and those of the hosts backend.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.api_core.exceptions import Conflict
 from google.cloud import compute_v1
 from syncswitch import state, storage
@@ -51,10 +46,8 @@ from syncswitch.errors import SpecError
 from syncswitch.gce import (
     LABEL_EXPIRES,
     LABEL_JOB,
-    LABEL_ROLE,
     LABEL_RUN,
     GceSpec,
-    GpuSpec,
     VmPlan,
     host_role,
     run_label,
@@ -62,7 +55,6 @@ from syncswitch.gce import (
 )
 from syncswitch.hosts import HOST_KEY_TYPES, HostSpec, check_host_key
 from syncswitch.layout import RunLayout, join
-from syncswitch.requirements import requirements_text
 from syncswitch.spec import JobSpec, SegmentSpec
 
 from syncswitch_airflow import settings
@@ -74,15 +66,11 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
-from syncswitch_airflow.backends.hosts import (
-    HostKeyRefused,
-    HostsBackend,
-    SshSession,
-    host_record,
-    host_work_dir,
-)
-from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_wheel
+from syncswitch_airflow.backends.gce_requests import firewall_body, instance_body, vm_metadata
+from syncswitch_airflow.backends.hosts import HostsBackend, host_record, host_work_dir
+from syncswitch_airflow.backends.node_runtime import runtime_wheel
 from syncswitch_airflow.hooks.compute import ComputeHook
+from syncswitch_airflow.hooks.ssh import HostKeyRefused, SshSession, ensure_private_key, host_key_fingerprint
 
 CAPACITY_SETTING = "gce_clusters"
 HOST_KEY_SETTING = "gce_host_keys"
@@ -93,79 +81,8 @@ HOST_KEY_GRACE_S = 30.0  # a VM showing another key than it published is refused
 SSH_READY_S = 600.0  # a fresh VM boots and runs its startup script
 GONE = ("TERMINATED", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED")
 REAP_GRACE_S = 600.0  # a run's teardown gets this long before the reaper steps in
-# Both found beside the code, so that an installed package (site-packages) works as a checkout does.
-STARTUP_SCRIPT = Path(__file__).resolve().with_name("gce-startup.sh")
 
 log = logging.getLogger(__name__)
-
-
-# ---- requests: built as compute_v1 objects, so a wrong field name fails when it is built -----------
-
-
-def instance_body(
-    vm: VmPlan, gce: GceSpec, labels: dict[str, str], tag: str, metadata: dict[str, str]
-) -> compute_v1.Instance:
-    """One VM: spot or on-demand, its GPUs, internal address only, a server-side time limit."""
-    project, zone = gce.project, vm.zone
-    region = zone.rsplit("-", 1)[0]
-    interface = compute_v1.NetworkInterface(network=f"projects/{project}/global/networks/{gce.network}")
-    if gce.subnetwork:
-        interface.subnetwork = f"projects/{project}/regions/{region}/subnetworks/{gce.subnetwork}"
-    scheduling = compute_v1.Scheduling(
-        provisioning_model="SPOT" if vm.spot else "STANDARD",
-        # DELETE: a preempted or timed-out VM takes its disk with it (nothing left to pay for).
-        instance_termination_action="DELETE",
-        max_run_duration=compute_v1.Duration(seconds=gce.max_run_seconds),
-        # VMs with GPUs cannot live-migrate; spot VMs cannot restart on their own.
-        on_host_maintenance="TERMINATE" if vm.gpu.type or vm.spot else "MIGRATE",
-        automatic_restart=not vm.spot,
-    )
-    body = compute_v1.Instance(
-        name=vm.name,
-        machine_type=f"zones/{zone}/machineTypes/{vm.machine_type}",
-        labels={**labels, LABEL_ROLE: vm.role},
-        tags=compute_v1.Tags(items=[tag]),
-        scheduling=scheduling,
-        network_interfaces=[interface],
-        disks=[
-            compute_v1.AttachedDisk(
-                boot=True,
-                auto_delete=True,
-                initialize_params=compute_v1.AttachedDiskInitializeParams(
-                    source_image=gce.image, disk_size_gb=gce.disk_gb
-                ),
-            )
-        ],
-        metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
-        service_accounts=[
-            # The bucket is the cluster's only shared storage.
-            compute_v1.ServiceAccount(
-                email="default", scopes=["https://www.googleapis.com/auth/cloud-platform"]
-            )
-        ],
-    )
-    if vm.gpu.type:
-        body.guest_accelerators = [
-            compute_v1.AcceleratorConfig(
-                accelerator_type=f"projects/{project}/zones/{zone}/acceleratorTypes/{vm.gpu.type}",
-                accelerator_count=vm.gpu.count,
-            )
-        ]
-    return body
-
-
-def firewall_body(name: str, gce: GceSpec, tag: str) -> compute_v1.Firewall:
-    """Every TCP port of the run's VMs, open to the run's VMs only (TensorFlow's ports are random)."""
-    return compute_v1.Firewall(
-        name=name,
-        network=f"projects/{gce.project}/global/networks/{gce.network}",
-        direction="INGRESS",
-        priority=1000,
-        allowed=[compute_v1.Allowed(I_p_protocol="tcp")],
-        source_tags=[tag],
-        target_tags=[tag],
-        description="sync-switch training traffic between the VMs of one run",
-    )
 
 
 # ---- the backend -----------------------------------------------------------------------------------
@@ -207,7 +124,7 @@ class GceBackend:
             "labels": {LABEL_JOB: job.job_name, LABEL_RUN: run_label(run)},
             "tag": f"{plan[0].name.removesuffix('-chief')}-net",
             "firewall": f"{plan[0].name.removesuffix('-chief')}-train",
-            "plan": [_plan_record(vm) for vm in plan],
+            "plan": [vm.to_dict() for vm in plan],
             "spec": gce.to_params(),
             "host_keys": host_keys,
             # The run's own SSH key, in its bucket folder: whichever Airflow worker runs a later task
@@ -215,7 +132,7 @@ class GceBackend:
             "key": join(layout.cluster_secrets, "ssh_key"),
         }
         try:
-            public_key = _ensure_key(cloud["key"])
+            public_key = ensure_private_key(cloud["key"])
             self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
             self._upload_runtime(layout)
             self._create_vms(layout, cloud, plan, gce, vm_metadata(gce, layout, public_key))
@@ -250,7 +167,7 @@ class GceBackend:
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
 
         def create(vm: VmPlan) -> None:
-            state.record_vm(layout, vm.name, **_vm_fields(vm), state="requested", requested_at=time.time())
+            _record_requested(layout, vm)
             body = instance_body(vm, gce, labels, cloud["tag"], metadata)
             try:
                 self.hook.insert_instance(body=body, zone=vm.zone, project_id=gce.project)
@@ -309,7 +226,7 @@ class GceBackend:
                 f"VM {name} published no usable SSH host key (types {', '.join(sorted(published))})"
             ) from None
         state.record_vm(layout, name, host_key=host_key)
-        log.info("run %s: VM %s host key pinned (%s)", layout.root, name, fingerprint(host_key))
+        log.info("run %s: VM %s host key pinned (%s)", layout.root, name, host_key_fingerprint(host_key))
 
     # ---- revocations -----------------------------------------------------------------------------
 
@@ -363,19 +280,11 @@ class GceBackend:
         gce = GceSpec.parse(cloud["spec"], len([p for p in cloud["plan"] if p["role"] != "ps"]))
         assert gce is not None
         attempt = int(vm.get("attempt", 0)) + 1
-        new = _vm_from_record(vm).replacement(attempt)
+        new = VmPlan.from_dict(vm).replacement(attempt)
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
-        metadata = vm_metadata(gce, layout, _ensure_key(cloud["key"]))
+        metadata = vm_metadata(gce, layout, ensure_private_key(cloud["key"]))
         body = instance_body(new, gce, labels, cloud["tag"], metadata)
-        state.record_vm(
-            layout,
-            new.name,
-            **_vm_fields(new),
-            state="requested",
-            requested_at=time.time(),
-            replaces=vm["name"],
-            attempt=attempt,
-        )
+        _record_requested(layout, new, replaces=vm["name"], attempt=attempt)
         try:
             operation = self.hook.request_instance(body, new.zone, gce.project)
         except Exception as exc:  # a stock-out answers at once; the next launch tries again
@@ -559,33 +468,10 @@ def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: flo
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _plan_record(vm: VmPlan) -> dict[str, Any]:
-    return _vm_fields(vm) | {"name": vm.name}
-
-
-def _vm_fields(vm: VmPlan) -> dict[str, Any]:
-    return {
-        "role": vm.role,
-        "task": vm.task,
-        "zone": vm.zone,
-        "machine_type": vm.machine_type,
-        "gpu_type": vm.gpu.type,
-        "gpu_count": vm.gpu.count,
-        "spot": vm.spot,
-    }
-
-
-def _vm_from_record(vm: dict[str, Any]) -> VmPlan:
-    return VmPlan(
-        name=vm["name"],
-        role=vm["role"],
-        task=vm["task"],
-        host_role=host_role(vm["role"]),
-        zone=vm["zone"],
-        machine_type=vm["machine_type"],
-        gpu=GpuSpec(vm.get("gpu_type", ""), int(vm.get("gpu_count", 0))),
-        spot=bool(vm["spot"]),
-    )
+def _record_requested(layout: RunLayout, vm: VmPlan, **more: Any) -> None:
+    """The VM's record in state.json, requested now: its plan's fields (VmPlan.to_dict), then ``more``."""
+    fields = vm.to_dict()
+    state.record_vm(layout, fields.pop("name"), **fields, state="requested", requested_at=time.time(), **more)
 
 
 def _replacement_of(vms: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
@@ -632,25 +518,6 @@ def _describe(vm: VmPlan) -> str:
     return f"{vm.machine_type}{gpu}, {'spot' if vm.spot else 'on-demand'}"
 
 
-def _ensure_key(uri: str) -> str:
-    """The run's SSH key, made once (``storage.create_private``: the first worker's wins); returns its
-    public half."""
-    private = Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-    )
-    key = serialization.load_ssh_private_key(storage.create_private(uri, private), password=None)
-    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    return public.decode() + " syncswitch-run"
-
-
-def fingerprint(host_key: str) -> str:
-    """OpenSSH's fingerprint of a ``TYPE BASE64`` key (what ``ssh-keygen -lf`` and a VM's serial console
-    print), for logs."""
-    key_type, _, blob = host_key.partition(" ")
-    digest = base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
-    return f"{key_type} SHA256:{digest}"
-
-
 def _timestamp(text: str) -> float | None:
     """Compute Engine's RFC 3339 times ("2026-11-23T15:04:05.123-08:00") as epoch seconds."""
     try:
@@ -674,23 +541,6 @@ def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostS
         )
         for vm in vms
     )
-
-
-def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
-    """The per-run login, and what the startup script installs the runtime from."""
-    return {
-        "ssh-keys": f"{gce.ssh_user}:{public_key}",
-        "block-project-ssh-keys": "true",
-        # The guest environment then publishes the VM's SSH host keys (pinned by _pin_host_key).
-        "enable-guest-attributes": "TRUE",
-        "startup-script": STARTUP_SCRIPT.read_text(),
-        "syncswitch-runtime": layout.cluster_runtime,
-        "syncswitch-python": gce.python,
-        # The runtime's dependencies at the lock's versions (70 lines: well under metadata's 256 KB),
-        # and the installer the hosts backend runs on its hosts too.
-        "syncswitch-requirements": requirements_text(),
-        "syncswitch-install": NODE_INSTALL_SCRIPT.read_text(),
-    }
 
 
 def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:

@@ -47,10 +47,8 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import io
 import json
 import logging
 import os
@@ -60,12 +58,9 @@ import secrets
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import paramiko
 from syncswitch import storage
 from syncswitch.errors import SpecError
 from syncswitch.hosts import ClusterFile, ClusterHost, HostSpec, chief_host
@@ -84,166 +79,33 @@ from syncswitch_airflow.backends.base import (
     SegmentStatus,
     run_cluster_gone,
 )
+from syncswitch_airflow.backends.host_commands import (
+    STARTING,
+    python_command,
+    ready_address,
+    ready_command,
+    start_command,
+    started_alive,
+    wait_for_ready_command,
+)
 from syncswitch_airflow.backends.node_runtime import (
     MARKER,
     NODE_INSTALL_SCRIPT,
     RuntimeBundle,
     hosts_install_runtime,
 )
-from syncswitch_airflow.hooks.ssh import connected_client, pinned_host_key, resolve_hosts
+from syncswitch_airflow.hooks.ssh import COMMAND_TIMEOUT_S, SshSession, all_or_raise, on_hosts, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
 FORWARDED_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", storage.RETRY_SECONDS_ENV)
-CONNECT_TIMEOUT_S = 10.0
-COMMAND_TIMEOUT_S = 120.0
 FORKSERVER_READY_S = 300.0
 # Longest one command on a host waits for its fork server's ready file (then the server is looked at
 # again from here: alive, listening).
 READY_WAIT_CHUNK_S = 30.0
-STARTING = "starting"  # _check_host's word for a fork server started by an earlier try
-# Longest a fork server's start waits for another start on its folder (each holds it for ~0.1 s).
-LAUNCH_LOCK_WAIT_S = 60.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-H = TypeVar("H")
-
-
-class HostKeyRefused(ClusterError):
-    """The host showed another SSH host key than the one expected: not the machine it should be."""
-
-
-class SshSession:
-    """One SSH connection to one host; commands and small files. Errors name the host."""
-
-    def __init__(self, host: dict[str, Any], timeout: float = CONNECT_TIMEOUT_S) -> None:
-        self.host, self.timeout = host, timeout
-        self.where = f"host {host['name']} ({host['user']}@{host['address']}:{host['port']})"
-        self.client = paramiko.SSHClient()
-
-    def __enter__(self) -> SshSession:
-        if self.host.get("conn"):
-            self._connect_with_connection()
-            return self
-        pinned = self._host_key_policy()
-        key = self._key()
-        try:
-            self.client.connect(
-                self.host["address"],
-                port=int(self.host["port"]),
-                username=self.host["user"],
-                **key,
-                look_for_keys=False,
-                allow_agent=False,
-                timeout=self.timeout,
-                banner_timeout=self.timeout,
-                auth_timeout=self.timeout,
-            )
-        except paramiko.AuthenticationException as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: SSH login failed: {exc}") from None
-        except paramiko.BadHostKeyException as exc:
-            self.client.close()
-            raise HostKeyRefused(f"{self.where}: its host key is not the one {pinned}: {exc}") from None
-        except paramiko.SSHException as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: SSH failed: {exc}") from None
-        except TimeoutError:
-            self.client.close()
-            raise ClusterError(f"{self.where}: unreachable: no answer within {self.timeout:.0f}s") from None
-        except OSError as exc:
-            self.client.close()
-            raise ClusterError(f"{self.where}: unreachable: {exc.strerror or exc}") from None
-        return self
-
-    def _connect_with_connection(self) -> None:
-        """Log in as the host's Airflow SSH connection says (its key and host-key policy)."""
-        conn = f"connection {self.host['conn']}"
-        try:
-            self.client = connected_client(self.host, self.timeout)
-        except paramiko.AuthenticationException as exc:
-            raise ClusterError(f"{self.where}: SSH login failed ({conn}): {exc}") from None
-        except paramiko.BadHostKeyException as exc:
-            raise ClusterError(f"{self.where}: host key refused ({conn}): {exc}") from None
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: SSH failed ({conn}): {exc}") from None
-        except Exception as exc:  # the connection is gone or malformed: its reason, never a secret
-            raise ClusterError(f"{self.where}: SSH {conn}: {exc}") from None
-
-    def _host_key_policy(self) -> str:
-        """Refuse any host key but the host's pinned one, else those of ``[syncswitch] ssh_known_hosts``;
-        with neither, accept any (paramiko warns). Returns where the expected key comes from."""
-        if self.host.get("host_key"):
-            try:
-                key_type, _, blob = pinned_host_key(self.host["host_key"], self.where).partition(" ")
-            except SpecError as exc:
-                raise ClusterError(str(exc)) from None
-            port = int(self.host["port"])
-            name = self.host["address"] if port == 22 else f"[{self.host['address']}]:{port}"
-            key = paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
-            self.client.get_host_keys().add(name, key_type, key)
-            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            return "pinned with the run (host_key)"
-        known_hosts = settings.get("ssh_known_hosts")
-        if known_hosts:
-            self.client.load_host_keys(known_hosts)
-            self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            return f"in {known_hosts}"
-        self.client.set_missing_host_key_policy(paramiko.WarningPolicy())
-        return "accepted"
-
-    def _key(self) -> dict[str, Any]:
-        """paramiko's key argument: a key file on this worker, or a key in the bucket (a gce run's own,
-        in its run folder, which every Airflow worker reads)."""
-        key = self.host["key"]
-        if not storage.is_remote(key):
-            if not os.path.isfile(key):
-                raise ClusterError(f"{self.where}: SSH key file {key} does not exist")
-            return {"key_filename": key}
-        try:
-            return {"pkey": load_private_key(storage.read_text(key))}
-        except Exception as exc:  # not found, not a key, the bucket down: named, never its content
-            reason = type(exc).__name__
-            raise ClusterError(f"{self.where}: SSH key {key} cannot be loaded: {reason}") from None
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
-
-    def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = "") -> tuple[int, str, str]:
-        try:
-            into, stdout, stderr = self.client.exec_command(command, timeout=timeout)
-            if stdin:
-                into.write(stdin)
-                into.channel.shutdown_write()
-            out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
-            return stdout.channel.recv_exit_status(), out, err
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: command failed to run: {exc}") from None
-
-    def check(self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = "") -> str:
-        code, out, err = self.run(command, timeout, stdin)
-        if code != 0:
-            raise ClusterError(f"{self.where}: {what} failed (exit {code}): {(err or out).strip()[-800:]}")
-        return out
-
-    def json(
-        self, command: str, what: str, timeout: float = COMMAND_TIMEOUT_S, stdin: str = ""
-    ) -> dict[str, Any]:
-        out = self.check(command, what, timeout, stdin)
-        try:
-            return json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise ClusterError(f"{self.where}: {what} printed no JSON: {out[-300:]!r}") from None
-
-    def write_file(self, path: str, content: str | bytes, mode: int = 0o644) -> None:
-        try:
-            with self.client.open_sftp() as sftp, sftp.open(path, "w") as f:
-                f.write(content)
-                sftp.chmod(path, mode)
-        except (paramiko.SSHException, OSError) as exc:
-            raise ClusterError(f"{self.where}: cannot write {path}: {exc}") from None
 
 
 def host_record(host: HostSpec, work_dir: str, runtime: RuntimeBundle | None = None) -> dict[str, Any]:
@@ -276,16 +138,6 @@ def host_work_dir(host: HostSpec, job_name: str, run: str) -> str:
     return posixpath.join(host.work_root, folder)
 
 
-def load_private_key(text: str) -> paramiko.PKey:
-    """A private key in OpenSSH or PEM form, of any type paramiko knows."""
-    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-        try:
-            return kind.from_private_key(io.StringIO(text))
-        except paramiko.SSHException:
-            continue
-    raise ValueError("not an unencrypted Ed25519, ECDSA or RSA private key")
-
-
 def cluster_token(layout: RunLayout) -> str:
     """The cluster's fork-server token: made by the first task that asks, the same for every worker."""
     uri = join(layout.cluster_secrets, "token")
@@ -302,28 +154,6 @@ def hosts_environment() -> dict[str, str]:
     return env
 
 
-def on_hosts(hosts: Sequence[H], action: Callable[[H], T]) -> list[T | ClusterError]:
-    """``action`` on every host at once; a host's ClusterError is its result, not raised."""
-
-    def guarded(host: H) -> T | ClusterError:
-        try:
-            return action(host)
-        except ClusterError as exc:
-            return exc
-
-    # Each thread with the caller's storage client (an Airflow task's: the bucket connection's).
-    with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
-        return [f.result() for f in storage.submit_each(pool, guarded, hosts)]
-
-
-def all_or_raise(results: list[T | ClusterError]) -> list[T]:
-    """``on_hosts``'s results, unless a host failed: then one ClusterError naming each that did."""
-    failures = [str(r) for r in results if isinstance(r, ClusterError)]
-    if failures:
-        raise ClusterError("; ".join(failures))
-    return [r for r in results if not isinstance(r, ClusterError)]
-
-
 @dataclass(frozen=True)
 class CheckedHost:
     """A host ready for its fork server, logged in: ``server`` is the server's TCP address where one
@@ -332,39 +162,6 @@ class CheckedHost:
     host: dict[str, Any]
     ssh: SshSession
     server: str
-
-
-# A shell test: the process "$pid" lives, and is not a zombie. A server killed on a host whose init is
-# slow to reap (a container's, often) stays a zombie, which `kill -0` counts as alive; its state is
-# the letter after the last ")" of /proc/PID/stat.
-PID_ALIVE = (
-    """kill -0 "$pid" 2>/dev/null && [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ]"""
-)
-
-
-def _started_alive(pid_file: str) -> str:
-    """A shell test: the fork server whose pid ``pid_file`` holds (its start's) lives."""
-    return f'pid="$(cat {shlex.quote(pid_file)} 2>/dev/null)" && [ -n "$pid" ] && {PID_ALIVE}'
-
-
-def _ready_command(server_dir: str) -> str:
-    """A shell command that prints the fork server's ready file if the server it names is alive, and
-    nothing otherwise; it always succeeds. (One command: each is a shell on the host, 0.2-1 s.)"""
-    pid = r"""$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' forkserver.json 2>/dev/null)"""
-    alive = f'pid={pid} && [ -n "$pid" ] && {PID_ALIVE}'
-    return f"(cd {shlex.quote(server_dir)} 2>/dev/null && {alive} && cat forkserver.json; true)"
-
-
-def _ready_address(ready_file: str) -> str:
-    """The TCP address in a ready file that ``_ready_command`` printed ("" for none)."""
-    try:
-        return str(json.loads(ready_file).get("tcp", "")) if ready_file.strip() else ""
-    except (ValueError, AttributeError):
-        return ""
-
-
-def _python(host: dict[str, Any], module: str, *args: str) -> str:
-    return shlex.join([host["python"], "-m", module, *args])
 
 
 class HostsBackend:
@@ -464,7 +261,7 @@ class HostsBackend:
         ssh = sessions.enter_context(SshSession(host))
         work, server_dir = host["work_dir"], posixpath.join(host["work_dir"], "forkserver")
         folders = f"umask 077 && mkdir -p {shlex.quote(server_dir)} {shlex.quote(work)}/segments"
-        ready = _ready_address(ssh.check(f"{folders} && {_ready_command(server_dir)}", "mkdir"))
+        ready = ready_address(ssh.check(f"{folders} && {ready_command(server_dir)}", "mkdir"))
         if ready:
             return CheckedHost(host, ssh, ready)
         ssh.write_file(posixpath.join(work, "token"), token, mode=0o600)
@@ -474,7 +271,7 @@ class HostsBackend:
             self._install_runtime(ssh, handle, host, runtime)
         # Workers on other TensorFlow or Keras versions than the chief's would not load each
         # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
-        ssh.check(_python(host, "syncswitch.requirements", "--check"), "the runtime's version check")
+        ssh.check(python_command(host, "syncswitch.requirements", "--check"), "the runtime's version check")
         return CheckedHost(host, ssh, "")
 
     def _start_host(self, handle: Handle, checked: CheckedHost) -> str:
@@ -505,59 +302,28 @@ class HostsBackend:
 
     @staticmethod
     def _launch_server(ssh: SshSession, handle: Handle, host: dict[str, Any], server_dir: str) -> None:
-        """The fork server started detached, unless one listens or starts there already; its pid goes
-        to ``starting.pid`` until it writes ``forkserver.json``.
-
-        The look and the start are one step, under the folder's lock on the host (flock(1), held by
-        the step's shell, not by the server): the start sent by a provisioning try lost midway can
-        still run on the host after the retry has looked (a command in flight, its shell not yet
-        started), and two servers for one folder would each import TensorFlow."""
+        """The host's fork server started detached, unless one listens or starts there already (one
+        step under the folder's lock: ``host_commands.start_command``)."""
         work = host["work_dir"]
         env = {**handle["env"], CLUSTER_ENV: work, "TF_CPP_MIN_LOG_LEVEL": "2"}
         token_file = posixpath.join(work, "token")
-        command = _python(
+        command = python_command(
             host, "syncswitch.forkserver", server_dir, "--listen", host["address"], "--token-file", token_file
         )
-        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        log_file = shlex.quote(posixpath.join(server_dir, "forkserver.log"))
-        pid_file = shlex.quote(posixpath.join(server_dir, "starting.pid"))
-        # Backgrounded alone, with every stream redirected, so the SSH channel closes now; env and
-        # setsid exec in place, so $! is the fork server's pid. It is written whole (renamed into
-        # place): a look never reads a half-written file.
-        detached = f"env {assignments} setsid {command} >> {log_file} 2>&1 < /dev/null"
-        start = f"cd / && ({detached} & echo $! > {pid_file}.new) && mv -f {pid_file}.new {pid_file}"
-        running = _started_alive(posixpath.join(server_dir, "starting.pid"))
-        look_and_start = (
-            # (A space after "$(": the command is a subshell, and "$((" would start arithmetic.)
-            f'if [ -n "$( {_ready_command(server_dir)} )" ] || {{ {running}; }}; then echo {STARTING}; '
-            f"else {start}; fi"
-        )
-        lock = shlex.quote(posixpath.join(server_dir, "forkserver.lock"))
-        out = ssh.check(
-            f"flock -w {LAUNCH_LOCK_WAIT_S:.0f} -o {lock} sh -c {shlex.quote(look_and_start)}",
-            "starting the fork server",
-        )
+        out = ssh.check(start_command(server_dir, command, env), "starting the fork server")
         found = "a fork server started by an earlier try runs" if out.strip() == STARTING else ""
         log.info("run %s: %s on %s", handle["run"], found or "fork server starting", host["name"])
 
     @staticmethod
     def _wait_for_ready_file(ssh: SshSession, server_dir: str, seconds: float) -> None:
-        """Wait on the host itself (its disk looked at every 0.1 s) until the starting fork server has
-        written its ready file or has died, for at most ``seconds``: one command, where a look per
-        second over SSH (a session, a shell) came up to a second late and took CPU from the imports."""
-        folder = shlex.quote(server_dir)
-        ssh.run(
-            f'cd {folder} && pid="$(cat starting.pid 2>/dev/null)" && '
-            f"end=$(( $(date +%s) + {int(seconds) + 1} )) && "
-            f'while [ ! -s forkserver.json ] && {PID_ALIVE} && [ "$(date +%s)" -lt "$end" ]; '
-            "do sleep 0.1; done",
-            timeout=seconds + COMMAND_TIMEOUT_S,
-        )
+        """Until the starting fork server has written its ready file or has died, for at most
+        ``seconds``, waited for on the host itself (``host_commands.wait_for_ready_command``)."""
+        ssh.run(wait_for_ready_command(server_dir, seconds), timeout=seconds + COMMAND_TIMEOUT_S)
 
     @staticmethod
     def _server_starting(ssh: SshSession, server_dir: str) -> bool:
         """Whether a fork server started for this folder is still alive (not listening yet)."""
-        return ssh.run(_started_alive(posixpath.join(server_dir, "starting.pid")))[0] == 0
+        return ssh.run(started_alive(posixpath.join(server_dir, "starting.pid")))[0] == 0
 
     @staticmethod
     def _install_runtime(
@@ -612,7 +378,7 @@ class HostsBackend:
     @staticmethod
     def _server_ready(ssh: SshSession, server_dir: str) -> str:
         """The fork server's TCP address if it is up and alive, else ""."""
-        return _ready_address(ssh.run(_ready_command(server_dir))[1])
+        return ready_address(ssh.run(ready_command(server_dir))[1])
 
     def teardown(self, handle: Handle) -> dict[str, Any]:
         """Stop every process of the run on every host, verify, remove the hosts' work folders."""
@@ -636,7 +402,7 @@ class HostsBackend:
     def _teardown_hosts(self, handle: Handle) -> dict[str, dict[str, Any]]:
         def stop(host: dict[str, Any]) -> dict[str, Any]:
             work = host["work_dir"]
-            stop_processes = _python(
+            stop_processes = python_command(
                 host,
                 "syncswitch.supervise",
                 "stop",
@@ -752,12 +518,12 @@ class HostsBackend:
         files = {"spec.json": spec.to_json(), "cluster.json": cluster.to_json()}
         launch = ["launch", seg_dir, "--marker", SEGMENT_ENV, "--files-on-stdin", *flags, "--", *train]
         with SshSession(chief) as ssh:
-            command = f"cd / && {_python(chief, 'syncswitch.supervise', *launch)}"
+            command = f"cd / && {python_command(chief, 'syncswitch.supervise', *launch)}"
             return ssh.json(command, "launching the segment", stdin=json.dumps(files))
 
     def segment_status(self, handle: Handle, index: int) -> SegmentStatus:
         chief = self._chief(handle)
-        command = _python(chief, "syncswitch.supervise", "status", self.segment_dir(handle, index))
+        command = python_command(chief, "syncswitch.supervise", "status", self.segment_dir(handle, index))
         try:
             with SshSession(chief) as ssh:
                 answer = ssh.json(f"{command} --marker {SEGMENT_ENV}", "segment status")
@@ -778,7 +544,7 @@ class HostsBackend:
     def stop_segment(self, handle: Handle, index: int, grace_seconds: float = 30.0) -> list[int]:
         """Stop the launcher on the chief host; the nodes on the other hosts go with its leases."""
         chief, seg_dir = self._chief(handle), self.segment_dir(handle, index)
-        command = _python(
+        command = python_command(
             chief,
             "syncswitch.supervise",
             "stop",

@@ -25,8 +25,8 @@ that process. Provisioning claims it (``forkserver.claim``): the standby forks t
 into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it finds a
 server the cluster started, and stands by for the next cluster. So one import serves every local run
 while its keeper lives. Without one (none kept, or still importing after STANDBY_CLAIM_WAIT_S)
-provisioning starts the cluster's own; the first segment's nodes then wait for its import (3-10 s of
-CPU, on the path to the run's first step).
+provisioning starts the cluster's own; the first segment's nodes then wait for its import (seconds
+of CPU, on the path to the run's first step).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ STANDBY_SETTING = "local_standby_forkserver"
 STANDBY_FOLDER = "standby-forkserver"
 # How long provisioning waits for a standby server that is still importing before it starts its own.
 STANDBY_CLAIM_WAIT_S = 60.0
-GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
+GB_PER_TF_PROCESS = 0.9  # a TF process's peak RSS, with headroom (docs/benchmarks.md)
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
 # Between segments and retries a live run's cluster has no process for seconds to a minute. An

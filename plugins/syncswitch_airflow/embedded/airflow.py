@@ -257,9 +257,9 @@ class EmbeddedAirflow:
         # A stopped process (SIGSTOP, a detached debugger) takes no SIGTERM until it is continued.
         for process in self._processes(record):
             procs.signal_pid(process, signal.SIGCONT)
-        # The supervisor alone: it stops each component once. A SIGTERM to the whole group reached
-        # every component twice (directly and from the supervisor), and Airflow's triggerer takes a
-        # second one as "force exit", which left its runner to be SIGKILLed 5 s later.
+        # The supervisor alone, which stops each component once: a SIGTERM to the whole group would
+        # reach every component twice (directly and from the supervisor), and Airflow's triggerer
+        # takes a second one as "force exit", leaving its runner to be SIGKILLed.
         procs.signal_pid(record.pid, signal.SIGTERM)
         if not self._wait_group_gone(record.pid, timeout):
             self._log.info("process group %d still alive after %.0f s: SIGKILL", record.pid, timeout)

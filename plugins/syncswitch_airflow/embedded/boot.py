@@ -1,9 +1,9 @@
 """Waiting for a started embedded Airflow to serve: every component healthy on our own port, the
 execution API built, the DAGs parsed and free of import errors (``EmbeddedAirflow.start``).
 
-Booting takes 25-50 s on an idle 2-core machine and several minutes on a loaded one: the deadline
-only guards against waiting forever (``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT``), and a progress line every
-15 s says what the boot still waits for.
+A boot's length depends on how loaded the machine is, so the deadline only guards against waiting
+forever (``$SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT``), and a progress line every ``_PROGRESS_EVERY_S`` says
+what the boot still waits for.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def wait_for_dags(
     """Once healthy (:func:`wait_healthy`): ``dag_ids`` ready by ``deadline``, parsed from the files as
     they are now. An instance started at ``spawned_at`` (a time.time()) is waited for until its
     dag-processor has parsed them, which it does as it starts; a reused one (None) reserializes them."""
-    # The api-server builds the execution API (the one tasks call) on its first request: ~7 s here,
-    # which the first task of the first run would wait for. Build it while the DAGs parse.
+    # The api-server builds the execution API (the one tasks call) on its first request, which the
+    # first task of the first run would wait for: build it while the DAGs parse.
     warm_up = threading.Thread(
         target=_warm_execution_api, args=(airflow,), name="warm-execution-api", daemon=True
     )
     warm_up.start()
-    if spawned_at is None:  # (a fresh one did not need the ~4 s `airflow dags reserialize` costs)
+    if spawned_at is None:  # a fresh one has just parsed them: no `airflow dags reserialize`
         reserialize(airflow, deadline)
     for dag_id in dag_ids:
         wait_for_dag(airflow, dag_id, deadline, parsed_after=spawned_at)
@@ -159,8 +159,8 @@ def wait_for_dag(
         try:
             errors = [e for e in airflow.api.import_errors() if _since(e.get("timestamp"), parsed_after)]
             status, dag = airflow.api.request("GET", f"/api/v2/dags/{quote(dag_id)}")
-        # A healthy api-server can still be too busy to answer in time just after its start (a
-        # loaded machine: an import-errors look timed out after 30 s once): wait on for the DAG.
+        # A healthy api-server can still be too busy to answer in time just after its start (on a
+        # loaded machine): wait on for the DAG.
         except (OSError, AirflowUnavailable) as exc:
             if not unanswered:
                 _log.info("the Airflow API did not answer (%s); waiting for DAG %s", exc, dag_id)

@@ -26,9 +26,9 @@ PREFERRED_PORT = 8080
 # that the cluster backends, which strip Airflow's variables from training processes, strip it too.
 INSTANCE_ENV = "AIRFLOW_EMBEDDED_INSTANCE"
 WARM_EXECUTOR = "syncswitch_airflow.warm_start.WarmLocalExecutor"
-# The scheduler's idle loop lasts 5 s with the WarmLocalExecutor, whose heartbeat waits up to 4.8 s of
-# it for a task to end (warm_start.RESULT_WAIT_SECONDS); the idle sleep is the rest. Other executors:
-# 2 s (its CPU: see env()).
+# With the WarmLocalExecutor, whose heartbeat waits for a task to end (warm_start.RESULT_WAIT_SECONDS),
+# the idle sleep is the rest of the scheduler's idle loop; other executors sleep the default (the
+# loop's CPU: see settings()).
 IDLE_SLEEP_SECONDS = {WARM_EXECUTOR: "0.2"}
 DEFAULT_IDLE_SLEEP_SECONDS = "2.0"
 # The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
@@ -95,7 +95,8 @@ class InstanceHome:
             "CORE__LOAD_EXAMPLES": "False",
             # LocalExecutor, its workers forked after the task side's imports (warm_start).
             "CORE__EXECUTOR": WARM_EXECUTOR,
-            # 2 cores: the default 32 pre-forked workers cost 1.65 GB and only contend for CPU.
+            # Sized for a small machine, where more pre-forked workers cost memory and only contend
+            # for CPU.
             "CORE__PARALLELISM": "4",
             "CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
             "CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.password_file),
@@ -106,23 +107,22 @@ class InstanceHome:
             "API__BASE_URL": base_url,
             "API__WORKERS": "1",
             # Each scheduler timer that comes due between two idle sleeps cuts the sleep short: one
-            # more whole scheduling loop. These four came due ~13 times a minute; relaxed, ~3. No
-            # deferral of ours has a timeout, a dead task is failed after 120 s anyway (below), and
-            # stale DAGs (the dag-processor's check too), orphaned assets and connection tests can
-            # wait minutes.
+            # more whole scheduling loop, so these four come due rarely. No deferral of ours has a
+            # timeout, a dead task is failed by its heartbeat timeout anyway (below), and stale DAGs
+            # (the dag-processor's check too), orphaned assets and connection tests can wait minutes.
             "SCHEDULER__TRIGGER_TIMEOUT_CHECK_INTERVAL": "60",
             "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "30",
             "SCHEDULER__PARSING_CLEANUP_INTERVAL": "300",
             "CONNECTION_TEST__REAPER_INTERVAL": "300",
             # Look for new DAG files every minute but reparse a known file only every 10 minutes:
-            # each parse imports the operators, CPU that training needs on 2 cores. A new instance's
+            # each parse imports the operators, CPU that training needs. A new instance's
             # dag-processor parses every file as it starts, and start() reserializes a reused one's
             # (boot.wait_for_dags), so every `syncswitch run` sees the current DAG files.
             "DAG_PROCESSOR__REFRESH_INTERVAL": "60",
             "DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
-            # The instance runs at nice 10 (airflow_supervisor): on a machine kept busy at nice 0, a
-            # parse of recurring_jobs.py that takes 2 s alone took over the default 30 s of wall time
-            # (a slow CI-like machine, two test workers), and its DAGs became import errors.
+            # The instance runs niced (supervisor.NICENESS), so on a machine kept busy by other work
+            # a parse's wall time is many times its CPU time; a parse past these limits would make
+            # its DAGs import errors.
             "CORE__DAGBAG_IMPORT_TIMEOUT": "300",
             "DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "330",
             # A restarted triggerer takes over the deferred tasks of a dead one once that one has
@@ -133,15 +133,14 @@ class InstanceHome:
             "SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "120",
             "DATABASE__SQL_ALCHEMY_CONNECT_ARGS": sqlite_settings.CONNECT_ARGS_PATH,
             # Tasks talk to the api-server; when it restarts (or boots after the scheduler on a busy
-            # machine: 45 s and more) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of
-            # ~15 s and failing a healthy run.
+            # machine) they retry for ~5 minutes (waits 1, 2, 4 ... 90 s) instead of ~15 s, rather
+            # than fail a healthy run.
             "WORKERS__EXECUTION_API_RETRIES": "10",
             # A task's supervisor waits for its process in select() for up to this long (default 5 s),
             # and when the process's sockets close just before it can be reaped, that select has
-            # nothing left to wake it: the worker then reported the task's end 5 s late (3 of 17 tasks
-            # of one demo run), the next task waited for the scheduler's own loop. Our tasks run for
+            # nothing left to wake it: the task's end is reported that much later. Our tasks run for
             # seconds (segments and watchers defer), so a heartbeat a second costs little. Failed
-            # heartbeats are tolerated as long as before (3 x 5 s).
+            # heartbeats are tolerated as long as by default (3 x 5 s).
             "WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
             "WORKERS__MAX_FAILED_HEARTBEATS": "15",
             "LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
@@ -157,9 +156,9 @@ class InstanceHome:
             **self._project_settings(),
             **overrides,
         }
-        # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains: 0.24 cores
-        # at a 0.1 s idle sleep, 0.04 at 1 s, 0.03 at 2 s and no less at 3 s (its timers wake it
-        # between sleeps: the timers above; bench/bench_airflow_cpu.py). Hence a 2 s idle loop.
+        # The scheduler's loop is most of the embedded Airflow's CPU while a segment trains; a longer
+        # idle sleep costs less, down to where its timers (above) wake it between sleeps anyway
+        # (bench/bench_airflow_cpu.py measures it).
         settings.setdefault(
             "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME",
             IDLE_SLEEP_SECONDS.get(settings["CORE__EXECUTOR"], DEFAULT_IDLE_SLEEP_SECONDS),

@@ -10,10 +10,9 @@ the audit log of a REST call (``log_action``, e.g. for ``PATCH /dags/{id}``: an 
 dependency, so its commit waits for SQLite's write lock on the server's event loop. When the lock is
 held by a session of the same server whose commit needs that loop (a sync execution-API route such
 as a task's ``PATCH /run``, whose session is closed by the loop after the route returns), neither can
-go on until the wait times out: seen after an api-server restart, when the retrying tasks and a
-client's unpause came at once, every component of the instance (they all wait on the same lock)
-stood still for the whole minute. The shorter wait bounds that stall; the refused call answers 5xx,
-which tasks and our REST client retry.
+go on until the wait times out, and meanwhile every component of the instance (they all wait on the
+same lock) stands still. The shorter wait bounds that stall; the refused call answers 5xx, which
+tasks and our REST client retry.
 """
 
 CONNECT_ARGS = {"timeout": 60}

@@ -3,7 +3,7 @@
     python -m syncswitch_airflow.embedded.supervisor      (started by EmbeddedAirflow, env included)
 
 It replaces ``airflow standalone``, which starts each component once and never restarts it (a killed
-triggerer left every deferred segment waiting for a person). The rules:
+triggerer would leave every deferred segment waiting for a person). The rules:
 
 - the metadata database is migrated first, unless it is a SQLite file that a migration left at its
   revision under the same Airflow packages and settings (``MigrationStamp``);

@@ -2,16 +2,16 @@
 
 A trigger's calls to the task SDK (a watcher asks for its segment task's state) reach the triggerer's
 main process, which answers them through an execution API it builds in-process on the first such
-call: about 5 s of CPU (FastAPI and Cadwyn's versioned routes) on the 2-core test machine. On a fresh
-instance that call came 5-15 s after the first run's trigger, on the cores where the first segment was
-starting up and training. Built in a thread as the triggerer starts, it is ready before any run.
+call: seconds of CPU (FastAPI and Cadwyn's versioned routes), which on a fresh instance would come
+just as the first segment starts up and trains on the same cores. Built in a thread as the triggerer
+starts, it is ready before any run.
 
 A long-lived triggerer of a deployment pays those seconds once in its life, at its first run; this
 module is for the embedded Airflow, which ``syncswitch run`` starts for one run.
 
 It also makes the triggerer's supervisor reap its trigger runner as soon as the runner's sockets have
-closed (``warm_start.reap_exiting_processes``): stopping the triggerer otherwise took 10 s more in
-about one stop in three, a select() on no socket until the escalation delay ran out.
+closed (``warm_start.reap_exiting_processes``): else a stop can wait out the escalation delay in a
+select() on no socket.
 
     python -m syncswitch_airflow.embedded.triggerer     # in place of: airflow triggerer
 """

@@ -38,7 +38,7 @@ def default_conn_id() -> str:
 def bucket_client(conn_id: str | None = None) -> Any:
     """A google-cloud-storage client with the credentials of connection ``conn_id`` (the setting's
     by default). The default id may name no connection (the embedded default, a worker with its own
-    service account): then the default credentials, as before connections were read. Any other id
+    service account): then storage's default client, with the environment's credentials. Any other id
     must exist: a deployment that names one means it."""
     conn_id = conn_id or default_conn_id()
     try:

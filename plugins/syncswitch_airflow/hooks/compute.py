@@ -50,7 +50,7 @@ class ComputeHook(ComputeEngineHook):
         """The provider's discovery client, pointed at our endpoint (its base URL includes the path).
         Nothing of ours waits on it: it holds one httplib2 connection, which is not thread-safe, and
         the backend creates and deletes VMs from several threads at once (two threads' polls on it
-        have read each other's answers: IncompleteRead). See ``_wait_for_operation_to_complete``."""
+        can read each other's answers: IncompleteRead). See ``_wait_for_operation_to_complete``."""
         if not self.api_endpoint:
             return super().get_conn()
         if not self._conn:

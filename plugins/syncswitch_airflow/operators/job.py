@@ -232,7 +232,7 @@ class EvaluateRunOperator(RunFolderOperator):
     def _evaluate_final_checkpoint(self, state: dict[str, Any], job: JobSpec) -> dict[str, Any]:
         """The last segment's chief evaluates its final checkpoint with the same code
         (syncswitch.evaluate) on the warm cluster; reuse that result when it is for the newest
-        checkpoint. Otherwise evaluate here, which imports TensorFlow into this worker (10-20 s)."""
+        checkpoint. Otherwise evaluate here, which imports TensorFlow into this worker (a slow import)."""
         latest = checkpoints.latest(RunLayout(self.run_dir))
         segments = state.get("segments", {}) if latest is not None else {}
         for key in sorted(segments, key=int, reverse=True):

@@ -97,7 +97,7 @@ class SegmentOperator(BaseOperator):
         event_offsets: dict[str, int] = {}
         # The launcher's status first, then the result: the chief writes result.json before its
         # launcher exits, so a segment that ends between the two looks is seen ended, not launched
-        # again (the other order relaunched a segment that ended just after its result was read).
+        # again (the other order would relaunch a segment that ended just after its result was read).
         if get_backend(handle["backend"]).segment_status(handle, self.slot).running:
             # Launched by the trigger of the segment before, or by an earlier try of this task.
             self.log.info("run %s: segment %d is running; following it", state["run_id"], self.slot)
@@ -179,7 +179,7 @@ class SegmentOperator(BaseOperator):
             summary = record_result(self.run_dir, self.slot, result, self.log)
         except plans.PlanError as err:
             raise AirflowException(f"segment {self.slot} ended at an impossible step: {err}") from None
-        # As the trigger does: a short segment may end before its trigger starts (1-3 s of triggerer
+        # As the trigger does: a short segment may end before its trigger starts (the triggerer's
         # loops); nothing then launched the next one yet.
         launch_next(self.run_dir, self.slot, self.protocol, self.log)
         return summary

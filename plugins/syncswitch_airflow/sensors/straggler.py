@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 SWITCH_ACTIONS = ("switch", "switch_back")
 SEGMENT_ENDED = "segment already ended"
-# What a switch costs before this run has measured one: 4-9 s on the local backend with its warm fork
-# server (docs/benchmarks.md), rounded up. Replaced by the run's own figures once a segment has ended.
+# What a switch costs before this run has measured one: the local backend's with its warm fork server
+# (docs/benchmarks.md), rounded up. Replaced by the run's own figures once a segment has ended.
 DEFAULT_SWITCH_GAP_SECONDS = 10.0
 
 
@@ -121,7 +121,7 @@ class StragglerSensor(BaseSensorOperator):
 
     def _skip_later_slots(self, state: State, slot: int) -> NoReturn:
         """Skip the tasks of every slot after this one in one go. Left to the scheduler, each slot is
-        skipped one scheduling loop (~2 s) after the one before it, and evaluation waits for the last.
+        skipped one scheduling loop after the one before it, and evaluation waits for the last.
         This watcher ends as a success (Airflow's short-circuit idiom). Normally the watcher of the
         plan's last segment does this when that segment ends; the first unused slot's watcher does
         it where that one could not (its trigger found the bucket away), and its slot's segment

@@ -10,13 +10,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from enum import StrEnum
-from typing import Any
 
 # Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import TriggerEvent
 
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.hooks.bucket import BucketHook
+from syncswitch_airflow.triggers.base import FieldsTrigger
 
 
 class CapacityStatus(StrEnum):
@@ -25,7 +25,7 @@ class CapacityStatus(StrEnum):
     FREE = "free"
 
 
-class ClusterCapacityTrigger(BaseTrigger):
+class ClusterCapacityTrigger(FieldsTrigger):
     """Fires ``{"status": "free"}`` once backend ``backend`` has a free cluster slot, and none of
     ``hosts`` is held by another cluster (of a pool: ``need`` of them are free)."""
 
@@ -44,18 +44,6 @@ class ClusterCapacityTrigger(BaseTrigger):
         self.need = need
         self.poll_seconds = poll_seconds
         self.log_seconds = log_seconds
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "backend": self.backend,
-                "hosts": self.hosts,
-                "need": self.need,
-                "poll_seconds": self.poll_seconds,
-                "log_seconds": self.log_seconds,
-            },
-        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         capacity = get_backend(self.backend).capacity()

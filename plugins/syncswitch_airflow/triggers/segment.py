@@ -22,8 +22,8 @@ log every ``log_seconds``. A segment whose step stops moving is failed by the ru
 ``syncswitch.stall`` (the launcher applies it first; the trigger only when the launcher itself hangs).
 
 The next segment starts here, not in its own task: between the two segment tasks Airflow needs the
-triggerer's next loop (up to 1 s, 3.3 s seen), the scheduler's next loop and a task start, 2-4 s of
-every switch gap on the demo job. Its task finds the segment running and follows it (as a retry
+triggerer's next loop, the scheduler's next loop and a task start, which would all add to every
+switch gap. Its task finds the segment running and follows it (as a retry
 does), and launches it itself where this launch failed. The plan cannot move under the launch: an
 online switch is refused once the segment's result is recorded (``syncswitch.state.apply_switch``),
 and the next entry is read after that record.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
-from airflow.triggers.base import BaseTrigger, TaskFailedEvent, TaskSuccessEvent, TriggerEvent
+from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEvent
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.events import EventTail, read_stream
@@ -51,6 +51,7 @@ from syncswitch.state import State, read_state, record_fork_servers, record_segm
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
 from syncswitch_airflow.hooks.bucket import BucketHook
+from syncswitch_airflow.triggers.base import FieldsTrigger
 
 # How long a launcher may stay unknown to the backend before the segment counts as lost: a wiped
 # work folder (local; the launch record is written right after the process starts), or a chief host
@@ -58,8 +59,8 @@ from syncswitch_airflow.hooks.bucket import BucketHook
 _UNKNOWN_GRACE_S = 30.0
 # A remote backend's status is an SSH login to the chief host (and on gce a Compute Engine list): asked
 # every ``status_poll_seconds`` while the segment is young, when a launcher that cannot start dies,
-# then less often as it ages, at most this far apart: a day-long segment costs ~1,500 logins instead
-# of ~29,000. The bucket's result.json is still read every poll, so an end is seen as fast.
+# then less often as it ages, at most this far apart, so a long segment costs a login a minute, not
+# one a poll. The bucket's result.json is still read every poll, so an end is seen as fast.
 STATUS_POLL_MAX_S = 60.0
 
 
@@ -184,7 +185,7 @@ def _launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
         launch_entry(run_dir, state, entry, log)
 
 
-class SegmentTrigger(BaseTrigger):
+class SegmentTrigger(FieldsTrigger):
     """Fires when segment ``index`` of the run in ``run_dir`` ends, fails, or stalls."""
 
     def __init__(
@@ -219,24 +220,6 @@ class SegmentTrigger(BaseTrigger):
         # Where this try's events begin in the segment's event files (an earlier, killed try's
         # steps come before), so that its progress and stall check start from this try's own.
         self.event_offsets = event_offsets or {}
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "run_dir": self.run_dir,
-                "index": self.index,
-                "protocol": self.protocol,
-                "until_step": self.until_step,
-                "stall_seconds": self.stall_seconds,
-                "stall_grace_seconds": self.stall_grace_seconds,
-                "poll_seconds": self.poll_seconds,
-                "progress_seconds": self.progress_seconds,
-                "log_seconds": self.log_seconds,
-                "last_try": self.last_try,
-                "event_offsets": self.event_offsets,
-            },
-        )
 
     @property
     def label(self) -> str:

@@ -39,7 +39,7 @@ from enum import StrEnum
 from typing import Any
 
 # Triggers are not in airflow.sdk (3.3): airflow.triggers.base is their public home.
-from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
+from airflow.triggers.base import TaskSuccessEvent, TriggerEvent
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.events import EventTail
@@ -48,12 +48,13 @@ from syncswitch.state import read_state
 
 from syncswitch_airflow.detector import DetectorConfig, StragglerDetector, Verdict
 from syncswitch_airflow.hooks.bucket import BucketHook
+from syncswitch_airflow.triggers.base import FieldsTrigger
 
 END_CHECK_SECONDS = 0.5
 # How often the segment task's state is asked for while a poll brought no step timings (the segment
 # starts, evaluates, or has failed: a failed segment's teardown waits for this watcher). Each ask is
-# an execution API call, ~0.017 cores of the triggerer at one a second, so while steps come it is
-# asked every ``task_check_seconds`` instead.
+# an execution API call, CPU of the triggerer's, so while steps come it is asked every
+# ``task_check_seconds`` instead.
 QUIET_TASK_CHECK_SECONDS = 1.0
 # Task states after which a segment task will not run again in this DAG run (no retry pending).
 FINISHED_TASK_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
@@ -85,7 +86,7 @@ def is_last_entry(layout: RunLayout, index: int) -> bool:
     return bool(state.get("plan")) and plans.entry(state["plan"], index + 1) is None
 
 
-class StragglerTrigger(BaseTrigger):
+class StragglerTrigger(FieldsTrigger):
     """Fires once: when segment ``index`` (``protocol``) ends, never starts, stalls, or a verdict changes.
 
     ``segment_task`` is ``{"dag_id", "run_id", "task_id"}`` of the segment task being watched.
@@ -123,24 +124,6 @@ class StragglerTrigger(BaseTrigger):
         self.straggling_since = straggling_since
         self.straggling_workers = list(straggling_workers or [])
         self._task_checked_at = 0.0  # monotonic time of the last look at the segment task's state
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "run_dir": self.run_dir,
-                "index": self.index,
-                "protocol": self.protocol,
-                "segment_task": self.segment_task,
-                "poll_interval": self.poll_interval,
-                "task_check_seconds": self.task_check_seconds,
-                "recheck_seconds": self.recheck_seconds,
-                "detector": self.detector,
-                "start_after": self.start_after,
-                "straggling_since": self.straggling_since,
-                "straggling_workers": self.straggling_workers,
-            },
-        )
 
     def _payload(self, status: WatchStatus, **extra: Any) -> dict[str, Any]:
         return {"status": status.value, "index": self.index, "protocol": self.protocol, **extra}
