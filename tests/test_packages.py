@@ -1,6 +1,7 @@
 """The two distributions as users install them, outside the checkout.
 
-Both wheels are built with ``uv build``; each goes into a fresh virtualenv with the lock's versions of
+Every workspace package builds with ``uv build``'s defaults: an sdist, then the wheel built from it.
+The runtime's and the provider's wheels each go into a fresh virtualenv with the lock's versions of
 what it declares (``uv pip install`` with ``uv export`` as constraints; uv links the files from its
 cache, so this takes seconds). Then:
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,9 +27,9 @@ from wheels import (
     PROVIDER,
     REQUIREMENTS_FILE,
     RUNTIME,
-    build_wheels,
     fresh_venv,
     lock_constraints,
+    run_uv,
     runtime_requirements,
 )
 
@@ -47,11 +50,24 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _dists(folder: Path, suffix: str) -> dict[str, Path]:
+    """The files of ``folder`` ending in ``suffix``, by distribution name."""
+    return {p.name.split("-")[0].replace("_", "-"): p for p in folder.glob(f"*{suffix}")}
+
+
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    built = build_wheels(tmp_path_factory.mktemp("dist"))  # not the test infrastructure's (testing/)
-    assert set(built) == {RUNTIME, PROVIDER}, sorted(built)
-    return built
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every workspace package built with ``uv build``'s defaults: its sdist, then a wheel built from
+    that sdist (as ``python -m build`` does, and an installer given the sdist)."""
+    out = tmp_path_factory.mktemp("dist")
+    run_uv("build", "--quiet", "--all-packages", "--out-dir", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheels(built: Path) -> dict[str, Path]:
+    """The runtime's and the provider's wheels, by distribution name."""
+    return {name: path for name, path in _dists(built, ".whl").items() if name in (RUNTIME, PROVIDER)}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +83,24 @@ def test_the_runtimes_requirements_are_the_lock() -> None:
     assert GPU_PREFIX + "tensorflow==" in shipped  # the CUDA build's pins travel in the same file
 
 
-def test_the_wheels_carry_their_parts(wheels: dict[str, Path]) -> None:
-    import zipfile
+def test_every_package_builds_with_uv_builds_defaults(built: Path) -> None:
+    """Each package's wheel is built from its sdist, so the sdist must hold every file of the wheel:
+    the provider's, the DAG files, which live in the repository's dags/ (linked from the package)."""
+    sdists, wheels = _dists(built, ".tar.gz"), _dists(built, ".whl")
+    assert set(sdists) == set(wheels) == {RUNTIME, PROVIDER, "syncswitch-testing"}, sorted(built.iterdir())
+    dag_files = sorted(p.name for p in (REPO / "dags").glob("*.py"))
+    assert "sync_switch.py" in dag_files
+    packaged = zipfile.ZipFile(wheels[PROVIDER]).namelist()
+    assert sorted(n for n in packaged if n.startswith("syncswitch_airflow/dags/")) == [
+        f"syncswitch_airflow/dags/{name}" for name in dag_files
+    ]
+    with tarfile.open(sdists[PROVIDER]) as sdist:
+        members = [m for m in sdist.getmembers() if "/syncswitch_airflow/dags/" in m.name]
+    assert sorted(Path(m.name).name for m in members) == dag_files
+    assert all(m.isfile() for m in members), "the sdist holds the DAG files themselves, not links"
 
+
+def test_the_wheels_carry_their_parts(wheels: dict[str, Path]) -> None:
     runtime = zipfile.ZipFile(wheels[RUNTIME]).namelist()
     provider = zipfile.ZipFile(wheels[PROVIDER]).namelist()
     assert "syncswitch/cli.py" in runtime and not any(n.startswith("syncswitch_airflow/") for n in runtime)
