@@ -50,9 +50,12 @@ def runtime_requirements() -> str:
 
 
 def build_wheels(out: Path) -> dict[str, Path]:
-    """The runtime's and the provider's wheels (not the test infrastructure's), by distribution name."""
+    """The runtime's and the provider's wheels (not the test infrastructure's), by distribution name.
+
+    Built as ``uv build`` and ``python -m build`` build by default: an sdist, then the wheel from it (as
+    an installer given the sdist does), so that a file the sdist lacks is missing from the wheel too."""
     for package in (RUNTIME, PROVIDER):
-        run_uv("build", "--quiet", "--package", package, "--wheel", "--out-dir", out)
+        run_uv("build", "--quiet", "--package", package, "--out-dir", out)
     return {path.name.split("-")[0].replace("_", "-"): path for path in Path(out).glob("*.whl")}
 
 

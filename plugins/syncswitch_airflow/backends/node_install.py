@@ -38,7 +38,7 @@ import zipfile
 
 MARKER = ".syncswitch-runtime"
 GPU_PREFIX = "#gpu: "  # a pin a GPU node installs in place of tensorflow-cpu's
-PYTHON_VERSION = "3.11"  # the lock's (requires-python of the workspace): its wheels are for this one
+PYTHON_VERSION = "3.11"  # the lowest the lock covers, and the one the suite runs: nodes run what was tested
 
 
 def run(command: list[str]) -> None:
@@ -67,7 +67,7 @@ def make_venv(venv: str, uv: str | None) -> str:
         )
     elif this != PYTHON_VERSION:
         sys.exit(
-            f"{sys.executable} is Python {this}; the runtime's lock is for Python {PYTHON_VERSION}: "
+            f"{sys.executable} is Python {this}; nodes run the runtime on Python {PYTHON_VERSION}: "
             f"name a Python {PYTHON_VERSION} interpreter (python=), or put uv on PATH"
         )
     else:  # Debian's python3 needs its python3-venv package for this

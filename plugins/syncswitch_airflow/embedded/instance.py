@@ -31,8 +31,8 @@ WARM_EXECUTOR = "syncswitch_airflow.warm_start.WarmLocalExecutor"
 # loop's CPU: see settings()).
 IDLE_SLEEP_SECONDS = {WARM_EXECUTOR: "0.2"}
 DEFAULT_IDLE_SLEEP_SECONDS = "2.0"
-# The DAG files of an installed provider package (plugins/pyproject.toml ships the repository's dags/
-# there); a checkout serves its own dags/ instead.
+# The DAG files of an installed provider package (in a checkout, a link to the repository's dags/:
+# plugins/pyproject.toml); a checkout serves its own dags/ instead.
 PACKAGED_DAGS = Path(__file__).resolve().parents[1] / "dags"
 
 
