@@ -55,7 +55,9 @@ class DockerEngine:
         # Default networking (iptables managed by dockerd): containers reach the package registries
         # for builds through its NAT; the testbed keeps its own ACCEPT rules in FORWARD.
         with open(DOCKERD_LOG, "ab") as log:
-            process = subprocess.Popen([dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                [dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + ENGINE_READY_S
         while not _answers():
             if process.poll() is not None or time.monotonic() > deadline:
@@ -77,8 +79,8 @@ class DockerEngine:
 
 
 def _answers() -> bool:
-    done = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, timeout=30)
-    return done.returncode == 0
+    command = ["docker", "info", "--format", "{{.ServerVersion}}"]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
 
 
 def build_stand_ins(*releases: str) -> None:
@@ -101,14 +103,17 @@ class ComposeStack:
             **(env or {}),
         }
 
-    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def compose(
+        self, *args: str, timeout: float = 600, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         binary = Path(compose.__file__).parent / "docker-compose"
         command = [str(binary), "-p", self.project, "-f", str(PROJECT_DIR / "docker-compose.yaml"), *args]
         done = subprocess.run(
             command, cwd=PROJECT_DIR, env=self.env, capture_output=True, text=True, timeout=timeout
         )
         if check and done.returncode != 0:
-            raise RuntimeError(f"docker compose {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            what = f"docker compose {' '.join(args)} failed ({done.returncode})"
+            raise RuntimeError(f"{what}:\n{done.stderr[-4000:]}")
         return done
 
     def build(self) -> float:
