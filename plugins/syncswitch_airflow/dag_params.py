@@ -48,7 +48,7 @@ def deployment_defaults(path: str | None = None) -> dict[str, Any]:
         raise DefaultParamsError(f"[syncswitch] default_params {path}: must be a mapping of job params")
     params = usercode.beside(params, str(Path(path).parent))
     try:
-        JobSpec.from_params(_with_bucket(params))
+        JobSpec.from_params(with_deployment_bucket(params))
     except SpecError as err:
         raise DefaultParamsError(f"[syncswitch] default_params {path}: {err}") from None
     return params
@@ -57,11 +57,11 @@ def deployment_defaults(path: str | None = None) -> dict[str, Any]:
 def default_job() -> JobSpec | None:
     """The ad-hoc DAG's defaults: the deployment's (:func:`deployment_defaults`), or None."""
     defaults = deployment_defaults()
-    return JobSpec.from_params(_with_bucket(defaults)) if defaults else None
+    return JobSpec.from_params(with_deployment_bucket(defaults)) if defaults else None
 
 
-def _with_bucket(params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with the deployment's bucket folder where they name none."""
+def with_deployment_bucket(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the deployment's bucket folder (``[syncswitch] bucket_dir``) where they name none."""
     bucket_dir = settings.get("bucket_dir")
     return {"bucket_dir": bucket_dir, **params} if bucket_dir else params
 

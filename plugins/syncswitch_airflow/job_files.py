@@ -35,7 +35,7 @@ from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow import settings
 from syncswitch_airflow.dag_factory import build_sync_switch_dag
-from syncswitch_airflow.dag_params import build_params, deployment_defaults
+from syncswitch_airflow.dag_params import build_params, deployment_defaults, with_deployment_bucket
 
 KEYS = (
     "dag_id",
@@ -97,7 +97,8 @@ def read_job_file(path: Path) -> JobFile:
         raise JobFileError(path, "params", "must be a mapping of job settings (JobSpec fields)")
     try:
         own = {"job_name": stem, **usercode.beside(params, str(path.parent))}
-        job = JobSpec.from_params({**deployment_defaults(), **own})
+        defaults = deployment_defaults()
+        job = JobSpec.from_params(with_deployment_bucket({**defaults, **own}) if defaults else own)
     except SpecError as err:
         raise JobFileError(path, f"params.{err.field}", str(err).split(": ", 1)[-1]) from None
     schedule = _schedule(path, data.get("schedule"))
