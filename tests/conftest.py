@@ -147,7 +147,13 @@ def offline_uv_env(tmp_path: Path) -> dict[str, str]:
     subprocess.run([uv, "venv", "-q", str(warm)], check=True)
     subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), "-r", str(requirements)], check=True)
     cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
-    path = f"{os.path.dirname(uv)}:/usr/local/bin:/usr/bin:/bin"
+    # uv alone in a folder of its own: the uv found may be a virtualenv's (the provider depends on uv),
+    # whose python3 would then shadow the host's own.
+    uv_bin = tmp_path / "uv-bin"
+    uv_bin.mkdir(exist_ok=True)
+    if not (uv_bin / "uv").exists():
+        (uv_bin / "uv").symlink_to(uv)
+    path = f"{uv_bin}:/usr/local/bin:/usr/bin:/bin"
     return {"PATH": path, "UV_OFFLINE": "1", "UV_CACHE_DIR": cache}
 
 
