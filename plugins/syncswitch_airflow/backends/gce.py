@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import logging
 import posixpath
 import time
@@ -82,6 +83,7 @@ from syncswitch_airflow.backends.hosts import (
     host_work_dir,
 )
 from syncswitch_airflow.backends.node_runtime import NODE_INSTALL_SCRIPT, runtime_wheel
+from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.compute import ComputeHook
 
 CAPACITY_SETTING = "gce_clusters"
@@ -198,6 +200,7 @@ class GceBackend:
         run = posixpath.basename(layout.root)
         # Read before anything is taken or created; a replacement VM is then checked as its run began.
         host_keys = settings.get_choice(HOST_KEY_SETTING, HOST_KEY_POLICIES)
+        user_requirements = node_requirements(job, install=True)  # what every VM installs, resolved once
         capacity = self.capacity()
         capacity.claim(run, run_dir=layout.root)
         gce = job.gce
@@ -218,10 +221,11 @@ class GceBackend:
             public_key = _ensure_key(cloud["key"])
             self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
             self._upload_runtime(layout)
-            self._create_vms(layout, cloud, plan, gce, vm_metadata(gce, layout, public_key))
+            metadata = vm_metadata(gce, layout, public_key, user_requirements)
+            self._create_vms(layout, cloud, plan, gce, metadata)
             hosts = _host_specs(cloud, _active_vms(layout, cloud))
             _wait_for_ssh(hosts)
-            handle = self.hosts.start_cluster(job, hosts, layout)
+            handle = self.hosts.start_cluster(job, hosts, layout, user_requirements=user_requirements)
         except BaseException as exc:
             log.warning("run %s: provisioning failed (%s); deleting what was created", run, exc)
             self._delete_all(layout, cloud)
@@ -365,7 +369,8 @@ class GceBackend:
         attempt = int(vm.get("attempt", 0)) + 1
         new = _vm_from_record(vm).replacement(attempt)
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
-        metadata = vm_metadata(gce, layout, _ensure_key(cloud["key"]))
+        user_requirements = handle.get("user_requirements", "")
+        metadata = vm_metadata(gce, layout, _ensure_key(cloud["key"]), user_requirements)
         body = instance_body(new, gce, labels, cloud["tag"], metadata)
         state.record_vm(
             layout,
@@ -676,9 +681,12 @@ def _host_specs(cloud: dict[str, Any], vms: list[dict[str, Any]]) -> tuple[HostS
     )
 
 
-def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
-    """The per-run login, and what the startup script installs the runtime from."""
-    return {
+def vm_metadata(
+    gce: GceSpec, layout: RunLayout, public_key: str, user_requirements: str = ""
+) -> dict[str, str]:
+    """The per-run login, and what the startup script installs the runtime from: with
+    ``user_requirements`` (the user code's list, resolved), those too."""
+    metadata = {
         "ssh-keys": f"{gce.ssh_user}:{public_key}",
         "block-project-ssh-keys": "true",
         # The guest environment then publishes the VM's SSH host keys (pinned by _pin_host_key).
@@ -690,7 +698,12 @@ def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, s
         # and the installer the hosts backend runs on its hosts too.
         "syncswitch-requirements": requirements_text(),
         "syncswitch-install": NODE_INSTALL_SCRIPT.read_text(),
+        # An image without uv, or without the lock's Python, gets this uv first: the Airflow side's.
+        "syncswitch-uv": f"uv=={importlib.metadata.version('uv')}",
     }
+    if user_requirements:
+        metadata["syncswitch-user-requirements"] = user_requirements
+    return metadata
 
 
 def _wait_for_ssh(hosts: tuple[HostSpec, ...]) -> None:
