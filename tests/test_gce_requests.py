@@ -204,10 +204,22 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     assert max(len(value.encode()) for value in metadata.values()) < 256 * 1024  # a value's limit
     assert sum(len(value.encode()) for value in metadata.values()) < 512 * 1024  # all of them
     script = STARTUP_SCRIPT.read_text()
-    assert not [line for line in script.splitlines() if "pip install" in line or "pip3 install" in line]
+    # pip installs one thing: the Airflow side's uv, pinned, where an image's python3 is not the lock's.
+    pips = [
+        i for i, line in enumerate(script.splitlines()) if "pip install" in line or "pip3 install" in line
+    ]
+    assert len(pips) == 1 and script.splitlines()[pips[0] + 1].strip() == '"$(attribute syncswitch-uv)"'
+    assert metadata["syncswitch-uv"] == f"uv=={importlib.metadata.version('uv')}"
     assert 'attribute syncswitch-install > "$STAGE/node_install.py"' in script
     assert 'attribute syncswitch-requirements > "$STAGE/requirements.txt"' in script
     assert '--requirements "$STAGE/requirements.txt" --runtime "$(attribute syncswitch-runtime)"' in script
+    # The user code's list where it has one (resolved by the backend), installed beside the pins.
+    assert "syncswitch-user-requirements" not in metadata
+    listed = "#   mnist1d==0.0.2.post1\nmnist1d==0.0.2.post1\n"
+    with_list = vm_metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k", listed)
+    assert with_list["syncswitch-user-requirements"] == listed
+    assert 'if attribute syncswitch-user-requirements > "$STAGE/user-requirements.txt"; then' in script
+    assert '"${USER_REQUIREMENTS[@]}"' in script
 
 
 def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_are_in(

@@ -17,7 +17,8 @@ Resolving is ``uv pip compile`` (the provider's own uv) of the list with the run
 constraints, for the nodes' Python and platform. It reads uv's settings from the environment
 (``UV_INDEX_URL``, ``UV_OFFLINE``, ``UV_CACHE_DIR``), so a deployment without a route to an index
 resolves against its warm cache. Its output pins every package, and that is what the nodes install:
-every node gets the same versions, whenever it installs.
+every node gets the same versions, whenever it installs. It starts with the list as written, in
+comments, so that a changed list is another environment (its id) even where it resolves alike.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def resolve(text: str, source: str) -> str:
     requirements = listed(text, source)
     done = _compile([str(r) for r in requirements])
     if done.returncode == 0:
-        return done.stdout
+        heading = f"# {os.path.basename(source)} as listed, resolved with the runtime's pins:\n"
+        return heading + "".join(f"#   {r}\n" for r in requirements) + done.stdout
     failing = [str(r) for r in requirements if _compile([str(r)]).returncode != 0]
     what = ", ".join(repr(r) for r in failing) if failing else "its requirements, taken together,"
     raise SpecError(
