@@ -88,7 +88,7 @@ def gce_param(**overrides: Any) -> dict[str, Any]:  # noqa: ANN401
     return {
         "project": PROJECT,
         "zones": ZONES,
-        "gpus": "k80",
+        "gpus": "t4",
         "python": sys.executable,
         "ssh_user": "root",
         **overrides,
