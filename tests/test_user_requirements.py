@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import offline_uv_env
-from syncswitch import usercode
+from syncswitch import storage, usercode
 from syncswitch.errors import SpecError
 from syncswitch.requirements import listed, locked_versions, unmet
 from syncswitch.spec import JobSpec
@@ -196,3 +196,31 @@ def test_the_installer_puts_the_list_in_the_venv_and_makes_it_again_when_the_lis
     assert install("--user-requirements", str(resolved))["installed"] == ""
     assert install()["installed"] == "all"  # the list dropped: a venv without it
     assert not has_mnist1d()
+
+
+@pytest.mark.airflow
+def test_the_validate_task_refuses_the_list_before_anything_is_provisioned(  # noqa: ANN001
+    dag, gcs_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Through the DAG: a hosts job whose backend would install the list (hosts_runtime = install) and
+    whose list the runtime's pins refuse fails at validate, naming the file and the requirement; no
+    host is contacted, no run folder is made."""
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_RUNTIME", "install")
+    package = user_package(tmp_path, "numpy<2\n")
+    key = tmp_path / "id_ed25519"
+    key.write_text("not used: nothing logs in\n")
+    conf = {
+        "job_name": "req-refused",
+        "cluster_backend": "hosts",
+        "hosts": [f"address=10.254.0.1,key={key}"],  # nowhere: validate must not get that far
+        "bucket_dir": f"{gcs_bucket}/runs",
+        "usr_dir": str(package),
+    }
+    dag_run = dag.test(run_conf=conf)
+    assert dag_run.state == "failed"
+    out = capfd.readouterr().out
+    assert (
+        f"invalid job params: usr_dir: {package / 'requirements.txt'}: 'numpy<2' cannot be installed" in out
+    )
+    assert not storage.list_files(f"{gcs_bucket}/runs/req-refused")  # (its history record is in _history/)
