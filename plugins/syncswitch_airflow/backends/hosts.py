@@ -588,9 +588,10 @@ class HostsBackend:
             "requirements.txt": runtime.requirements,
             runtime.wheel.filename: runtime.wheel.content,
         }
-        user_list = ["--user-requirements", posixpath.join(staging, "user-requirements.txt")]
+        user_list: list[str] = []
         if runtime.user_requirements:
             files["user-requirements.txt"] = runtime.user_requirements
+            user_list = ["--user-requirements", posixpath.join(staging, "user-requirements.txt")]
         for name, content in files.items():
             ssh.write_file(posixpath.join(staging, name), content)
         log.info("run %s: installing the runtime %s on %s", handle["run"], runtime.id, host["name"])
@@ -605,7 +606,7 @@ class HostsBackend:
                 posixpath.join(staging, "requirements.txt"),
                 "--runtime",
                 posixpath.join(staging, runtime.wheel.filename),
-                *(user_list if runtime.user_requirements else []),
+                *user_list,
             ]
         )
         done = ssh.json(f"cd / && {command}", "installing the runtime", timeout=INSTALL_TIMEOUT_S)
