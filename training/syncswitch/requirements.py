@@ -21,10 +21,12 @@ import argparse
 import sys
 from collections.abc import Callable
 from importlib import metadata, resources
-
-from packaging.requirements import InvalidRequirement, Requirement
+from typing import TYPE_CHECKING
 
 from syncswitch.errors import SpecError
+
+if TYPE_CHECKING:  # imported where a list is read: the lock's check runs on an interpreter without it
+    from packaging.requirements import Requirement
 
 REQUIREMENTS_FILE = "requirements.txt"
 USER_FIELD = "usr_dir"  # the job field a user model's list is named by (the file is in that folder)
@@ -81,6 +83,8 @@ def listed(text: str, source: str = REQUIREMENTS_FILE) -> list[Requirement]:
     """The requirements of a user model's list, one a line (blank lines and ``#`` comments skipped).
     Anything else is a SpecError naming the line: pip options (``-r``, ``--index-url``, ``-e``) too,
     since every node installs from the list alone and the index is the deployment's."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
     found = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split(" #", 1)[0].strip()
@@ -157,8 +161,8 @@ def _check_user_list(path: str) -> list[str]:
     source = f"the user code's {REQUIREMENTS_FILE}"
     try:
         requirements = listed(_read_list(path), source)
-    except SpecError as err:
-        print(str(err), file=sys.stderr)
+    except (SpecError, ImportError) as err:  # ImportError: no packaging here, a pin the lock's check names
+        print(f"{source} cannot be checked: {err}", file=sys.stderr)
         return [str(err)]
     missing = unmet(requirements, source)
     for line in missing:
