@@ -64,10 +64,13 @@ def check_for_validate(job: Any) -> str:  # noqa: ANN401 - a syncswitch.spec.Job
                 f"{'; '.join(missing)}: the local backend trains in this environment, install them here",
             )
         return f"{path}: {len(requirements)} requirement(s), met here"
+    counted = f"{path}: {len(requirements)} requirement(s)"
+    if job.cluster_backend == "hosts" and not installs_on_nodes("hosts"):
+        return f"{counted}, checked on each host at provisioning"
     if not installs_on_nodes(job.cluster_backend):
-        return f"{path}: {len(requirements)} requirement(s), checked on each host at provisioning"
-    resolved = resolve(text, path)
-    return f"{path}: {len(requirements)} requirement(s), resolved to {len(resolved.splitlines())} pins"
+        return f"{counted}; backend {job.cluster_backend!r} installs nothing: its nodes must have them"
+    pins = [line for line in resolve(text, path).splitlines() if line and not line.startswith("#")]
+    return f"{counted}, resolved to {len(pins)} pins"
 
 
 def node_requirements(job: Any, install: bool) -> str:  # noqa: ANN401 - a syncswitch.spec.JobSpec
