@@ -135,19 +135,27 @@ def storage_on_gateway(gateway: str, root: Path, env: dict[str, str] | None = No
         server.stop()
 
 
-def offline_uv_env(tmp_path: Path) -> dict[str, str]:
+def offline_uv_env(tmp_path: Path, *user_requirements: Path) -> dict[str, str]:
     """PATH with uv, and uv offline on this machine's cache: how a testbed host (no route to a
-    registry) installs the runtime. Every pin of the lock is put in the cache first (a no-op where the
-    test command's ``uv sync`` filled it); skips where uv is not on PATH."""
+    registry) installs the runtime. Every pin of the lock, and what ``user_requirements`` (a user
+    code's lists) resolve to beside them, is put in the cache first (a no-op where the test command's
+    ``uv sync`` or an earlier test filled it); skips where uv is not on PATH."""
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH (scripts/test.sh puts it there)")
     requirements = Path(storage.__file__).with_name("requirements.txt")
     warm = tmp_path / "warm-cache"
     subprocess.run([uv, "venv", "-q", str(warm)], check=True)
-    subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), "-r", str(requirements)], check=True)
+    lists = [arg for path in (requirements, *user_requirements) for arg in ("-r", str(path))]
+    subprocess.run([uv, "pip", "install", "-q", "--python", str(warm), *lists], check=True)
     cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
-    path = f"{os.path.dirname(uv)}:/usr/local/bin:/usr/bin:/bin"
+    # uv alone in a folder of its own: the uv found may be a virtualenv's (the provider depends on uv),
+    # whose python3 would then shadow the host's own.
+    uv_bin = tmp_path / "uv-bin"
+    uv_bin.mkdir(exist_ok=True)
+    if not (uv_bin / "uv").exists():
+        (uv_bin / "uv").symlink_to(uv)
+    path = f"{uv_bin}:/usr/local/bin:/usr/bin:/bin"
     return {"PATH": path, "UV_OFFLINE": "1", "UV_CACHE_DIR": cache}
 
 

@@ -28,7 +28,9 @@ operation. Poll with a ``ZoneOperationsClient`` given the fake's endpoint (or Ai
 
 Stricter than GCE where that catches a backend's mistakes: no ``accessConfigs`` (internal IPs only),
 one network interface, firewalls need ``sourceTags`` or ``sourceRanges`` and ``targetTags``. Firewalls
-are recorded, not enforced: the testbed's hosts reach each other whatever the rules say.
+are recorded, not enforced: the testbed's hosts reach each other whatever the rules say. As GCE, it
+refuses an accelerator type that is no longer offered (``RETIRED_ACCELERATOR_TYPES``); any other type
+is taken in any zone.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ _LABEL_VALUE = re.compile(r"[-_a-z0-9]{0,63}")
 _PROTOCOLS = {"tcp", "udp", "icmp", "esp", "ah", "sctp", "ipip", "all"}
 _PORT_RANGE = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")
 
+# Accelerator types Compute Engine offers in no zone any more: an instance asking for one is refused.
+RETIRED_ACCELERATOR_TYPES = frozenset({"nvidia-tesla-k80"})
 PREEMPTED = "compute.instances.preempted"
 STOCKOUT_CODE = "ZONE_RESOURCE_POOL_EXHAUSTED"
 
@@ -626,11 +630,14 @@ class FakeComputeEngine:
         gpu_count = 0
         for i, accelerator in enumerate(accelerators):
             where = f"resource.guestAccelerators[{i}]"
-            gpu_types.add(
-                self._zonal_type(
-                    accelerator.get("acceleratorType"), zone, "acceleratorTypes", f"{where}.acceleratorType"
+            url = accelerator.get("acceleratorType")
+            gpu_type = self._zonal_type(url, zone, "acceleratorTypes", f"{where}.acceleratorType")
+            if gpu_type in RETIRED_ACCELERATOR_TYPES:
+                raise _invalid(
+                    f"Invalid value for field '{where}.acceleratorType': {url!r}. Accelerator type "
+                    f"{gpu_type!r} does not exist in zone {zone!r}."
                 )
-            )
+            gpu_types.add(gpu_type)
             count = accelerator.get("acceleratorCount")
             if not isinstance(count, int) or count < 1:
                 raise _invalid(f"Invalid value for field '{where}.acceleratorCount': {count!r}")

@@ -113,12 +113,12 @@ def test_the_gce_flag_carries_the_gpu_and_zone_arrays_through_the_dag_conf() -> 
             *(
                 "--gce",
                 "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;"
-                "gpus=k80 k80 p100 v100",
+                "gpus=t4 t4 p100 v100",
             ),
         ]
     )
     assert spec.gce is not None and spec.gce.zones[3] == "us-east1-c"
-    assert [g.type for g in spec.gce.gpus] == ["nvidia-tesla-k80"] * 2 + [
+    assert [g.type for g in spec.gce.gpus] == ["nvidia-tesla-t4"] * 2 + [
         "nvidia-tesla-p100",
         "nvidia-tesla-v100",
     ]

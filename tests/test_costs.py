@@ -7,6 +7,7 @@ n1-standard-4 0.19 on-demand; n1-standard-8 0.38 / 0.08 spot; K80 0.45 / 0.135 s
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import subprocess
 import sys
@@ -106,6 +107,8 @@ def test_a_custom_file_is_what_gets_priced(tmp_path: Path, price_file: dict[str,
             "KeyError",
         ),
         (lambda d: d.update(unit="month"), "unit must be 'hour'"),
+        (lambda d: d["retired_gpus"].update({"nvidia-h100": "2030-01-01"}), "retired_gpus: 'nvidia-h100'"),
+        (lambda d: d.update(as_of="September 2023"), "as_of must be a date, YYYY-MM-DD"),
     ],
 )
 def test_a_malformed_file_fails_at_load(tmp_path: Path, price_file: dict[str, Any], mutate, expected) -> None:
@@ -137,9 +140,31 @@ def test_gpu_type_names(catalog: Catalog) -> None:
     assert catalog.gpu_type("gpu_array", "") == "" and catalog.gpu_type("gpu_array", "none") == ""
     err = spec_error(catalog.gpu_type, "gpu_array", "h100")
     assert err.field == "gpu_array"
-    assert "unknown GPU type 'h100'; accepted: k80, p100, v100, t4, p4, nvidia-tesla-k80" in str(err)
+    assert "unknown GPU type 'h100'; accepted: p100, v100, t4, p4, nvidia-tesla-p100" in str(err)
     err = spec_error(catalog.gpu_type, "gpu_array", "a100")
     assert "built into a2-highgpu-1g" in str(err)
+
+
+def test_a_retired_gpu_is_refused_naming_the_current_types_and_the_tables_age(
+    catalog: Catalog, price_file: dict[str, Any]
+) -> None:
+    """A GPU type Compute Engine has retired (the table's ``retired_gpus``) cannot be asked for; the
+    refusal says since when, how old the table is (Compute Engine may have retired more since), and
+    what a VM can have instead. Its prices stay: a run recorded with it is still costed."""
+    assert price_file["retired_gpus"] == {"nvidia-tesla-k80": "2024-05-01"}
+    as_of = datetime.date.fromisoformat(price_file["as_of"])
+    assert catalog.age_days(as_of + datetime.timedelta(days=30)) == 30
+    for name in ("k80", "nvidia-tesla-k80"):
+        err = spec_error(catalog.check_offered, "gce.gpus", name, as_of + datetime.timedelta(days=1000))
+        assert str(err) == (
+            f"gce.gpus: {name!r} is retired on Compute Engine since 2024-05-01 (price table of "
+            f"{price_file['as_of']}, 1000 days old); current types: p100, v100, t4, p4 (on n1 machine "
+            "types); a100 (machine type a2-highgpu-1g, with gpus none); l4 (machine type g2-standard-8, "
+            "with gpus none)"
+        )
+    catalog.check_offered("gce.gpus", "t4")
+    catalog.check_offered("gce.gpus", "none")
+    assert catalog.hourly("us-central1-a", "n1-standard-8", "k80", 1, spot=False) == pytest.approx(0.83)
 
 
 def test_check_vm_accepts_the_papers_cluster(catalog: Catalog) -> None:
@@ -198,8 +223,8 @@ def test_check_vm_accepts_the_papers_cluster(catalog: Catalog) -> None:
         ),
         (("n1-standard-8", "us-central1-a", "t4", 8), ["accepted: 1, 2, 4 (at most 4 per VM)"]),
         (("n1-standard-8", "us-central1-a", "v100", 3), ["gpu_count 3 of nvidia-tesla-v100", "1, 2, 4, 8"]),
-        (("n1-standard-8", "us-central1-a", "", 2), ["gpu_count 2 needs a GPU type; accepted: k80, p100"]),
-        (("n1-standard-8", "us-central1-a", "k40", 1), ["unknown GPU type 'k40'; accepted: k80"]),
+        (("n1-standard-8", "us-central1-a", "", 2), ["gpu_count 2 needs a GPU type; accepted: p100, v100"]),
+        (("n1-standard-8", "us-central1-a", "k40", 1), ["unknown GPU type 'k40'; accepted: p100"]),
         (("n1-standard-8", "us-central1-a", "k80", "2"), ["gpu_count must be an integer"]),
     ],
 )

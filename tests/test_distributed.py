@@ -457,7 +457,7 @@ def test_101_with_an_online_switch_on_compute_engine_vms_with_every_hand_off_acr
         "gce": {
             "project": PROJECT,
             "zones": ZONES,
-            "gpus": "k80",
+            "gpus": "t4",
             "python": sys.executable,
             "ssh_user": "root",
         },

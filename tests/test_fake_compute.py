@@ -427,6 +427,11 @@ def test_inserts_are_validated(fake: FakeComputeEngine, clients: Clients, ssh_ke
     migrating_gpu.scheduling.on_host_maintenance = "MIGRATE"
     with pytest.raises(exceptions.BadRequest, match="live migration"):
         insert(migrating_gpu)
+    retired_gpu = _instance("retired-gpu", gpus=1)  # K80s are offered in no zone any more
+    k80 = f"projects/{PROJECT}/zones/{ZONE}/acceleratorTypes/nvidia-tesla-k80"
+    retired_gpu.guest_accelerators[0].accelerator_type = k80
+    with pytest.raises(exceptions.BadRequest, match="'nvidia-tesla-k80' does not exist in zone"):
+        insert(retired_gpu)
     with pytest.raises(exceptions.BadRequest, match="label"):
         insert(_instance("bad-label", labels={"Job": "x"}))
     with pytest.raises(exceptions.BadRequest, match="ssh-keys"):

@@ -48,12 +48,14 @@ from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends import gce as gce_backend
 from syncswitch_airflow.backends.gce import GceBackend
 from syncswitch_airflow.backends.gce_requests import vm_metadata
+from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.compute import ComputeHook
 from syncswitch_airflow.settings import SettingError
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
 PROJECT = "sync-fake-1"
+MNIST1D_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist1d" / "mnist1d_example"
 ZONES = "us-central1-a us-central1-b"  # the chief and worker 1 in different zones, like a zone array
 
 
@@ -89,7 +91,7 @@ def gce_param(**overrides: Any) -> dict[str, Any]:  # noqa: ANN401
     return {
         "project": PROJECT,
         "zones": ZONES,
-        "gpus": "k80",
+        "gpus": "t4",
         "python": sys.executable,
         "ssh_user": "root",
         **overrides,
@@ -266,21 +268,27 @@ class MetadataServer(http.server.ThreadingHTTPServer):
 
 
 def test_the_startup_script_installs_the_runtime_on_a_vm_from_its_metadata(
-    bed: tb.Testbed, fake: FakeComputeEngine, bucket: str, tmp_path: Path
+    bed: tb.Testbed, fake: FakeComputeEngine, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a VM runs at boot (backends/gce-startup.sh), every line, on a testbed host (the fake
     Compute API runs no startup scripts): its attributes, the metadata the backend gives its VMs,
     from a metadata server at ``metadata.google.internal`` (the host's own /etc/hosts, which
     ``ip netns exec`` mounts from /etc/netns); the runtime's wheel from the run's bucket folder as the
-    backend uploads it, fetched by the node's storage client; the venv where ``python`` says. The
-    host has no route to a registry: uv installs offline from this machine's cache."""
+    backend uploads it, fetched by the node's storage client; the MNIST-1D example's requirements as
+    the backend resolves them; the venv where ``python`` says. The host has no route to a registry:
+    uv resolves (here) and installs (there) offline from this machine's cache."""
     layout = RunLayout.for_run(bucket, "gce", "boot")
     GceBackend._upload_runtime(layout)
     python = tmp_path / "opt" / "syncswitch" / ".venv" / "bin" / "python"
-    gce = JobSpec.from_params(conf(bucket, gce=gce_param(python=str(python)))).gce
-    attributes = vm_metadata(gce, layout, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBoot boot@test")
+    job = JobSpec.from_params(conf(bucket, gce=gce_param(python=str(python)), usr_dir=str(MNIST1D_EXAMPLE)))
     # Before the host: without uv this skips, and a host added first would be left behind.
-    env = {**offline_uv_env(tmp_path), "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"]}
+    offline = offline_uv_env(tmp_path, MNIST1D_EXAMPLE / "requirements.txt")
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    user_requirements = node_requirements(job, install=True)
+    attributes = vm_metadata(
+        job.gce, layout, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBoot boot@test", user_requirements
+    )
+    env = {**offline, "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"]}
     host = bed.add_host()
     etc = Path("/etc/netns") / host.name
     script = tmp_path / "startup-script"
@@ -300,13 +308,16 @@ def test_the_startup_script_installs_the_runtime_on_a_vm_from_its_metadata(
     assert boot.returncode == 0, boot.stdout[-2000:] + boot.stderr[-3000:]
     assert boot.stdout.strip().splitlines()[-1] == f"sync-switch runtime ready: {python}"
     wanted = {"syncswitch-python", "syncswitch-install", "syncswitch-requirements", "syncswitch-runtime"}
-    assert set(server.served) == wanted
+    assert set(server.served) == {*wanted, "syncswitch-user-requirements"}  # uv was there: no syncswitch-uv
     # What the backend then waits for over SSH, and the runtime as a distribution at the lock's pins.
     subprocess.run([str(python), "-c", "import syncswitch.forkserver"], check=True, timeout=120)
     subprocess.run([str(python), "-m", "syncswitch.requirements", "--check"], check=True, timeout=120)
     probe = "import importlib.metadata as m; print(m.version('syncswitch'))"
     shown = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
     assert shown.stdout.strip() == importlib.metadata.version("syncswitch")
+    probe = "import importlib.metadata as m, mnist1d; print(m.version('mnist1d'))"  # the user code's list
+    shown = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "0.0.2.post1"
     assert not bed.hosts
 
 

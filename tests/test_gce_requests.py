@@ -5,9 +5,11 @@ REST client sends is checked field by field (spot, GPUs, labels, network, time l
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import io
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -24,7 +26,7 @@ from syncswitch.spec import JobSpec
 from syncswitch_airflow.backends.gce_requests import firewall_body, instance_body
 
 RUN = "manual__2026-11-23T15:04:05+00:00"
-GCE = "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;gpus=k80 k80 p100 v100:2"
+GCE = "project=sync-proj-1;zones=us-central1-a us-central1-b us-west1-b us-east1-c;gpus=t4 t4 p100 v100:2"
 
 
 def job(**overrides: object) -> JobSpec:
@@ -55,8 +57,8 @@ def test_the_plan_puts_the_checkpointer_on_demand_and_the_other_workers_on_spot(
         "us-central1-a",
     ]
     assert [(v.gpu.type, v.gpu.count) for v in vms[:4]] == [
-        ("nvidia-tesla-k80", 1),
-        ("nvidia-tesla-k80", 1),
+        ("nvidia-tesla-t4", 1),
+        ("nvidia-tesla-t4", 1),
         ("nvidia-tesla-p100", 1),
         ("nvidia-tesla-v100", 2),
     ]
@@ -114,6 +116,32 @@ def test_a_spot_gpu_worker_request_has_every_field_compute_engine_needs() -> Non
     assert {i["key"] for i in body["metadata"]["items"]} == {"ssh-keys"}
 
 
+def test_a_retired_gpu_is_refused_before_anything_is_created_with_the_tables_age() -> None:
+    """The gce param asks for VMs now: a GPU type Compute Engine has retired is refused at validate,
+    naming it, the current types and how old the price table that says so is."""
+    from syncswitch.costs import Catalog
+
+    as_of = datetime.date.fromisoformat(Catalog.load().as_of)
+    with pytest.raises(SpecError) as caught:
+        job(gce="project=sync-proj-1;zones=us-central1-a;gpus=k80")
+    assert str(caught.value).startswith(
+        f"gce.gpus: worker 0: 'k80' is retired on Compute Engine since 2024-05-01 (price table of {as_of}, "
+        f"{(datetime.date.today() - as_of).days} days old); current types: p100, v100, t4, p4 (on n1 "
+        "machine types); a100 (machine type a2-highgpu-1g, with gpus none); l4 (machine type g2-standard-8"
+    )
+
+
+def test_the_readmes_gce_example_asks_for_what_compute_engine_offers() -> None:
+    """The README's example (every doc that shows a gce param shows current types): it validates, and
+    its image is one whose VMs the startup script can install (uv brings the lock's Python)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    ((workers, example),) = re.findall(r"--num-worker (\d+)[^\n]*\n\s*--gce '([^']+)'", readme)
+    spec = job(gce=example, num_workers=int(workers))
+    assert [g.type for g in spec.gce.gpus] == ["nvidia-tesla-t4", "nvidia-tesla-t4", "", ""]
+    assert spec.gce.machine_types[2:] == ("g2-standard-8", "a2-highgpu-1g")
+    assert spec.gce.image.startswith("projects/deeplearning-platform-release/global/images/family/")
+
+
 def test_spot_none_puts_every_vm_on_demand() -> None:
     spec = job(gce=GCE + ";spot=none")
     assert spec.gce.spot == () and not any(v.spot for v in vm_plan(spec.gce, spec.job_name, RUN, 4, 1))
@@ -150,14 +178,19 @@ def test_the_firewall_opens_the_training_ports_to_the_runs_own_vms_only() -> Non
             "gce.zones",
             ["2 values", "num_workers is 4"],
         ),
-        ("project=sync-proj-1;zones=us-central1-a;gpus=h100", "gce.gpus", ["h100", "k80", "v100"]),
+        ("project=sync-proj-1;zones=us-central1-a;gpus=h100", "gce.gpus", ["h100", "t4", "v100"]),
         (
-            "project=sync-proj-1;zones=us-central1-a;machine_types=e2-standard-4;gpus=k80",
+            "project=sync-proj-1;zones=us-central1-a;gpus=t4 t4 k80 v100",
+            "gce.gpus",
+            ["worker 2: 'k80' is retired on Compute Engine", "days old", "current types: p100, v100, t4"],
+        ),
+        (
+            "project=sync-proj-1;zones=us-central1-a;machine_types=e2-standard-4;gpus=t4",
             "gce.gpus",
             ["e2-standard-4"],
         ),
-        ("project=sync-proj-1;zones=europe-west4-a;gpus=k80", "gce.gpus", ["europe-west4", "us-central1"]),
-        ("project=sync-proj-1;zones=us-central1-a;gpus=k80:3", "gce.gpus", ["1, 2, 4, 8"]),
+        ("project=sync-proj-1;zones=us-west1-a;gpus=p4", "gce.gpus", ["us-west1", "europe-west4"]),
+        ("project=sync-proj-1;zones=us-central1-a;gpus=t4:3", "gce.gpus", ["1, 2, 4 (at most 4"]),
         ("project=sync-proj-1;zones=us-central1-a;spot=chief worker", "gce.spot", ["checkpointer"]),
         (
             "project=sync-proj-1;zones=us-central1-a;on_revocation=pray",
@@ -223,10 +256,22 @@ def test_the_vms_install_the_runtimes_locked_versions() -> None:
     assert max(len(value.encode()) for value in metadata.values()) < 256 * 1024  # a value's limit
     assert sum(len(value.encode()) for value in metadata.values()) < 512 * 1024  # all of them
     script = STARTUP_SCRIPT.read_text()
-    assert not [line for line in script.splitlines() if "pip install" in line or "pip3 install" in line]
+    # pip installs one thing: the Airflow side's uv, pinned, where an image's python3 is not the lock's.
+    pips = [
+        i for i, line in enumerate(script.splitlines()) if "pip install" in line or "pip3 install" in line
+    ]
+    assert len(pips) == 1 and script.splitlines()[pips[0] + 1].strip() == '"$(attribute syncswitch-uv)"'
+    assert metadata["syncswitch-uv"] == f"uv=={importlib.metadata.version('uv')}"
     assert 'attribute syncswitch-install > "$STAGE/node_install.py"' in script
     assert 'attribute syncswitch-requirements > "$STAGE/requirements.txt"' in script
     assert '--requirements "$STAGE/requirements.txt" --runtime "$(attribute syncswitch-runtime)"' in script
+    # The user code's list where it has one (resolved by the backend), installed beside the pins.
+    assert "syncswitch-user-requirements" not in metadata
+    listed = "#   mnist1d==0.0.2.post1\nmnist1d==0.0.2.post1\n"
+    with_list = vm_metadata(spec.gce, RunLayout("gs://b/runs/digits-demo/r-1"), "ssh-ed25519 AAAA k", listed)
+    assert with_list["syncswitch-user-requirements"] == listed
+    assert 'if attribute syncswitch-user-requirements > "$STAGE/user-requirements.txt"; then' in script
+    assert '"${USER_REQUIREMENTS[@]}"' in script
 
 
 def test_the_installer_replaces_only_the_runtime_of_a_venv_whose_requirements_are_in(

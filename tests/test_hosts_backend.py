@@ -56,6 +56,7 @@ from syncswitch_airflow.backends import ClusterError
 from syncswitch_airflow.backends.base import UNKNOWN
 from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
+from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.ssh import SshSession
 from syncswitch_airflow.triggers.segment import launch_entry
 
@@ -575,6 +576,7 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
 
 
 TEXT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
+MNIST1D_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist1d" / "mnist1d_example"
 
 
 def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_the_checkpoint(
@@ -702,6 +704,79 @@ def test_user_code_is_shipped_to_the_hosts_through_the_bucket(
         assert all(f"usercode-{shipped['digest']}" in p for p in imported), imported
     assert state["final"]["export"]["saved_model"] == layout.export_saved_model
     assert_hosts_clean(bed)
+
+
+def test_the_mnist1d_example_trains_101_in_a_fresh_hosts_environment_with_its_requirements(  # noqa: ANN001
+    dag,
+    bed: tb.Testbed,
+    bucket: str,
+    work_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MNIST-1D example, whose model imports the ``mnist1d`` package that its requirements.txt
+    lists, "101" through the DAG on two hosts with ``hosts_runtime = install`` and a work_root no run
+    has used: validate resolves the list against the runtime's pins, provisioning installs it into a
+    new runtime venv, and every segment trains there. Where the hosts bring their own runtime, a
+    host that lacks a listed package is refused first, naming it. Another list is another venv.
+    uv resolves (the Airflow side) and installs (the hosts) offline, from this machine's warm cache."""
+    offline = offline_uv_env(tmp_path, MNIST1D_EXAMPLE / "requirements.txt")
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_ENV", ";".join(f"{k}={v}" for k, v in offline.items()))
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    root = tmp_path / "fresh-root"
+    hosts = [f"{h},work_root={root}" for h in host_params(bed)[:2]]
+
+    lacking = tmp_path / "lacking" / "lacking_pkg"  # hosts_runtime = installed: the hosts are checked
+    lacking.mkdir(parents=True)
+    (lacking / "__init__.py").write_text("")
+    (lacking / "requirements.txt").write_text("syncswitch-absent-package>=1\n")
+    backend = HostsBackend()
+    with pytest.raises(ClusterError, match=r"(?s)h\d .*syncswitch-absent-package: missing \(the user code's"):
+        backend.provision(
+            job(bed, bucket, hosts=hosts, num_workers=1, usr_dir=str(lacking)),
+            RunLayout.for_run(bucket, "hosts", "lacking"),
+        )
+    assert backend.capacity().holders() == []
+    assert not (root / "runtime").exists()
+
+    monkeypatch.setenv("SYNCSWITCH_HOSTS_RUNTIME", "install")
+    conf = {
+        "job_name": "hosts-mnist1d",
+        "cluster_backend": "hosts",
+        "hosts": hosts,
+        "bucket_dir": bucket,
+        "usr_dir": str(MNIST1D_EXAMPLE),
+        "model": "mnist1d_cnn",
+        "problem": "mnist1d",
+        "hparam_set": "mnist1d_cnn",
+        "switch_order": "101",
+        "train_steps": [10, 10, 10],
+        "ckpt_frequency": [10],
+        "num_workers": 2,
+        "num_ps": 1,
+    }
+    resolved = node_requirements(JobSpec.from_params(conf), install=True)
+    venv = root / "runtime" / RuntimeBundle.current(resolved).id
+    dag_run = dag.test(run_conf=conf)
+
+    assert dag_run.state == "success"
+    state = read_state(RunLayout.for_run(bucket, "hosts-mnist1d", dag_run.run_id))
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [10, 20, 30]
+    assert {h["python"] for h in state["cluster"]["hosts"]} == {str(venv / "bin" / "python")}
+    probe = "import importlib.metadata as m, mnist1d; print(m.version('mnist1d'))"
+    shown = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True)
+    assert shown.stdout.strip() == "0.0.2.post1", shown.stderr[-2000:]
+    assert "user_requirements" in json.loads((venv / MARKER).read_text())
+    assert [p.name for p in (root / "runtime").iterdir() if p.is_dir()] == [venv.name]
+    assert_hosts_clean(bed)
+    assert not list(root.glob("hosts-*")), "a run's work folder is left"
+
+    changed = tmp_path / "changed" / MNIST1D_EXAMPLE.name
+    changed.parent.mkdir()
+    changed.mkdir()
+    (changed / "requirements.txt").write_text("mnist1d>=0.0.2\n")
+    other = node_requirements(JobSpec.from_params({**conf, "usr_dir": str(changed)}), install=True)
+    assert RuntimeBundle.current(other).id != venv.name
 
 
 def task_state(task_id: str, since: datetime.datetime) -> str | None:

@@ -227,6 +227,32 @@ def test_a_shipped_copy_imports_where_the_original_is_not_on_the_path(tmp_path: 
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
+def test_a_shipped_copy_unpacks_where_tarfile_has_no_extraction_filter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's venv of a Python before 3.11.4 (Debian 12's 3.11.2, a host's own python3) has no
+    tarfile filters: the copy unpacks all the same, and a member that would land outside its folder
+    is refused, as the "data" filter refuses it."""
+    import io
+    import tarfile
+
+    package = write_package(tmp_path / "src", "old_tar_pkg")
+    uri = str(tmp_path / "bucket" / "usercode.tar.gz")
+    usercode.upload(str(package), uri)
+    monkeypatch.delattr(tarfile, "data_filter")
+    local = usercode.unpack(uri, str(package), str(tmp_path / "host"), usercode.digest(str(package)))
+    assert (Path(local) / "model.py").read_text() == (package / "model.py").read_text()
+
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w:gz") as tar:
+        member = tarfile.TarInfo("../outside.py")
+        tar.addfile(member, io.BytesIO(b""))
+    storage.write_bytes(uri, evil.getvalue())
+    with pytest.raises(SpecError, match=r"usr_dir: .*no file or folder inside it: '../outside.py'"):
+        usercode.unpack(uri, str(package), str(tmp_path / "host"), "other-digest")
+    assert not (tmp_path / "host" / "outside.py").exists()
+
+
 # ---- the check before provisioning ----------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
     Catalog.load(path=None)           the price & catalog file (default: gce_prices.json beside this module)
     Catalog.check_vm(field, ...)      SpecError naming ``field`` for a VM that Compute Engine would refuse
+    Catalog.check_offered(field, ...) SpecError for a GPU type Compute Engine has retired (still priced,
+                                      for runs recorded before)
     Catalog.hourly(...)               $/h of one VM: its machine type plus its attached GPUs, spot or not
     ledger(vms, segments, catalog)    what the run's VMs cost, per VM, per segment, per protocol
 
@@ -18,6 +20,7 @@ before rounding (after rounding they may differ by a few 1e-4).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -74,6 +77,7 @@ class Catalog:
     gpu_machine_families: dict[str, tuple[str, ...]]  # GPU type -> machine families it attaches to
     max_gpus_per_vm: dict[str, int]
     builtin_gpu_machines: dict[str, BuiltinGpu]
+    retired_gpus: dict[str, str]  # GPU type -> the date Compute Engine stopped offering it
 
     @classmethod
     def load(cls, path: str | None = None) -> Catalog:
@@ -111,6 +115,14 @@ class Catalog:
             str(k): BuiltinGpu(str(v["gpu_type"]), int(v["gpu_count"]))
             for k, v in data["builtin_gpu_machines"].items()
         }
+        retired = {str(k): str(v) for k, v in data.get("retired_gpus", {}).items()}
+        unknown_retired = sorted(set(retired) - set(max_gpus))
+        if unknown_retired:
+            raise fail(f"retired_gpus: {unknown_retired[0]!r} is not in max_gpus_per_vm")
+        try:
+            datetime.date.fromisoformat(str(data["as_of"]))
+        except ValueError:
+            raise fail(f"as_of must be a date, YYYY-MM-DD, got {data['as_of']!r}") from None
         machines: dict[str, dict[str, Price]] = {}
         gpus: dict[str, dict[str, Price]] = {}
         if not data["regions"]:
@@ -132,6 +144,7 @@ class Catalog:
             gpu_machine_families=families,
             max_gpus_per_vm=max_gpus,
             builtin_gpu_machines=builtin,
+            retired_gpus=retired,
         )
 
     # ---- lookups and checks -------------------------------------------------------------------
@@ -147,10 +160,41 @@ class Catalog:
         return match.group(1)
 
     def accepted_gpu_names(self) -> str:
-        """The GPU names users may write, for messages: the aliases, then the canonical names."""
-        canonical = sorted(self.max_gpus_per_vm)
-        short = [a for a in self.gpu_aliases if a not in canonical]
+        """The GPU names users may write, for messages: the aliases, then the canonical names (retired
+        types left out)."""
+        canonical = sorted(g for g in self.max_gpus_per_vm if g not in self.retired_gpus)
+        short = [a for a, g in self.gpu_aliases.items() if a not in canonical and g not in self.retired_gpus]
         return ", ".join(short + canonical + ["none"])
+
+    def age_days(self, today: datetime.date | None = None) -> int:
+        """How many days before ``today`` (default: today) the table's prices and offers were read."""
+        return ((today or datetime.date.today()) - datetime.date.fromisoformat(self.as_of)).days
+
+    def current_gpu_types(self) -> str:
+        """The GPU types a new VM may have, for messages: the attachable ones by their short names and
+        the machine families they attach to, then those that come built into a machine type."""
+        short = {canonical: alias for alias, canonical in reversed(self.gpu_aliases.items())}
+        attachable = [g for g in self.max_gpus_per_vm if g not in self.retired_gpus]
+        families = sorted({f for g in attachable for f in self.gpu_machine_families[g]})
+        builtin = [
+            f"{gpu.gpu_type.rsplit('-', 1)[-1]} (machine type {machine}, with gpus none)"
+            for machine, gpu in sorted(self.builtin_gpu_machines.items())
+        ]
+        named = ", ".join(short.get(g, g) for g in attachable)
+        return "; ".join([f"{named} (on {' or '.join(families)} machine types)", *builtin])
+
+    def check_offered(self, field: str, name: str, today: datetime.date | None = None) -> None:
+        """SpecError naming ``field`` for a GPU type Compute Engine has retired: a new VM cannot have one
+        (the table keeps its prices for runs recorded before). Says how old the table is, since
+        Compute Engine may have retired others since."""
+        gpu = self.gpu_type(field, name)
+        if gpu not in self.retired_gpus:
+            return
+        raise SpecError(
+            field,
+            f"{name!r} is retired on Compute Engine since {self.retired_gpus[gpu]} (price table of "
+            f"{self.as_of}, {self.age_days(today)} days old); current types: {self.current_gpu_types()}",
+        )
 
     def gpu_type(self, field: str, name: str) -> str:
         """The canonical accelerator type for an alias or canonical name; "" for no GPU ("" or none)."""

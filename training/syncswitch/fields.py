@@ -257,10 +257,11 @@ FIELDS: tuple[Field, ...] = (
         "object",
         "Compute Engine",
         "cluster_backend gce: {project, zones (one, or one per worker), machine_types, gpus "
-        "(e.g. [k80, k80, p100, v100:2] or none), ps_machine_type, spot (roles: worker, ps), network, "
+        "(e.g. [t4, t4, v100, v100:2] or none; g2 and a2 machine types come with their L4 and A100), "
+        "ps_machine_type, spot (roles: worker, ps), network, "
         "subnetwork, image, python, ssh_user, max_run_seconds, on_revocation (replace|shrink), disk_gb}. "
         "The chief VM (worker 0) is always on-demand. Needs a gs:// bucket_dir.",
-        metavar="project=p;zones=us-central1-a;gpus=k80 k80 p100 v100",
+        metavar="project=p;zones=us-central1-a;gpus=t4 t4 v100 v100",
     ),
     Field(
         "momentum_rule",

@@ -10,11 +10,14 @@ The ``gce`` param (a dict, or ``key=value`` text separated by ``;``)::
     zones             one zone for every worker, or one per worker ("zone array"); the chief VM is worker
                       0's, the parameter servers run in the first zone
     machine_types     one machine type, or one per worker (default n1-standard-8)
-    gpus              one GPU spec, or one per worker: "k80", "v100:2", "none" ("gpu array")
+    gpus              one GPU spec, or one per worker: "t4", "v100:2", "none" ("gpu array"); a type
+                      Compute Engine has retired (the price table's retired_gpus: k80) is refused
     ps_machine_type   the parameter servers' machine type (default n1-standard-4), no GPU
     spot              roles on spot VMs: "worker" (default), "ps", or "none"; never "chief"
     network, subnetwork   the VPC (default "default"); VMs get internal addresses only
-    image             boot image (default projects/debian-cloud/global/images/family/debian-12)
+    image             boot image (default projects/debian-cloud/global/images/family/debian-12, whose
+                      Python is the lock's; on an image with another Python, a Deep Learning VM image
+                      with NVIDIA drivers for GPUs, the startup script installs uv first)
     python            <venv>/bin/python on the VMs: the virtualenv the startup script makes with the
                       runtime (backends/gce-startup.sh, node_install.py)
     ssh_user          the login the backend's per-run key is installed for (default syncswitch)
@@ -332,6 +335,7 @@ def _gpu(catalog: Catalog, worker: int, text: str) -> GpuSpec:
     field = f"{FIELD}.gpus"
     try:
         canonical = catalog.gpu_type(field, kind)
+        catalog.check_offered(field, kind)  # a retired type: named, with the current ones
     except SpecError as exc:
         raise SpecError(field, f"worker {worker}: {str(exc).split(': ', 1)[1]}") from None
     if not canonical:

@@ -13,6 +13,8 @@ A job names user code in one of two ways (docs/bring-your-own-model.md):
                                        the history record keep; the digest changes with any file
     pack(usr_dir) / unpack(...)        the folder as a tarball in the run's bucket folder, for nodes
                                        on other hosts (nothing is installed on them by hand)
+    requirements_path(usr_dir)         its requirements.txt, the packages it needs on every node
+                                       (a package folder's only; "" for none)
     activate(spec, cache_dir)          what a node or launcher does first: the shipped copy, or the path
     check(job, cache_dir)              import, build, one batch, one forward/backward pass on CPU:
                                        bad user code fails here, before anything is provisioned,
@@ -37,6 +39,8 @@ from syncswitch import storage
 from syncswitch.errors import SpecError
 
 FIELD = "usr_dir"
+# A package folder's own dependencies: installed with the runtime where the backend installs it.
+REQUIREMENTS_FILE = "requirements.txt"
 _SKIPPED_PARTS = ("__pycache__", ".git", ".ipynb_checkpoints")
 # Frames in these packages are the runtime's or a library's, never the user's.
 _LIBRARY_MARKERS = (
@@ -102,6 +106,25 @@ def beside(params: dict[str, Any], folder: str) -> dict[str, Any]:
         if os.path.exists(path):
             return {**params, "usr_dir": path}
     return params
+
+
+def requirements_path(usr_dir: str) -> str:
+    """The ``requirements.txt`` of a package folder ``usr_dir`` ("" where it has none). A single file or a
+    module has none: a file beside one may be anyone's (a repository's own), so only the folder that is
+    the user code speaks for it."""
+    if not usr_dir or not os.path.isdir(usr_dir):
+        return ""
+    path = os.path.join(usr_dir, REQUIREMENTS_FILE)
+    return path if os.path.isfile(path) else ""
+
+
+def requirements_text(usr_dir: str) -> str:
+    """The text of ``usr_dir``'s requirements.txt ("" without one)."""
+    path = requirements_path(usr_dir)
+    if not path:
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def digest(usr_dir: str) -> str:
@@ -243,7 +266,7 @@ def unpack(uri: str, usr_dir: str, cache_dir: str, code_digest: str) -> str:
     staging = tempfile.mkdtemp(dir=cache_dir, prefix=".usercode-")
     try:
         with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(uri)), mode="r:gz") as tar:
-            tar.extractall(staging, filter="data")
+            _extract(tar, staging)
         os.rename(staging, target)
     except OSError:
         if not os.path.isdir(target):
@@ -251,6 +274,24 @@ def unpack(uri: str, usr_dir: str, cache_dir: str, code_digest: str) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local
+
+
+def _extract(tar: tarfile.TarFile, into: str) -> None:
+    """Every member of ``tar`` under ``into``, refusing what would land elsewhere: with tarfile's "data"
+    filter where this Python has it (3.11.4 on), else by hand as that filter does (a node's venv may
+    be of Debian 12's Python 3.11.2): only files and folders, each inside ``into``."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, filter="data")
+        return
+    root = os.path.realpath(into)
+    for member in tar.getmembers():
+        path = os.path.realpath(os.path.join(root, member.name))
+        if not (member.isfile() or member.isdir()) or os.path.commonpath([root, path]) != root:
+            raise UserCodeError(
+                FIELD,
+                f"the shipped user code has a member that is no file or folder inside it: {member.name!r}",
+            )
+    tar.extractall(into)
 
 
 def activate(spec: Any, cache_dir: str) -> str:

@@ -69,6 +69,7 @@ from syncswitch_airflow.backends.base import (
 from syncswitch_airflow.backends.gce_requests import firewall_body, instance_body, vm_metadata
 from syncswitch_airflow.backends.hosts import HostsBackend, host_record, host_work_dir
 from syncswitch_airflow.backends.node_runtime import runtime_wheel
+from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.compute import ComputeHook
 from syncswitch_airflow.hooks.ssh import HostKeyRefused, SshSession, ensure_private_key, host_key_fingerprint
 
@@ -115,6 +116,7 @@ class GceBackend:
         run = posixpath.basename(layout.root)
         # Read before anything is taken or created; a replacement VM is then checked as its run began.
         host_keys = settings.get_choice(HOST_KEY_SETTING, HOST_KEY_POLICIES)
+        user_requirements = node_requirements(job, install=True)  # what every VM installs, resolved once
         capacity = self.capacity()
         capacity.claim(run, run_dir=layout.root)
         gce = job.gce
@@ -135,10 +137,11 @@ class GceBackend:
             public_key = ensure_private_key(cloud["key"])
             self.hook.insert_firewall(firewall_body(cloud["firewall"], gce, cloud["tag"]), gce.project)
             self._upload_runtime(layout)
-            self._create_vms(layout, cloud, plan, gce, vm_metadata(gce, layout, public_key))
+            metadata = vm_metadata(gce, layout, public_key, user_requirements)
+            self._create_vms(layout, cloud, plan, gce, metadata)
             hosts = _host_specs(cloud, _active_vms(layout, cloud))
             _wait_for_ssh(hosts)
-            handle = self.hosts.start_cluster(job, hosts, layout)
+            handle = self.hosts.start_cluster(job, hosts, layout, user_requirements=user_requirements)
         except BaseException as exc:
             log.warning("run %s: provisioning failed (%s); deleting what was created", run, exc)
             self._delete_all(layout, cloud)
@@ -282,7 +285,8 @@ class GceBackend:
         attempt = int(vm.get("attempt", 0)) + 1
         new = VmPlan.from_dict(vm).replacement(attempt)
         labels = {**cloud["labels"], LABEL_EXPIRES: str(int(time.time() + gce.max_run_seconds))}
-        metadata = vm_metadata(gce, layout, ensure_private_key(cloud["key"]))
+        user_requirements = handle.get("user_requirements", "")
+        metadata = vm_metadata(gce, layout, ensure_private_key(cloud["key"]), user_requirements)
         body = instance_body(new, gce, labels, cloud["tag"], metadata)
         _record_requested(layout, new, replaces=vm["name"], attempt=attempt)
         try:

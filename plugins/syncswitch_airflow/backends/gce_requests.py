@@ -6,6 +6,7 @@ when Compute Engine refuses it; nothing here calls Compute Engine (``backends.gc
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 from google.cloud import compute_v1
@@ -85,9 +86,12 @@ def firewall_body(name: str, gce: GceSpec, tag: str) -> compute_v1.Firewall:
     )
 
 
-def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, str]:
-    """The per-run login, and what the startup script installs the runtime from."""
-    return {
+def vm_metadata(
+    gce: GceSpec, layout: RunLayout, public_key: str, user_requirements: str = ""
+) -> dict[str, str]:
+    """The per-run login, and what the startup script installs the runtime from: with
+    ``user_requirements`` (the user code's list, resolved), those too."""
+    metadata = {
         "ssh-keys": f"{gce.ssh_user}:{public_key}",
         "block-project-ssh-keys": "true",
         # The guest environment then publishes the VM's SSH host keys (pinned by _pin_host_key).
@@ -99,4 +103,9 @@ def vm_metadata(gce: GceSpec, layout: RunLayout, public_key: str) -> dict[str, s
         # and the installer the hosts backend runs on its hosts too.
         "syncswitch-requirements": requirements_text(),
         "syncswitch-install": NODE_INSTALL_SCRIPT.read_text(),
+        # An image without uv, or without the lock's Python, gets this uv first: the Airflow side's.
+        "syncswitch-uv": f"uv=={importlib.metadata.version('uv')}",
     }
+    if user_requirements:
+        metadata["syncswitch-user-requirements"] = user_requirements
+    return metadata

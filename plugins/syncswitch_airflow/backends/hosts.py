@@ -14,7 +14,8 @@ role). The bucket (``gs://``) is the only thing the hosts share. On each host, i
                                   the nodes' logs and staged data
 
 and, with ``[syncswitch] hosts_runtime = install``, ``<work_root>/runtime/<id>/``: the runtime's venv
-(node_runtime), shared by the runs of that version and kept after teardown.
+(node_runtime), with the user code's own requirements where it lists some (user_requirements), shared
+by the runs of that version and list and kept after teardown.
 
 Nothing of a cluster stays on the Airflow worker that provisioned it, so any worker of a distributed
 Airflow can run the run's next task: the handle is in state.json, the token in the run's bucket
@@ -40,7 +41,8 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
                       reach it); STORAGE_EMULATOR_HOST, GOOGLE_CLOUD_PROJECT and
                       SYNCSWITCH_BUCKET_RETRY_SECONDS are forwarded unless set there
     hosts_runtime     "installed" (the hosts have the runtime at their python=; checked against the
-                      lock) or "install" (node_runtime: installed over SSH once per version)
+                      lock and the user code's requirements.txt) or "install" (node_runtime: installed
+                      over SSH once per version of the runtime and of the user's list)
     hosts_clusters    how many hosts clusters may exist at once (default 1)
     leases_dir        where the capacity ledger is: a gs:// folder on a distributed Airflow
 """
@@ -94,6 +96,7 @@ from syncswitch_airflow.backends.node_runtime import (
     RuntimeBundle,
     hosts_install_runtime,
 )
+from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.ssh import COMMAND_TIMEOUT_S, SshSession, all_or_raise, on_hosts, resolve_hosts
 
 CAPACITY_SETTING = "hosts_clusters"
@@ -183,7 +186,9 @@ class HostsBackend:
             hosts = resolve_hosts(job.hosts)
         except SpecError as exc:
             raise ClusterError(str(exc)) from None
-        runtime = RuntimeBundle.current() if hosts_install_runtime() else None  # a bad setting: named
+        install = hosts_install_runtime()  # a bad setting: named
+        user_requirements = node_requirements(job, install)
+        runtime = RuntimeBundle.current(user_requirements) if install else None
         capacity = self.capacity()
         need = job.hosts_per_cluster or None  # a number: the hosts are a pool shared with other runs
         if need is not None and need > len(hosts):  # (a DNS name's addresses are counted only now)
@@ -191,7 +196,8 @@ class HostsBackend:
             raise ClusterError(f"hosts_per_cluster {need} is more than the {len(hosts)} host(s): {listed}")
         held = capacity.claim(run, hosts=tuple(h.address for h in hosts), need=need, run_dir=layout.root)
         try:
-            return self.start_cluster(job, _by_address(hosts, held), layout, runtime)
+            hosts = _by_address(hosts, held)
+            return self.start_cluster(job, hosts, layout, runtime, user_requirements=user_requirements)
         except BaseException:
             capacity.release(run)
             raise
@@ -202,10 +208,12 @@ class HostsBackend:
         hosts: tuple[HostSpec, ...],
         layout: RunLayout,
         runtime: RuntimeBundle | None = None,
+        user_requirements: str = "",
     ) -> Handle:
         """A fork server on every one of ``hosts`` (with ``runtime``, installed there first where it is
-        missing); the handle of the cluster they make. On failure nothing is left on the hosts but an
-        installed runtime. (The gce backend calls this on its VMs.) Nothing of the cluster
+        missing); the handle of the cluster they make, which carries ``user_requirements`` (the user
+        code's list, which every host is checked against). On failure nothing is left on the hosts
+        but an installed runtime. (The gce backend calls this on its VMs.) Nothing of the cluster
         stays on this Airflow worker: its token is in the run's bucket folder, where any worker that
         runs a later task of the run finds the same one."""
         run = posixpath.basename(layout.root)
@@ -217,6 +225,7 @@ class HostsBackend:
             "chief": chief_host([h.role for h in hosts]),
             "env": hosts_environment(),
             "processes": 1 + job.num_workers + job.num_ps,
+            "user_requirements": user_requirements,
         }
         try:
             self._start_servers(handle, cluster_token(layout), runtime)
@@ -237,7 +246,8 @@ class HostsBackend:
         Every host is checked (login, folders, runtime) before any server starts: a host that cannot
         take part fails provisioning in seconds, not after the other hosts' TensorFlow imports."""
         if runtime is None and any(host.get("install_from") for host in handle["hosts"]):
-            runtime = RuntimeBundle.current()  # a host lost and back may need it again
+            # A host lost and back may need it again.
+            runtime = RuntimeBundle.current(handle.get("user_requirements", ""))
         with contextlib.ExitStack() as sessions:
             check = functools.partial(self._check_host, sessions, handle, token=token, runtime=runtime)
             checked = all_or_raise(on_hosts(handle["hosts"], check))
@@ -270,8 +280,12 @@ class HostsBackend:
         if runtime is not None and host.get("install_from"):
             self._install_runtime(ssh, handle, host, runtime)
         # Workers on other TensorFlow or Keras versions than the chief's would not load each
-        # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements).
-        ssh.check(python_command(host, "syncswitch.requirements", "--check"), "the runtime's version check")
+        # other's checkpoints reliably: every host runs the lock's versions (syncswitch.requirements),
+        # and has what the user code lists.
+        listed = handle.get("user_requirements", "")
+        check = ["--check", "--user-requirements", "-"] if listed else ["--check"]
+        what = "the runtime's version check"
+        ssh.check(python_command(host, "syncswitch.requirements", *check), what, stdin=listed)
         return CheckedHost(host, ssh, "")
 
     def _start_host(self, handle: Handle, checked: CheckedHost) -> str:
@@ -346,6 +360,10 @@ class HostsBackend:
             "requirements.txt": runtime.requirements,
             runtime.wheel.filename: runtime.wheel.content,
         }
+        user_list: list[str] = []
+        if runtime.user_requirements:
+            files["user-requirements.txt"] = runtime.user_requirements
+            user_list = ["--user-requirements", posixpath.join(staging, "user-requirements.txt")]
         for name, content in files.items():
             ssh.write_file(posixpath.join(staging, name), content)
         log.info("run %s: installing the runtime %s on %s", handle["run"], runtime.id, host["name"])
@@ -360,6 +378,7 @@ class HostsBackend:
                 posixpath.join(staging, "requirements.txt"),
                 "--runtime",
                 posixpath.join(staging, runtime.wheel.filename),
+                *user_list,
             ]
         )
         done = ssh.json(f"cd / && {command}", "installing the runtime", timeout=INSTALL_TIMEOUT_S)

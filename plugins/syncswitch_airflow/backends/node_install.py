@@ -1,20 +1,25 @@
 """Install the training runtime on a cluster node: run there, by any Python 3, with the standard library.
 
     python3 node_install.py VENV --requirements requirements.txt --runtime syncswitch-*.whl|gs://...
+        [--user-requirements user-requirements.txt]
 
 makes ``VENV`` a virtual environment with the lock's versions of the runtime's dependencies
-(``requirements.txt``: exact pins) and the runtime distribution (its wheel, under any file name;
+(``requirements.txt``: exact pins), a user model's own requirements (``--user-requirements``: its
+usr_dir's list as the Airflow side resolved it, installed with the lock's pins as constraints, so it
+can add packages but never move a pin) and the runtime distribution (its wheel, under any file name;
 from a bucket, it is fetched with the venv's own google-cloud-storage once the dependencies are in),
-checks it against the lock (``python -m syncswitch.requirements --check``), and prints one JSON line:
+checks it against the lock and the user's list (``python -m syncswitch.requirements --check``), and
+prints one JSON line:
 ``{"python": "VENV/bin/python", "installed": "all", "installer": "uv", "seconds": 4.2}``.
 
-The marker it writes last records digests of both. A later call with the same two finds it and
+The marker it writes last records digests of the three. A later call with the same ones finds it and
 returns at once (``"installed": ""``); with the same requirements and another runtime it reinstalls the
 runtime's wheel only (``"installed": "runtime"``: a Compute Engine VM's fixed venv, or an image made
-with this script, gets each run's runtime without reinstalling TensorFlow); with other requirements,
-or no marker (a call killed midway), it makes the venv again. The hosts backend names ``VENV`` by both
-digests, so there a finished venv is never changed. Calls for one ``VENV`` at once (runs that share a
-host, hosts that share a filesystem) take turns on a lock file.
+with this script, gets each run's runtime without reinstalling TensorFlow); with other requirements
+(the lock's or the user's: a package dropped from the list must go too), or no marker (a call killed
+midway), it makes the venv again. The hosts backend names ``VENV`` by all three digests, so there a
+finished venv is never changed. Calls for one ``VENV`` at once (runs that share a host, hosts that
+share a filesystem) take turns on a lock file.
 
 The installer is ``uv`` where it is on PATH (fast: it links from its cache; ``UV_OFFLINE=1`` for a host
 without a route to the registry), else the venv's ``pip``. Both install exactly the pins; neither
@@ -86,17 +91,25 @@ def gpu_pins(requirements_text: str) -> str:
     return "\n".join(kept + gpu) + "\n"
 
 
-def install(python: str, requirements: str, uv: str | None) -> None:
-    if shutil.which("nvidia-smi"):
-        with open(requirements) as f:
-            pins = gpu_pins(f.read())
-        requirements = requirements + ".gpu"
-        with open(requirements, "w") as f:
-            f.write(pins)
+def node_pins(requirements: str) -> str:
+    """The pins this node installs: the file as it is, or on a GPU node its GPU pins beside it."""
+    if not shutil.which("nvidia-smi"):
+        return requirements
+    with open(requirements) as f:
+        pins = gpu_pins(f.read())
+    with open(requirements + ".gpu", "w") as f:
+        f.write(pins)
+    return requirements + ".gpu"
+
+
+def install(python: str, requirements: str, uv: str | None, constraints: str = "") -> None:
+    """``requirements`` into the venv; with ``constraints``, no package moves off its version there."""
+    pinned = ["-c", constraints] if constraints else []
     if uv:
-        run([uv, "pip", "install", "--quiet", "--python", python, "-r", requirements])
+        run([uv, "pip", "install", "--quiet", "--python", python, "-r", requirements, *pinned])
     else:
-        run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r", requirements])
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        run([*pip, "-r", requirements, *pinned])
 
 
 def install_runtime(python: str, wheel: str, uv: str | None) -> None:
@@ -160,6 +173,15 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def wanted_digests(requirements: str, user_requirements: str) -> dict[str, str]:
+    """What the marker must hold for the venv's dependencies to be these: the lock's pins, and the
+    user's list where there is one (absent without one, so a venv made without a list still fits)."""
+    wanted = {"requirements": digest(requirements)}
+    if user_requirements:
+        wanted["user_requirements"] = digest(user_requirements)
+    return wanted
+
+
 def read_marker(venv: str) -> dict[str, str]:
     try:
         with open(os.path.join(venv, MARKER)) as f:
@@ -177,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--runtime", required=True, help="the syncswitch wheel (any file name), or its gs:// URI"
     )
+    parser.add_argument(
+        "--user-requirements", default="", help="a user model's requirements, installed beside the pins"
+    )
     args = parser.parse_args(argv)
     venv = os.path.abspath(args.venv)
     python = os.path.join(venv, "bin", "python")
@@ -185,14 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = read_marker(venv)
-        wanted = {"requirements": digest(args.requirements)}
+        wanted = wanted_digests(args.requirements, args.user_requirements)
         installed = "runtime"
-        if marker.get("requirements") != wanted["requirements"]:
+        if {key: value for key, value in marker.items() if key != "runtime"} != wanted:
             installed = "all"
             refuse_to_replace(venv)
             shutil.rmtree(venv, ignore_errors=True)  # another version's, or a half-made one
             make_venv(venv, uv)
-            install(python, args.requirements, uv)
+            pins = node_pins(args.requirements)
+            install(python, pins, uv)
+            if args.user_requirements:
+                install(python, args.user_requirements, uv, constraints=pins)
         staging = os.path.dirname(os.path.abspath(args.requirements))
         wheel = fetch_runtime(python, args.runtime, staging)
         wanted["runtime"] = digest(wheel)
@@ -200,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"python": python, "installed": ""}))
             return 0
         install_runtime(python, wheel_named(wheel, staging), uv)
-        run([python, "-m", "syncswitch.requirements", "--check"])
+        check = [python, "-m", "syncswitch.requirements", "--check"]
+        run(check + (["--user-requirements", args.user_requirements] if args.user_requirements else []))
         with open(os.path.join(venv, MARKER), "w") as f:
             json.dump(wanted, f)
     seconds = round(time.monotonic() - started, 1)

@@ -3,11 +3,13 @@
 Two things make a node's runtime: the runtime distribution as the Airflow side has it installed (a
 wheel made from its installed files and metadata, so an installed provider ships what it runs, and
 a checkout its working tree) and its dependencies at the lock's versions
-(``syncswitch/requirements.txt``). One installer puts them on a node, ``node_install.py``: the gce
-backend's VMs run it at boot (``gce-startup.sh``, the wheel from the run's bucket folder); with
-``[syncswitch] hosts_runtime = install`` the hosts backend runs it on each host over SSH, into
-``<work_root>/runtime/<id>``: ``id`` is a hash of both, so a host keeps one venv per version of the
-runtime, which every later run of that version reuses, and an upgrade gets a new one beside it.
+(``syncswitch/requirements.txt``); a job whose user code lists its own requirements adds a third,
+that list as resolved against the pins (``user_requirements.py``). One installer puts them on a node,
+``node_install.py``: the gce backend's VMs run it at boot (``gce-startup.sh``, the wheel from the
+run's bucket folder); with ``[syncswitch] hosts_runtime = install`` the hosts backend runs it on each
+host over SSH, into ``<work_root>/runtime/<id>``: ``id`` is a hash of all three, so a host keeps one
+venv per version of the runtime and of the user's list, which every later run of the same reuses,
+and an upgrade or a changed list gets a new one beside it.
 """
 
 from __future__ import annotations
@@ -98,18 +100,23 @@ def _record_hash(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class RuntimeBundle:
-    """What a node installs: the runtime's wheel and the lock's requirements."""
+    """What a node installs: the runtime's wheel, the lock's requirements and a user model's resolved
+    requirements ("" for none)."""
 
     wheel: RuntimeWheel
     requirements: str
+    user_requirements: str = ""
 
     @classmethod
-    def current(cls) -> RuntimeBundle:
-        return cls(runtime_wheel(), requirements_text())
+    def current(cls, user_requirements: str = "") -> RuntimeBundle:
+        return cls(runtime_wheel(), requirements_text(), user_requirements)
 
     @property
     def id(self) -> str:
-        digest = hashlib.sha256(self.requirements.encode() + b"\0" + self.wheel.content)
+        parts = [self.requirements.encode()]
+        if self.user_requirements:  # without one, the id of the runtime alone: its venvs stay valid
+            parts.append(self.user_requirements.encode())
+        digest = hashlib.sha256(b"\0".join([*parts, self.wheel.content]))
         return digest.hexdigest()[:16]
 
     def venv(self, work_root: str) -> str:

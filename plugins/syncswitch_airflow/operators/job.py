@@ -66,6 +66,14 @@ class ValidateJobOperator(BaseOperator):
                 resolve_hosts(job.hosts)
             except SpecError as err:
                 raise AirflowFailException(f"invalid job params: {err}") from None
+        from syncswitch_airflow.backends.user_requirements import check_for_validate
+
+        try:  # the user code's requirements.txt: resolvable, or met where nothing installs it
+            listed = check_for_validate(job)
+        except SpecError as err:
+            raise AirflowFailException(f"invalid job params: {err}") from None
+        if listed:
+            self.log.info("run %s: user code's requirements: %s", context["run_id"], listed)
         from syncswitch.check import needs_check
 
         if needs_check(job):
