@@ -39,6 +39,7 @@ LONG_RUNNING = (
 # google-cloud-storage brings requests and urllib3 (its transport); storage.py names their errors.
 TRAINER_RUNTIME_MODULES = {
     *("tensorflow", "keras", "numpy", "sklearn", "google", "requests", "urllib3", "tensorflow_datasets"),
+    "packaging",  # syncswitch.requirements reads a user's requirements.txt
 }
 
 
