@@ -204,7 +204,7 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
 ) -> None:
     """A launcher whose segment names user code runs its preflight in a child of the cluster's fork
     server (TensorFlow imported there already); the outcome comes back, bad input with its field."""
-    from syncswitch.launcher import PreflightError, imports_user_code, warm_preflight
+    from syncswitch.preflight import PreflightError, imports_user_code, warm_preflight
 
     example = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
     spec = one_step_spec(

@@ -179,7 +179,8 @@ def next_segment_index(run_dir: str) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    from syncswitch.launcher import SegmentFailed, install_signal_handlers, run_segment
+    from syncswitch.errors import SegmentFailed
+    from syncswitch.launcher import install_signal_handlers, run_segment
 
     args = build_train_parser().parse_args(argv)
     install_signal_handlers()

@@ -67,6 +67,7 @@ import contextlib
 import ctypes
 import hashlib
 import hmac
+import importlib
 import json
 import os
 import selectors
@@ -77,7 +78,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,11 +169,15 @@ def _die_with_parent(signum: int = signal.SIGKILL) -> None:
     _prctl(PR_SET_PDEATHSIG, signum)
 
 
-# What a forked child runs: "node" a cluster process (syncswitch.node), "linkdelay" a network
-# straggler (syncswitch.linkdelay), "preflight" a launcher's checks of a segment with user code
-# (syncswitch.launcher.warm_preflight). A link delay must restore the link when it ends, so it gets
-# SIGTERM, not SIGKILL, when its lease or the server goes away.
-PROGRAMS = ("node", "linkdelay", "preflight")
+# What a forked child runs, by the request's "program": "module:function", a ``function(argv) -> exit
+# code`` imported in the child only: a cluster process, a network straggler, a launcher's checks of a
+# segment with user code (syncswitch.preflight.warm_preflight). A link delay must restore the link
+# when it ends, so it gets SIGTERM, not SIGKILL, when its lease or the server goes away.
+PROGRAMS = {
+    "node": "syncswitch.node:main",
+    "linkdelay": "syncswitch.linkdelay:main",
+    "preflight": "syncswitch.preflight:main",
+}
 STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight": signal.SIGKILL}
 
 
@@ -416,7 +421,7 @@ class ForkServer:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
             raise ValueError("a request needs 'argv' (a list) and 'log' (a path)")
         if request.setdefault("program", "node") not in PROGRAMS:
-            raise ValueError(f"'program' must be one of {PROGRAMS}, got {request['program']!r}")
+            raise ValueError(f"'program' must be one of {tuple(PROGRAMS)}, got {request['program']!r}")
         for path, text in dict(request.get("files") or {}).items():
             storage.write_text(path, str(text))
         os.makedirs(os.path.dirname(request["log"]) or ".", exist_ok=True)
@@ -501,18 +506,7 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
         os.environ.update(request.get("env", {}))
         if request.get("cpu") is not None:
             os.sched_setaffinity(0, {int(request["cpu"])})
-        if program == "linkdelay":
-            from syncswitch import linkdelay
-
-            code = linkdelay.main(request["argv"])
-        elif program == "preflight":
-            from syncswitch import launcher
-
-            code = launcher.preflight_main(request["argv"])
-        else:
-            from syncswitch import node
-
-            code = node.main(request["argv"])
+        code = program_main(program)(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the server
@@ -523,6 +517,12 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def program_main(program: str) -> Callable[[list[str]], int]:
+    """The function a child runs for ``program`` (PROGRAMS), imported now."""
+    module, _, function = PROGRAMS[program].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _output_to(path: str) -> None:
@@ -773,9 +773,9 @@ def fork_node(
     files: dict[str, str] | None = None,
     program: str = "node",
 ) -> ForkedProcess:
-    """Ask the server (a folder on this host, or a ServerRef) to fork a child running ``program``
-    (``syncswitch.node``, ``syncswitch.linkdelay``, or a launcher's preflight) with ``argv``, after
-    writing ``files`` on the server's host."""
+    """Ask the server (a folder on this host, or a ServerRef) to fork a child running ``program`` (one
+    of PROGRAMS: a node, a link delay, a preflight) with ``argv``, after writing ``files`` on the
+    server's host."""
     ref = server if isinstance(server, ServerRef) else ServerRef(server_dir=server)
     request = {
         "argv": argv,
