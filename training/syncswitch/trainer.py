@@ -253,7 +253,7 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
     import keras
     import tensorflow as tf
 
-    from syncswitch.models import build_model, decayed_weights
+    from syncswitch.models import build_model, decayed_weights, example_loss
     from syncswitch.params import FlatModel
 
     # The same seed gives the same initial weights, so that runs are comparable and repeatable.
@@ -363,14 +363,6 @@ def save(
         )
         evaluate_checkpointed(ctx, state, events, samples, global_batch)
     return uri
-
-
-def example_loss(problem: Any, model: Any) -> Any:
-    """``fn(outputs, labels) -> per-example loss``: the model's ``example_loss(labels, outputs)`` when
-    it defines one, else the problem's ``loss``. (Weight decay is applied by the optimizer, beside
-    each variable: see syncswitch.optim.)"""
-    loss = getattr(model, "example_loss", None) or problem.loss
-    return lambda outputs, labels: loss(labels, outputs)
 
 
 # ---- reporting ------------------------------------------------------------------------------------
