@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from syncswitch import forkserver, storage
+from syncswitch import forkserver, forkserver_client, storage
 from syncswitch.errors import SegmentFailed
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
@@ -72,10 +72,10 @@ class Node:
     role: str
     task: int
     address: str
-    server: forkserver.ServerRef
+    server: forkserver_client.ServerRef
     host: str = ""  # another host's name; "" = the launcher's own host
     host_work_dir: str = ""  # that host's work folder
-    process: forkserver.ForkedProcess | None = None
+    process: forkserver_client.ForkedProcess | None = None
     log_path: str = ""
 
     @property
@@ -95,7 +95,7 @@ def cluster_nodes(spec: SegmentSpec, forkserver_dir: str) -> list[Node]:
     All on this host, on free 127.0.0.1 ports, forked by the server in ``forkserver_dir``."""
     placed = place_nodes(["any"], spec.protocol, spec.num_workers, spec.num_ps)
     ports = forkserver.free_ports("127.0.0.1", len(placed))
-    server = forkserver.ServerRef(server_dir=forkserver_dir)
+    server = forkserver_client.ServerRef(server_dir=forkserver_dir)
     return [
         Node(role, task, f"127.0.0.1:{port}", server)
         for (role, task, _), port in zip(placed, ports, strict=True)
@@ -108,11 +108,11 @@ def host_nodes(spec: SegmentSpec, cluster: ClusterFile) -> list[Node]:
     roles = [h.role for h in cluster.hosts]
     placed = place_nodes(roles, spec.protocol, spec.num_workers, spec.num_ps)
     token, here = cluster.read_token(), chief_host(roles)
-    servers = [forkserver.ServerRef(tcp=h.forkserver, token=token) for h in cluster.hosts]
+    servers = [forkserver_client.ServerRef(tcp=h.forkserver, token=token) for h in cluster.hosts]
     ports: dict[int, list[int]] = {}
     for index in sorted({host for _, _, host in placed}):
         count = sum(1 for _, _, host in placed if host == index)
-        ports[index] = forkserver.reserve_ports(servers[index], count)
+        ports[index] = forkserver_client.reserve_ports(servers[index], count)
     nodes = []
     for role, task, index in placed:
         host = cluster.hosts[index]
@@ -202,7 +202,7 @@ class SegmentCluster:
                 work_dir, files = self.work_dir, {}
                 argv = ["--spec", spec_path, "--work-dir", self.work_dir, "--data-dir", self.data_dir]
             node.log_path = os.path.join(work_dir, f"{node.name}.log")
-            node.process = forkserver.fork_node(
+            node.process = forkserver_client.fork_node(
                 node.server,
                 argv,
                 env=env,
@@ -418,7 +418,7 @@ class SegmentCluster:
         address = host_port(node.address)[0]
         argv = ["--address", address, "--delay-ms", f"{straggler.delay_ms:g}"]
         try:
-            shaper = forkserver.fork_node(
+            shaper = forkserver_client.fork_node(
                 node.server,
                 [*argv, "--duration", f"{end - time.time():.3f}"],
                 env={},
@@ -426,7 +426,7 @@ class SegmentCluster:
                 name=f"ss-linkdelay-{straggler.worker}",
                 program="linkdelay",
             )
-        except forkserver.ForkServerUnavailable as exc:
+        except forkserver_client.ForkServerUnavailable as exc:
             self._log(f"straggler: could not delay worker {straggler.worker}'s link: {exc}")
             return
         while shaper.poll() is None:
@@ -522,7 +522,7 @@ def run_segment(
             # User code imports TensorFlow: import it where that is done already. (On hosts the
             # launcher still imports it itself.)
             server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
-            server = forkserver.ServerRef(server_dir=server_dir)
+            server = forkserver_client.ServerRef(server_dir=server_dir)
             data_dir = warm_preflight(spec, cache_dir, server, work_dir)
             nodes = cluster_nodes(spec, server_dir)
         else:
@@ -557,16 +557,16 @@ def _ready_forkserver(
     """The fork server to use, and a private one this launcher started (to stop it afterwards)."""
     if forkserver_dir:
         try:
-            forkserver.wait_ready(forkserver_dir, FORKSERVER_WAIT_SECONDS)
+            forkserver_client.wait_ready(forkserver_dir, FORKSERVER_WAIT_SECONDS)
             return forkserver_dir, None
-        except forkserver.ForkServerUnavailable as exc:
+        except forkserver_client.ForkServerUnavailable as exc:
             message = f"[{spec.run_id}] seg {spec.index}: {exc}; starting a private one"
             print(message, file=sys.stderr, flush=True)
     private_dir = os.path.join(work_dir, "forkserver")
-    server = forkserver.start(private_dir, die_with_parent=True)
+    server = forkserver_client.start(private_dir, die_with_parent=True)
     try:
-        forkserver.wait_ready(private_dir, FORKSERVER_WAIT_SECONDS)
-    except forkserver.ForkServerUnavailable as exc:
+        forkserver_client.wait_ready(private_dir, FORKSERVER_WAIT_SECONDS)
+    except forkserver_client.ForkServerUnavailable as exc:
         _stop_process(server)
         log = os.path.join(private_dir, forkserver.LOG_FILE)
         raise SegmentFailed(f"{exc}; see {log}") from exc

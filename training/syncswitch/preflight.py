@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from syncswitch import checkpoints, forkserver, registry, storage
+from syncswitch import checkpoints, forkserver_client, registry, storage
 from syncswitch.errors import SegmentFailed
 from syncswitch.layout import RunLayout
 from syncswitch.spec import SegmentSpec
@@ -48,7 +48,9 @@ def imports_user_code(spec: SegmentSpec) -> bool:
     )
 
 
-def warm_preflight(spec: SegmentSpec, cache_dir: str, server: forkserver.ServerRef, work_dir: str) -> str:
+def warm_preflight(
+    spec: SegmentSpec, cache_dir: str, server: forkserver_client.ServerRef, work_dir: str
+) -> str:
     """The preflight in a child of the cluster's fork server on this host, where TensorFlow is
     imported already; its outcome comes back through a file. Raises what preflight raises (as a
     PreflightError with the same message), SegmentFailed if the child died without an answer."""
@@ -56,7 +58,7 @@ def warm_preflight(spec: SegmentSpec, cache_dir: str, server: forkserver.ServerR
     spec_path, result_path = os.path.join(request_dir, "spec.json"), os.path.join(request_dir, "result.json")
     log_path = os.path.join(request_dir, "preflight.log")
     storage.delete(result_path)
-    child = forkserver.fork_node(
+    child = forkserver_client.fork_node(
         server,
         [spec_path, cache_dir, result_path],
         env=dict(os.environ),  # as the local nodes get it: the launcher's whole environment
