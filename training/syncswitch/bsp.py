@@ -17,13 +17,13 @@ import os
 import time
 from typing import Any
 
+from syncswitch.context import NodeContext
 from syncswitch.peers import PeerProbe, bsp_peers
+from syncswitch.reporting import WorkerTimer
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
-    NodeContext,
     Schedule,
     SegmentSession,
-    WorkerTimer,
     build_and_restore,
     replica_step_fn,
     steps_per_execution,

@@ -40,9 +40,9 @@ from syncswitch.layout import RunLayout
 from syncswitch.peers import host_port
 from syncswitch.plan import step_text
 from syncswitch.preflight import imports_user_code, preflight, warm_preflight
+from syncswitch.reporting import ProgressFile
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
-from syncswitch.trainer import ProgressFile
 
 POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # A BSP worker on a host of its own reads only its shard: it stages no more than that.
         cache = args.data_cache or os.path.join(args.work_dir, "data")
         data_dir = problem.prepare_shard(spec.data_dir, cache, task, spec.num_workers)
-    from syncswitch.trainer import NodeContext
+    from syncswitch.context import NodeContext
 
     ctx = NodeContext(
         spec=spec,
