@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import importlib
 import importlib.util
@@ -28,10 +29,11 @@ from typing import Any
 
 from syncswitch import storage
 from syncswitch.layout import RunLayout
-from syncswitch.plan import PROTOCOLS
-from syncswitch.spec import MOMENTUM_RULES, SegmentSpec, SpecError, StragglerSpec
+from syncswitch.plan import PROTOCOL_DIGITS, PROTOCOLS
+from syncswitch.spec import MOMENTUM_RULES, JobSpec, SegmentSpec, SpecError
 
 DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
+PROTOCOL_DIGIT = {protocol: digit for digit, protocol in PROTOCOL_DIGITS.items()}
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -130,46 +132,55 @@ def _spec_from_file(path: str) -> SegmentSpec:
 
 
 def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
+    """Segment ``--segment-index`` of the one-segment job the flags describe (JobSpec's defaults for
+    the fields not given), built as the pipeline builds its segments (JobSpec.segment_spec)."""
     from syncswitch import usercode
     from syncswitch.registry import REGISTRY
 
-    model = args.model or ("cnn" if args.problem == "digits" else "resnet")
+    job = JobSpec(**JobSpec.parse_params(_job_params(args)))
+    model = args.model or ("cnn" if job.problem == "digits" else "resnet")
     usercode.load(args.usr_dir)  # its names are registered once it is imported
     REGISTRY.entry("model", model)  # SpecError naming the field and the accepted names
-    REGISTRY.entry("problem", args.problem)
+    REGISTRY.entry("problem", job.problem)
     if not args.hparam_set and model not in DEFAULT_HPARAM_SET:
         raise SpecError("hparam-set", f"model {model!r} has no default hparam set; name one")
-    hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
-    for name, value in (("workers", args.workers), ("ps", args.ps), ("until-step", args.until_step)):
+    for name, value in (("workers", job.num_workers), ("ps", job.num_ps), ("until-step", args.until_step)):
         if value < 1:
             raise SpecError(name, f"must be >= 1, got {value}")
     run_dir = args.run_dir.rstrip("/")
     index = args.segment_index if args.segment_index is not None else next_segment_index(run_dir)
-    return SegmentSpec(
-        run_id=args.run_id or os.path.basename(run_dir) or "run",
-        run_dir=run_dir,
-        index=index,
-        protocol=args.protocol,
-        until_step=args.until_step,
-        total_steps=args.total_steps or args.until_step,
+    job = dataclasses.replace(
+        job,
+        switch_order=PROTOCOL_DIGIT[args.protocol],
+        train_steps=(args.total_steps or args.until_step,),  # the job's workload, for the LR schedule
         model=model,
-        hparam_set=hparam_set,
-        problem=args.problem,
-        data_dir=args.data_dir,
-        hparams=args.hparams,
-        usr_dir=os.path.abspath(args.usr_dir) if os.path.exists(args.usr_dir) else args.usr_dir,
-        num_workers=args.workers,
-        num_ps=args.ps,
-        ckpt_frequency=args.ckpt_frequency,
-        momentum_rule=args.momentum_rule,
-        momentum_ramp_steps=args.momentum_ramp_steps,
-        seed=args.seed,
-        evaluate=args.eval,
-        evaluate_checkpoints=args.eval_checkpoints,
-        pin_cores=args.pin_cores,
-        watchdog_seconds=args.watchdog_seconds,
-        stragglers=tuple(StragglerSpec.parse(s) for s in args.straggler),
+        hparam_set=args.hparam_set or DEFAULT_HPARAM_SET[model],
+        evaluate_segments=args.eval,
     )
+    entry = {"index": index, "protocol": args.protocol, "until_step": args.until_step, "plan_index": 0}
+    spec = job.segment_spec(entry, args.run_id or os.path.basename(run_dir) or "run", run_dir)
+    return spec.replace(watchdog_seconds=args.watchdog_seconds)
+
+
+def _job_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The job fields the flags give, as raw params (absent ones are left to JobSpec's defaults)."""
+    params = {
+        "problem": args.problem,
+        "usr_dir": os.path.abspath(args.usr_dir) if os.path.exists(args.usr_dir) else args.usr_dir,
+        "hparams": args.hparams,
+        "data_dir": args.data_dir,
+        "num_workers": args.workers,
+        "num_ps": args.ps,
+        "ckpt_frequency": args.ckpt_frequency,
+        "momentum_rule": args.momentum_rule,
+        "momentum_ramp_steps": args.momentum_ramp_steps,
+        "stragglers": args.straggler,
+        "seed": args.seed,
+        "pin_cores": args.pin_cores,
+        "evaluate_checkpoints": args.eval_checkpoints,
+        "stall_seconds": args.stall_seconds,
+    }
+    return {name: value for name, value in params.items() if value is not None}
 
 
 def next_segment_index(run_dir: str) -> int:
