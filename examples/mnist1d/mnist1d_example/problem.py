@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import random
 from functools import cache
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import tensorflow as tf
-from syncswitch.problems import Problem
+from syncswitch.problems import Problem, TrainStream, training_pipeline
 from syncswitch.registry import register_problem
 
 SEQUENCE_LENGTH = 40
@@ -95,20 +95,11 @@ class Mnist1D(Problem):
         save_splits(folder)
         return folder
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> tf.data.Dataset:
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> tf.data.Dataset:
         # Under ParameterServerStrategy this runs in a traced dataset_fn: do_not_convert keeps
         # AutoGraph out of the numpy generator (converting it is slow and pointless).
         x, y = tf.autograph.experimental.do_not_convert(load_splits)(local_dir)["train"]
-        return (
-            tf.data.Dataset.from_tensor_slices((x, y))
-            .shard(num_shards, shard_index)
-            .shuffle(len(y), seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
-        )
+        return training_pipeline(tf.data.Dataset.from_tensor_slices((x, y)), shuffle_buffer=len(y), **stream)
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
         x, y = load_splits(local_dir)["test"]
