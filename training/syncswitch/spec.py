@@ -12,6 +12,9 @@ Units. Every step number in the interface is a BSP-equivalent step: one global b
 ``num_workers x batch_size`` samples. Progress is counted exactly in samples; an ASP worker update of
 ``batch_size`` samples is 1/num_workers of a step. ``until_step`` is cumulative over the job, so the
 global step and the LR schedule continue across segments.
+
+The module is longer than the runtime's others for one reason: what a job accepts reads in one place,
+JobSpec's parsing, checks and planning, with the specs it builds and its fields' parsers beside it.
 """
 
 from __future__ import annotations
