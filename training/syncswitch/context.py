@@ -26,9 +26,9 @@ class NodeContext:
     hp: HParams
     timings: dict[str, float] = field(default_factory=dict)
     user_code: str = ""  # where this process imported the job's usr_dir from (a shipped copy on hosts)
-    # The distributed iterator, strategy and model of a finished loop. Freeing them tears down
-    # prefetch threads and collectives, which took 4.5 s after a segment had ended (time in every
-    # switch gap); the node exits with os._exit instead, so holding them here skips that teardown.
+    # The distributed iterator, strategy and model of a finished loop. Freeing them would tear down
+    # prefetch threads and collectives, time in every switch gap; the node exits with os._exit
+    # instead, and holding them here skips that teardown.
     finished_objects: list[Any] = field(default_factory=list)
 
     @property

@@ -1,9 +1,9 @@
 """A warm process that has imported TensorFlow once and forks cluster processes on request.
 
-Starting a segment's cluster used to mean 3-4 fresh Python processes importing TensorFlow at the same
-time: 15-50 s on 2 cores, most of a switch. The fork server pays that import once. The local backend
-starts one per cluster when it provisions it, so every segment's processes are forked warm; a launcher
-given none starts its own, so even a lone segment imports TensorFlow once instead of once per process.
+Every process of a cluster is forked from it, so TensorFlow is imported once per server, not once per
+process: that import is most of a process's start, and a segment starts several processes at once. The
+local backend starts one per cluster when it provisions it, so every segment's processes are forked
+warm; a launcher given none starts its own, so even a lone segment imports TensorFlow once.
 
     python -m syncswitch.forkserver DIR     serve until SIGTERM, until DIR is removed, or until no
                                             node has run for IDLE_EXIT_S (--idle-exit; 0: never)
@@ -102,7 +102,8 @@ PID_FILE = "forkserver.pid"
 LOG_FILE = "forkserver.log"
 
 
-# A lease over TCP whose peer vanished (its host lost) is noticed within about 20 s.
+# Keepalive on every lease over TCP: a peer that vanished (its host lost, no RST) ends its lease after
+# TCP_KEEPIDLE + TCP_KEEPINTVL x TCP_KEEPCNT seconds of silence, not never.
 KEEPALIVE = ((socket.SO_KEEPALIVE, 1),)
 TCP_KEEPALIVE = (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 4))
 
@@ -153,10 +154,9 @@ STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight"
 
 # Keras and TensorFlow import these at their own import when they are installed, for Keras's plotting
 # helpers, DataFrame input and scikit-learn wrappers and TF 1 Keras's sparse input, which no node
-# uses: 2.5 s of the server's ~10 s import on a slow machine (matplotlib.pyplot 1.7 s, pandas 0.9 s),
-# and scikit-learn with SciPy ~1 s of the ~4.5 s left on a fast one, paid by every cluster's server
-# on every host. (The digits problem reads scikit-learn's data file without importing it. A node's
-# user code imports any of them as usual; only those features stay unavailable in a node.)
+# uses: the server imports without them, since every cluster's server on every host pays its import.
+# (The digits problem reads scikit-learn's data file without importing it. A node's user code imports
+# any of them as usual; only those features stay unavailable in a node.)
 KERAS_OPTIONAL_IMPORTS = ("matplotlib", "pandas", "sklearn", "scipy")
 
 

@@ -60,8 +60,8 @@ PEER_FATE_SECONDS = 25.0
 # coordinator reschedules the closure on the survivors. Pings only while calls are in flight.
 GRPC_KEEPALIVE = "grpc.keepalive_time_ms=10000,grpc.keepalive_timeout_ms=10000"
 # A node connects to its peers as it starts, often before they listen (on other hosts they are forked
-# later): a refused connection is retried after gRPC's initial backoff, 1 s by default, which was the
-# whole of ASP's ~1 s cluster connect on hosts (0.2 s with 100 ms).
+# later): a refused connection is retried after gRPC's initial backoff, so a short one (1 s by
+# default) keeps the wait for the last peer short.
 GRPC_RECONNECT = "grpc.initial_reconnect_backoff_ms=100"
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0

@@ -39,7 +39,8 @@ def preflight(spec: SegmentSpec, cache_dir: str) -> str:
 
 def imports_user_code(spec: SegmentSpec) -> bool:
     """Whether the preflight imports code beyond the runtime's own (a usr_dir, or an installed
-    package's entry point). That code imports TensorFlow: ~6 s of a 2-core machine, per segment."""
+    package's entry point). That code imports TensorFlow, which a launcher should not pay for at every
+    segment where a fork server has it imported already (warm_preflight)."""
     builtin = registry.BUILTIN_ENTRIES
     return bool(spec.usr_dir) or not (
         spec.model in builtin["model"]

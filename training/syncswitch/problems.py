@@ -47,8 +47,8 @@ CIFAR_IMAGE_BYTES = 3 * 32 * 32
 CIFAR_PAD = 4
 # scikit-learn's bundled digits (what load_digits() reads), and their fixed 80/20 split: the rows of
 # each part in order, as train_test_split(test_size=0.2, random_state=0, stratify=labels) makes them
-# (tests/test_problems.py checks both against scikit-learn). Importing scikit-learn, and SciPy under
-# it, was ~1 s of CPU (a quarter) of every fork server's preload, on every host of every cluster.
+# (tests/test_problems.py checks both against scikit-learn). Read without importing scikit-learn, so
+# that it and SciPy under it stay out of every fork server's preload, on every host of every cluster.
 DIGITS_FILE = "datasets/data/digits.csv.gz"
 DIGITS_SPLIT = Path(__file__).with_name("digits_split.json")
 SYNTHETIC_TEST_EXAMPLES = 512
@@ -275,7 +275,7 @@ class DigitsProblem(ImageClassification):
         import tensorflow as tf
 
         # Under ParameterServerStrategy this runs inside a traced dataset_fn: without the wrapper
-        # AutoGraph tries to convert scikit-learn's loader, which costs seconds at every segment start.
+        # AutoGraph tries to convert the numpy loader, needless work at every segment start.
         images, labels = tf.autograph.experimental.do_not_convert(self.arrays)("train")
         examples = tf.data.Dataset.from_tensor_slices((images, labels))
         return training_pipeline(examples, shuffle_buffer=len(labels), **stream)

@@ -183,7 +183,8 @@ class ChiefReporter:
 
 
 class WorkerTimer:
-    """Per-worker `worker_step` events (the straggler detector's input), averaged over ~0.25 s."""
+    """Per-worker `worker_step` events (the straggler detector's input), averaged over
+    WORKER_EVENT_INTERVAL_SECONDS."""
 
     def __init__(self, events: EventWriter, worker: int, probe: PeerProbe | None = None) -> None:
         self.events, self.worker, self.probe = events, worker, probe

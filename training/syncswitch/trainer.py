@@ -28,11 +28,10 @@ from syncswitch.spec import SegmentSpec, switch_config
 
 STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
-# Several optimizer steps run in one tf.function execution (an ASP closure, a BSP call): each
-# execution pays fixed costs (ASP: the coordinator's dispatch and fetch round trips; BSP: a host sync
-# and the stop-vote collective). Chosen so that one execution takes about this long. Steps are timed
-# with their waits (see timed_steps); 0.25 s was chosen on a time without BSP's all-reduce wait, and
-# 0.25 s of the true time made BSP calls smaller and BSP 3% slower on digits (3 alternating pairs).
+# Several optimizer steps run in one tf.function execution (an ASP closure, a BSP call), sized so that
+# one execution takes about this long, waits included (steps are timed with them: see timed_steps):
+# each execution pays fixed costs (ASP: the coordinator's dispatch and fetch round trips; BSP: a host
+# sync and the stop-vote collective), which this amortizes.
 TARGET_EXECUTION_SECONDS = 0.33
 MAX_STEPS_PER_EXECUTION = 64
 # Executions of one step each, per worker, whose timing picks the automatic size.
@@ -145,13 +144,13 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
     A step lasts until the next one starts (the last one until the loop has ended): an iteration
     begins only once every stateful op of the one before has run (automatic control dependencies),
     so this holds the update, and with it BSP's all-reduce (the wait for the peers) and ASP's
-    parameter-server round trips. A timestamp taken in the step after its update needed a control
-    dependency that cost BSP ~6% of its examples/s (3 alternating pairs); timed to the gradients,
-    BSP's waits fell between the timed steps and its step time equalled its compute time.
+    parameter-server round trips. No timestamp follows the update inside a step: it would need a
+    control dependency on the update, which slows BSP's step; and a step timed to its gradients only
+    would leave BSP's waits between the timed steps.
 
     An explicit ``tf.while_loop``, so that the step functions are traced with ``autograph=False``:
-    AutoGraph rewrote the Python source of every function a step calls (ours, the model's layers,
-    the optimizer's) on each node at its first step, the largest share of the first step's tracing.
+    AutoGraph would rewrite the Python source of every function a step calls (ours, the model's
+    layers, the optimizer's) on each node at its first step, the largest share of its tracing.
     Keras 3 layers have no Python control flow on tensors (they also run under JAX), so nothing needs
     it; a user model that does is refused before provisioning by the user-code check, which traces
     its forward and backward pass the same way (syncswitch.check)."""

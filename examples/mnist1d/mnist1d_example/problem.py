@@ -2,13 +2,13 @@
 
 MNIST-1D (Greydanus 2020) turns ten 1-D digit templates into 40-sample signals with random padding,
 translation, shear, scaling and correlated noise. It is tiny (4,000 training and 1,000 test signals)
-but, unlike scikit-learn's 8x8 digits, not solved in a few hundred steps: a logistic regression gets
-about 32% and a small CNN needs thousands of steps to pass 90%, so BSP, ASP and their switch point
-give visibly different accuracies.
+but, unlike scikit-learn's 8x8 digits, not solved in a few hundred steps: linear models fail on it
+and a small CNN needs thousands of steps to do well, so BSP, ASP and their switch point give visibly
+different accuracies.
 
 Nothing is downloaded: ``make_dataset`` regenerates the canonical data set from its fixed seed, the
 same on every node. ``prepare`` does it once into the cluster's data cache, and the processes load
-that file: generating costs ~2.5 s of CPU, which 16 workers on 2 cores would pay at every switch.
+that file, so that generating is paid once per cluster, not by every process at every switch.
 Features are float32 ``[B, 40, 1]`` (a channels-last signal), labels int32 ``[B]``.
 """
 
