@@ -21,12 +21,12 @@ group, or whose launcher was SIGKILLed, is still found.
 A standby fork server (``<work root>/standby-forkserver``) has imported TensorFlow before any run
 asks: the process that keeps it (the embedded Airflow's WarmLocalExecutor, ``StandbyForkServer``)
 starts one whenever none runs and no local cluster trains, in a session of its own, and it dies with
-that process. Provisioning claims it (``forkserver_client.claim``): the standby forks the cluster's server
-into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it finds a
-server the cluster started, and stands by for the next cluster. So one import serves every local run
-while its keeper lives. Without one (none kept, or still importing after STANDBY_CLAIM_WAIT_S)
-provisioning starts the cluster's own; the first segment's nodes then wait for its import (3-10 s of
-CPU, on the path to the run's first step).
+that process. Provisioning claims it (``forkserver_client.claim``): the standby forks the cluster's
+server into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it
+finds a server the cluster started, and stands by for the next cluster. So one import serves every
+local run while its keeper lives. Without one (none kept, or still importing after
+STANDBY_CLAIM_WAIT_S) provisioning starts the cluster's own; the first segment's nodes then wait for
+its import, on the path to the run's first step.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ STANDBY_SETTING = "local_standby_forkserver"
 STANDBY_FOLDER = "standby-forkserver"
 # How long provisioning waits for a standby server that is still importing before it starts its own.
 STANDBY_CLAIM_WAIT_S = 60.0
-GB_PER_TF_PROCESS = 0.9  # measured peak RSS 0.7-0.86 GB per TF process, plus headroom
+GB_PER_TF_PROCESS = 0.9  # a TF process's peak resident memory, with headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
 # Between segments and retries a live run's cluster has no process for seconds to a minute. An
