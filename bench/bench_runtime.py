@@ -143,10 +143,9 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     imported = time.time()
 
     from syncswitch.hparams import get_hparams, learning_rate_at
-    from syncswitch.models import build_model, decayed_weights
+    from syncswitch.models import build_model, decayed_weights, example_loss
     from syncswitch.params import FlatModel
     from syncswitch.problems import get_problem
-    from syncswitch.trainer import example_loss
 
     hp = get_hparams(HPARAM_SET).override(f"batch_size={BATCH_PER_WORKER}")
     problem = get_problem(PROBLEM)

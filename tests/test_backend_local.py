@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, find_processes, wait_for
-from syncswitch import forkserver, procs, supervise
+from syncswitch import forkserver, forkserver_client, procs, supervise
 from syncswitch.errors import SpecError
 from syncswitch.layout import RunLayout
 from syncswitch.procs import processes_with_env
@@ -250,7 +250,7 @@ def test_teardown_kills_every_process_of_the_run_and_nothing_else(
 
         # The cluster's fork server done importing: while it imports TensorFlow, a short-lived child
         # of it (a library lookup) may carry the cluster's marker too, and teardown stops that as well.
-        forkserver.wait_ready(handle["forkserver_dir"], timeout=300)
+        forkserver_client.wait_ready(handle["forkserver_dir"], timeout=300)
 
         released = backend.teardown(handle)
 
@@ -373,12 +373,12 @@ def test_clusters_claim_servers_forked_from_one_standby_and_their_teardowns_stop
     standby = keeper.keep()
     try:
         assert standby is not None and keeper.keep() is None  # one at a time
-        forkserver.wait_ready(backend.standby_dir, timeout=300)
+        forkserver_client.wait_ready(backend.standby_dir, timeout=300)
         for run in ("first", "second"):
             layout = RunLayout.for_run(str(tmp_path / "runs"), "demo", run)
             handle = backend.provision(JobSpec(job_name="demo"), layout)
             try:
-                assert forkserver.status(handle["forkserver_dir"]) == forkserver.READY
+                assert forkserver_client.status(handle["forkserver_dir"]) == forkserver_client.READY
                 ready = Path(handle["forkserver_dir"]) / forkserver.READY_FILE
                 server = json.loads(ready.read_text())["pid"]
                 assert server not in (None, standby)
@@ -388,7 +388,7 @@ def test_clusters_claim_servers_forked_from_one_standby_and_their_teardowns_stop
             finally:
                 released = backend.teardown(handle)
             assert released["stopped_pids"] == [server]
-            assert forkserver.status(backend.standby_dir) == forkserver.READY
+            assert forkserver_client.status(backend.standby_dir) == forkserver_client.READY
             assert keeper.keep() is None and [p.pid for p in keeper.started] == [standby]
         log = (Path(backend.standby_dir) / forkserver.LOG_FILE).read_text()
         assert log.count("ready in") == 1 and log.count("standing by again") == 2, log
@@ -405,5 +405,5 @@ def test_clusters_claim_servers_forked_from_one_standby_and_their_teardowns_stop
         assert keeper.keep() not in (None, standby)
     finally:
         keeper.stop()
-    assert forkserver.status(backend.standby_dir) == forkserver.ABSENT
+    assert forkserver_client.status(backend.standby_dir) == forkserver_client.ABSENT
     assert not keeper.started

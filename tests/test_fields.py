@@ -152,3 +152,21 @@ def test_the_param_and_jobspec_agree_on_each_bound(name: str, value: Any, accept
         with pytest.raises(SpecError) as rejected:
             JobSpec.from_params(params)
         assert rejected.value.field == name
+
+
+def test_syncswitch_train_takes_its_job_fields_by_the_tables_flags(tmp_path: Any) -> None:
+    """`syncswitch train`'s flags for job fields come from the table: each field's own flags set it,
+    beside the command's short spellings, and mean the same."""
+    from syncswitch.cli import build_train_parser, spec_from_args
+    from syncswitch.fields import TRAIN_FIELDS
+
+    parser = build_train_parser()
+    for name, spellings in TRAIN_FIELDS.items():
+        for flag in [*spellings, *field_flags(FIELDS_BY_NAME[name])]:
+            assert parser._option_string_actions[flag].dest == name, flag
+    base = ["--run-dir", str(tmp_path), "--segment-index", "0"]
+    short = spec_from_args(parser.parse_args([*base, "--workers", "3", "--ps", "2", "--eval-checkpoints"]))
+    long = spec_from_args(
+        parser.parse_args([*base, "--num_workers", "3", "--num-ps", "2", "--evaluate-checkpoints"])
+    )
+    assert short == long and (short.num_workers, short.num_ps, short.evaluate_checkpoints) == (3, 2, True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from proc_utils import assert_no_processes, wait_for
-from syncswitch import forkserver, procs
+from syncswitch import forkserver, forkserver_client, procs
 from syncswitch.forkserver import free_ports
 from syncswitch.spec import SegmentSpec
 
@@ -50,7 +50,9 @@ def one_step_spec(tmp_path: Path, protocol: str, **names: str) -> SegmentSpec:
     )
 
 
-def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forkserver.ForkedProcess, Path]:
+def fork_ps(
+    server_dir: Path, tmp_path: Path, name: str = "ps-0"
+) -> tuple[forkserver_client.ForkedProcess, Path]:
     """Fork a one-process ASP cluster's parameter server; returns it and its log."""
     spec = one_step_spec(tmp_path, "asp", model="cnn", hparam_set="cnn_digits", problem="digits")
     spec_path = tmp_path / f"{name}.json"
@@ -58,7 +60,7 @@ def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forks
     port = free_ports("127.0.0.1", 1)[0]
     tf_config = {"cluster": {"ps": [f"127.0.0.1:{port}"]}, "task": {"type": "ps", "index": 0}}
     log = tmp_path / f"{name}.log"
-    node = forkserver.fork_node(
+    node = forkserver_client.fork_node(
         str(server_dir),
         ["--spec", str(spec_path), "--work-dir", str(tmp_path)],
         env={"TF_CONFIG": json.dumps(tf_config)},
@@ -74,8 +76,8 @@ def fork_ps(server_dir: Path, tmp_path: Path, name: str = "ps-0") -> tuple[forks
 def server(tmp_path: Path, no_leftover_processes) -> Path:  # noqa: ANN001
     server_dir = tmp_path / "fs"
     no_leftover_processes(re.escape(str(server_dir)))
-    process = forkserver.start(str(server_dir), die_with_parent=True)
-    forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
+    process = forkserver_client.start(str(server_dir), die_with_parent=True)
+    forkserver_client.wait_ready(str(server_dir), READY_TIMEOUT)
     yield server_dir
     process.terminate()
     process.wait(timeout=30)
@@ -83,12 +85,12 @@ def server(tmp_path: Path, no_leftover_processes) -> Path:  # noqa: ANN001
 
 def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
     server_dir = tmp_path / "fs"
-    assert forkserver.status(str(server_dir)) == forkserver.ABSENT
-    with pytest.raises(forkserver.ForkServerUnavailable, match="no fork server is running"):
-        forkserver.wait_ready(str(server_dir), timeout=1)
-    process = forkserver.start(str(server_dir), die_with_parent=True)
+    assert forkserver_client.status(str(server_dir)) == forkserver_client.ABSENT
+    with pytest.raises(forkserver_client.ForkServerUnavailable, match="no fork server is running"):
+        forkserver_client.wait_ready(str(server_dir), timeout=1)
+    process = forkserver_client.start(str(server_dir), die_with_parent=True)
     try:
-        assert forkserver.status(str(server_dir)) == forkserver.STARTING
+        assert forkserver_client.status(str(server_dir)) == forkserver_client.STARTING
         # The folder's Unix address is taken before the import, and a second server for the folder
         # exits without serving and leaves the first's records (a duplicate start on a host).
         address = forkserver.address_for(str(server_dir)).replace("\0", "@")
@@ -102,8 +104,8 @@ def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
         )
         assert second.returncode == 0 and "runs or starts already; not serving" in second.stdout, second
         assert json.loads((server_dir / forkserver.PID_FILE).read_text())["pid"] == process.pid
-        forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
-        assert forkserver.status(str(server_dir)) == forkserver.READY
+        forkserver_client.wait_ready(str(server_dir), READY_TIMEOUT)
+        assert forkserver_client.status(str(server_dir)) == forkserver_client.READY
         ready = json.loads((server_dir / forkserver.READY_FILE).read_text())
         assert ready["pid"] == process.pid and ready["preload_seconds"] > 0
         # It preloaded TensorFlow, and none of Keras's optional imports (forkserver.KERAS_OPTIONAL_IMPORTS).
@@ -118,7 +120,7 @@ def test_status_follows_the_server_from_start_to_exit(tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
-    assert forkserver.status(str(server_dir)) == forkserver.ABSENT
+    assert forkserver_client.status(str(server_dir)) == forkserver_client.ABSENT
 
 
 def test_a_server_whose_folder_goes_while_it_starts_never_serves(tmp_path: Path) -> None:
@@ -126,17 +128,17 @@ def test_a_server_whose_folder_goes_while_it_starts_never_serves(tmp_path: Path)
     before the child's environment shows in /proc). Its folder removed while it imports, the server
     exits by itself and does not make the folder again; ``kill_started`` stops it sooner."""
     late, killed = tmp_path / "late", tmp_path / "killed"
-    process = forkserver.start(str(late), die_with_parent=True)
-    other = forkserver.start(str(killed), die_with_parent=True)
+    process = forkserver_client.start(str(late), die_with_parent=True)
+    other = forkserver_client.start(str(killed), die_with_parent=True)
     try:
         for path in late.iterdir():
             path.unlink()
         late.rmdir()
         assert process.wait(timeout=READY_TIMEOUT) == 0
         assert not late.exists()
-        assert forkserver.kill_started(str(killed)) == other.pid
+        assert forkserver_client.kill_started(str(killed)) == other.pid
         assert other.wait(timeout=10) == -signal.SIGKILL
-        assert forkserver.kill_started(str(killed)) is None  # that process is gone: nothing to do
+        assert forkserver_client.kill_started(str(killed)) is None  # that process is gone: nothing to do
     finally:
         for proc in (process, other):
             if proc.poll() is None:
@@ -159,7 +161,7 @@ def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None
 
 def test_a_node_that_fails_reports_its_exit_code(server: Path, tmp_path: Path) -> None:
     log = tmp_path / "bad.log"
-    node = forkserver.fork_node(
+    node = forkserver_client.fork_node(
         str(server),
         ["--spec", str(tmp_path / "missing.json"), "--work-dir", str(tmp_path)],
         env={"TF_CONFIG": json.dumps({"cluster": {}, "task": {"type": "ps", "index": 0}})},
@@ -174,15 +176,15 @@ def test_a_node_that_fails_reports_its_exit_code(server: Path, tmp_path: Path) -
         conn.connect(forkserver.address_for(str(server)))
         conn.sendall(b"not json\n")
         assert "error" in json.loads(conn.recv(4096).split(b"\n")[0])
-    assert forkserver.status(str(server)) == forkserver.READY
+    assert forkserver_client.status(str(server)) == forkserver_client.READY
 
 
 def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> None:  # noqa: ANN001
     server_dir = tmp_path / "fs"
     no_leftover_processes(re.escape(str(server_dir)))
-    process = forkserver.start(str(server_dir), die_with_parent=True)
+    process = forkserver_client.start(str(server_dir), die_with_parent=True)
     try:
-        forkserver.wait_ready(str(server_dir), READY_TIMEOUT)
+        forkserver_client.wait_ready(str(server_dir), READY_TIMEOUT)
         node, _ = fork_ps(server_dir, tmp_path)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
@@ -195,8 +197,8 @@ def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> N
 
 
 def test_a_missing_server_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(forkserver.ForkServerUnavailable, match="did not answer"):
-        forkserver.fork_node(str(tmp_path), [], env={}, log=str(tmp_path / "x.log"), name="x")
+    with pytest.raises(forkserver_client.ForkServerUnavailable, match="did not answer"):
+        forkserver_client.fork_node(str(tmp_path), [], env={}, log=str(tmp_path / "x.log"), name="x")
 
 
 def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
@@ -204,7 +206,7 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
 ) -> None:
     """A launcher whose segment names user code runs its preflight in a child of the cluster's fork
     server (TensorFlow imported there already); the outcome comes back, bad input with its field."""
-    from syncswitch.launcher import PreflightError, imports_user_code, warm_preflight
+    from syncswitch.preflight import PreflightError, imports_user_code, warm_preflight
 
     example = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
     spec = one_step_spec(
@@ -219,7 +221,7 @@ def test_a_warm_preflight_imports_user_code_in_a_child_and_names_bad_input(
     assert not imports_user_code(
         spec.replace(usr_dir="", model="cnn", hparam_set="cnn_digits", problem="digits")
     )
-    ref = forkserver.ServerRef(server_dir=str(server))
+    ref = forkserver_client.ServerRef(server_dir=str(server))
     data_dir = warm_preflight(spec, str(tmp_path / "data"), ref, str(tmp_path / "work"))
     assert isinstance(data_dir, str)
     with pytest.raises(PreflightError, match="hparams"):
@@ -239,37 +241,44 @@ def test_a_claimed_standby_forks_the_cluster_server_and_stands_by_again(
     standby_dir, clusters = tmp_path / "standby", [tmp_path / "cluster-a", tmp_path / "cluster-b"]
     no_leftover_processes(re.escape(str(standby_dir)))
     env = {**os.environ, MARKER: procs.ENV_PLACEHOLDER}
-    process = forkserver.start(str(standby_dir), env=env, die_with_parent=True, standby=True)
+    process = forkserver_client.start(str(standby_dir), env=env, die_with_parent=True, standby=True)
     servers: list[int] = []
     try:
         server_dirs = [cluster / "forkserver" for cluster in clusters]
         for cluster in clusters:
             cluster.mkdir()
         assert (
-            forkserver.claim(
+            forkserver_client.claim(
                 str(standby_dir), str(server_dirs[0]), {MARKER: "x" * 1025}, timeout=READY_TIMEOUT
             )
             is None
         )
         for cluster, server_dir in zip(clusters, server_dirs, strict=True):
-            pid = forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+            pid = forkserver_client.claim(
+                str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5
+            )
             assert pid is not None and pid not in (process.pid, *servers)
             servers.append(pid)
-            assert forkserver.status(str(server_dir)) == forkserver.READY
+            assert forkserver_client.status(str(server_dir)) == forkserver_client.READY
             ready = json.loads((server_dir / forkserver.READY_FILE).read_text())
             assert ready["standby"] is False and ready["pid"] == pid
             assert procs.has_env(pid, MARKER, str(cluster))
             assert os.getsid(pid) == pid, "a session of its own: its starter's stop does not reach it"
             server_log = (server_dir / forkserver.LOG_FILE).read_text()
             assert f"forked from the standby server (pid {process.pid})" in server_log
-        assert forkserver.claim(str(standby_dir), str(server_dirs[0]), {MARKER: "again"}, timeout=5) is None
+        assert (
+            forkserver_client.claim(str(standby_dir), str(server_dirs[0]), {MARKER: "again"}, timeout=5)
+            is None
+        )
         assert json.loads((standby_dir / forkserver.READY_FILE).read_text())["standby"] is True
-        assert forkserver.status(str(standby_dir)) == forkserver.READY
+        assert forkserver_client.status(str(standby_dir)) == forkserver_client.READY
         assert not procs.has_env(process.pid, MARKER, str(clusters[0]))
         node, _log = fork_ps(server_dirs[1], tmp_path)
         assert procs.has_env(node.pid, MARKER, str(clusters[1])), "a node inherits the claimed marker"
         assert (
-            forkserver.claim(str(server_dirs[1]), str(tmp_path / "other"), {MARKER: "other"}, timeout=5)
+            forkserver_client.claim(
+                str(server_dirs[1]), str(tmp_path / "other"), {MARKER: "other"}, timeout=5
+            )
             is None
         )
         node.kill()
@@ -292,16 +301,16 @@ def test_a_cluster_server_exits_once_no_node_has_run_for_its_idle_time(
     no_leftover_processes(re.escape(str(standby_dir)))
     env = {**os.environ, MARKER: procs.ENV_PLACEHOLDER}
     idle_exit = 2.0
-    process = forkserver.start(
+    process = forkserver_client.start(
         str(standby_dir), env=env, die_with_parent=True, standby=True, idle_exit=idle_exit
     )
     try:
-        forkserver.wait_ready(str(standby_dir), READY_TIMEOUT)
+        forkserver_client.wait_ready(str(standby_dir), READY_TIMEOUT)
         with pytest.raises(subprocess.TimeoutExpired):
             process.wait(timeout=idle_exit * 2)  # a standby has no idle time
         server_dir = cluster / "forkserver"
         cluster.mkdir()
-        server = forkserver.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
+        server = forkserver_client.claim(str(standby_dir), str(server_dir), {MARKER: str(cluster)}, timeout=5)
         assert server is not None
         node, _log = fork_ps(server_dir, tmp_path)
         time.sleep(idle_exit * 2)
@@ -309,7 +318,7 @@ def test_a_cluster_server_exits_once_no_node_has_run_for_its_idle_time(
         node.kill()
         assert node.wait(timeout=30) == -signal.SIGKILL
         wait_for(lambda: not procs.is_alive(server), timeout=idle_exit + 30, what="the idle server's exit")
-        assert forkserver.status(str(server_dir)) == forkserver.ABSENT
+        assert forkserver_client.status(str(server_dir)) == forkserver_client.ABSENT
         assert "no node for 2s" in (server_dir / forkserver.LOG_FILE).read_text()
         assert process.poll() is None, "the standby stands by"
     finally:

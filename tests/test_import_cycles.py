@@ -17,7 +17,6 @@ modules (a package is its ``__init__``); an edge is an import statement naming a
 from __future__ import annotations
 
 import ast
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,16 +24,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (REPO / "training" / "syncswitch", REPO / "plugins" / "syncswitch_airflow")
-
-# The two cycles another branch is cutting in training/ (forkserver <-> launcher, evaluate <->
-# trainer). Only these may stand, and only while they are cycles; delete this list when that branch
-# merges.
-KNOWN_CYCLES = frozenset(
-    {
-        frozenset({"syncswitch.forkserver", "syncswitch.launcher"}),
-        frozenset({"syncswitch.evaluate", "syncswitch.trainer"}),
-    }
-)
 
 Graph = dict[str, set[str]]
 
@@ -144,18 +133,8 @@ def cycle_in(graph: Graph, group: frozenset[str]) -> list[str]:
 
 def test_no_module_imports_itself_back_through_others() -> None:
     graph = import_graph(PACKAGES)
-    groups = cycle_groups(graph)
-    known = [_shown(cycle_in(graph, g), g) for g in groups if g in KNOWN_CYCLES]
-    unknown = [_shown(cycle_in(graph, g), g) for g in groups if g not in KNOWN_CYCLES]
-    if known:  # named in the run's summary until the branch that cuts them merges
-        warnings.warn(f"known import cycles, allowed for now: {'; '.join(known)}", stacklevel=1)
-    assert not unknown, "import cycles (cut each one):\n" + "\n".join(unknown)
-
-
-def test_each_allowed_cycle_is_still_a_cycle() -> None:
-    """An allowed cycle that has gone must leave the list: it would hide the same cycle come back."""
-    gone = [sorted(c) for c in KNOWN_CYCLES - set(cycle_groups(import_graph(PACKAGES)))]
-    assert not gone, f"no longer cycles (or grown), delete them from KNOWN_CYCLES: {gone}"
+    cycles = [_shown(cycle_in(graph, group), group) for group in cycle_groups(graph)]
+    assert not cycles, "import cycles (cut each one):\n" + "\n".join(cycles)
 
 
 def _shown(cycle: list[str], group: frozenset[str]) -> str:

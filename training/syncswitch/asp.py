@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 
 from syncswitch import storage
+from syncswitch.context import NodeContext
 from syncswitch.events import EventWriter
+from syncswitch.reporting import WorkerTimer
 from syncswitch.spec import SegmentSpec
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
-    NodeContext,
     Schedule,
     SegmentSession,
-    WorkerTimer,
     build_and_restore,
     replica_step_fn,
     steps_per_execution,

@@ -17,13 +17,13 @@ import os
 import time
 from typing import Any
 
+from syncswitch.context import NodeContext
 from syncswitch.peers import PeerProbe, bsp_peers
+from syncswitch.reporting import WorkerTimer
 from syncswitch.trainer import (
     WARMUP_EXECUTIONS,
-    NodeContext,
     Schedule,
     SegmentSession,
-    WorkerTimer,
     build_and_restore,
     replica_step_fn,
     steps_per_execution,
@@ -190,10 +190,9 @@ class BspLoop:
 
 def _steps_per_call(hp: Any, step_seconds: float | None, wall_per_step: float | None) -> int:
     """Steps per call: sized on the in-graph step time (the per-call overhead is amortized), and
-    capped so that a call's wall time stays under MAX_CALL_SECONDS when automatic. When steps were
-    timed to their gradients only, a slow link's delays fell outside the timed steps and a call sized
-    on them took 3.5 s; each worker's timings, reported once per call, then came too rarely for the
-    straggler detector's 5 s windows. The cap keeps that true whatever the in-graph time misses."""
+    capped so that a call's wall time stays under MAX_CALL_SECONDS when automatic: each worker's
+    timings are reported once per call, and the straggler detector needs them within its windows,
+    whatever the in-graph time misses (a slow link's delays, say)."""
     k = steps_per_execution(hp, step_seconds)
     if hp.steps_per_execution or not wall_per_step:
         return k

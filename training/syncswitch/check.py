@@ -117,7 +117,7 @@ def _forward_backward(
 ) -> float:
     import tensorflow as tf
 
-    from syncswitch.trainer import example_loss
+    from syncswitch.models import example_loss
 
     per_example = example_loss(problem, model)
     shapes: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import importlib
 import importlib.util
@@ -27,11 +28,13 @@ import time
 from typing import Any
 
 from syncswitch import storage
+from syncswitch.fields import add_train_flags, params_from_flags
 from syncswitch.layout import RunLayout
-from syncswitch.plan import PROTOCOLS
-from syncswitch.spec import MOMENTUM_RULES, SegmentSpec, SpecError, StragglerSpec
+from syncswitch.plan import PROTOCOL_DIGITS, PROTOCOLS
+from syncswitch.spec import JobSpec, SegmentSpec, SpecError
 
 DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
+PROTOCOL_DIGIT = {protocol: digit for digit, protocol in PROTOCOL_DIGITS.items()}
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -39,24 +42,12 @@ def build_train_parser() -> argparse.ArgumentParser:
         prog="syncswitch train",
         description="Run one training segment (BSP or ASP) on a local cluster of TF processes. "
         "Rerunning with the same --run-dir and a higher --until-step continues from the "
-        "latest checkpoint, in either protocol.",
+        "latest checkpoint, in either protocol. The job's fields take this segment's one value; "
+        "a straggler's start counts from the launch.",
     )
     p.add_argument("--spec", help="a SegmentSpec JSON file (the pipeline's interface); other flags ignored")
     p.add_argument("--protocol", choices=PROTOCOLS, default="bsp")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--ps", type=int, default=1, help="parameter servers (ASP)")
-    p.add_argument("--problem", default="digits", help="a registered problem (syncswitch registry)")
-    p.add_argument("--model", help="a registered model; default: cnn for digits, resnet otherwise")
-    p.add_argument("--hparam-set", help="a registered hparam set; default: the built-in model's")
-    p.add_argument(
-        "--usr-dir",
-        "--t2t-usr-dir",
-        default="",
-        help="user code that registers models, problems, hparam sets: a package folder, a .py file "
-        "or a module name (docs/bring-your-own-model.md)",
-    )
-    p.add_argument("--hparams", default="", help="overrides, k=v,k=v (tensor2tensor names)")
-    p.add_argument("--data-dir", default="", help="local folder or gs:// URI (CIFAR problems)")
+    add_train_flags(p)  # the job fields a segment takes: syncswitch.fields
     p.add_argument("--run-dir", default="runs/train", help="run folder: local folder or gs:// URI")
     p.add_argument("--run-id", default="", help="default: the run folder's name")
     p.add_argument("--segment-index", type=int, help="default: the next free index in the run folder")
@@ -67,39 +58,14 @@ def build_train_parser() -> argparse.ArgumentParser:
         default=200,
         help="cumulative target in BSP-equivalent steps",
     )
-    p.add_argument(
-        "--total-steps", type=int, help="the job's workload for the LR schedule (default: until-step)"
-    )
-    p.add_argument("--ckpt-frequency", type=int, default=50, help="steps between checkpoints (0: end only)")
-    p.add_argument("--momentum-rule", choices=MOMENTUM_RULES, default="ramped")
-    p.add_argument("--momentum-ramp-steps", type=int, default=50)
-    p.add_argument(
-        "--straggler",
-        action="append",
-        default=[],
-        help="worker=1,start=20,duration=60,slowdown=4 (CPU) or ...,delay_ms=30 (network; a cluster of "
-        "hosts), optionally every=S to repeat; repeatable; start is seconds after launch",
-    )
     p.add_argument("--watchdog-seconds", type=float, default=60.0)
-    p.add_argument("--pin-cores", action="store_true", help="pin each process to one core")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval", action="store_true", help="report test accuracy of the final checkpoint")
-    p.add_argument(
-        "--eval-checkpoints", action="store_true", help="test accuracy at every checkpoint (eval events)"
-    )
     p.add_argument("--work-dir", help="local scratch folder (default: a temp folder, removed at the end)")
     p.add_argument(
         "--data-cache",
         metavar="DIR",
         help="where data from a bucket is staged, reused by the next segments of the same cluster "
         "(default: in --work-dir)",
-    )
-    p.add_argument(
-        "--stall-seconds",
-        type=float,
-        default=None,
-        help="fail the segment after this long without a new step, or 20x the usual time between "
-        "steps if that is longer (default: the spec's, 600)",
     )
     p.add_argument(
         "--forkserver",
@@ -130,46 +96,34 @@ def _spec_from_file(path: str) -> SegmentSpec:
 
 
 def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
+    """Segment ``--segment-index`` of the one-segment job the flags describe (JobSpec's defaults for
+    the fields not given), built as the pipeline builds its segments (JobSpec.segment_spec)."""
     from syncswitch import usercode
     from syncswitch.registry import REGISTRY
 
-    model = args.model or ("cnn" if args.problem == "digits" else "resnet")
+    job = JobSpec(**JobSpec.parse_params(params_from_flags(args)))
+    model = args.model or ("cnn" if job.problem == "digits" else "resnet")
     usercode.load(args.usr_dir)  # its names are registered once it is imported
     REGISTRY.entry("model", model)  # SpecError naming the field and the accepted names
-    REGISTRY.entry("problem", args.problem)
+    REGISTRY.entry("problem", job.problem)
     if not args.hparam_set and model not in DEFAULT_HPARAM_SET:
         raise SpecError("hparam-set", f"model {model!r} has no default hparam set; name one")
-    hparam_set = args.hparam_set or DEFAULT_HPARAM_SET[model]
-    for name, value in (("workers", args.workers), ("ps", args.ps), ("until-step", args.until_step)):
+    for name, value in (("workers", job.num_workers), ("ps", job.num_ps), ("until-step", args.until_step)):
         if value < 1:
             raise SpecError(name, f"must be >= 1, got {value}")
     run_dir = args.run_dir.rstrip("/")
     index = args.segment_index if args.segment_index is not None else next_segment_index(run_dir)
-    return SegmentSpec(
-        run_id=args.run_id or os.path.basename(run_dir) or "run",
-        run_dir=run_dir,
-        index=index,
-        protocol=args.protocol,
-        until_step=args.until_step,
-        total_steps=args.total_steps or args.until_step,
+    job = dataclasses.replace(
+        job,
+        switch_order=PROTOCOL_DIGIT[args.protocol],
+        train_steps=(args.total_steps or args.until_step,),  # the job's workload, for the LR schedule
         model=model,
-        hparam_set=hparam_set,
-        problem=args.problem,
-        data_dir=args.data_dir,
-        hparams=args.hparams,
-        usr_dir=os.path.abspath(args.usr_dir) if os.path.exists(args.usr_dir) else args.usr_dir,
-        num_workers=args.workers,
-        num_ps=args.ps,
-        ckpt_frequency=args.ckpt_frequency,
-        momentum_rule=args.momentum_rule,
-        momentum_ramp_steps=args.momentum_ramp_steps,
-        seed=args.seed,
-        evaluate=args.eval,
-        evaluate_checkpoints=args.eval_checkpoints,
-        pin_cores=args.pin_cores,
-        watchdog_seconds=args.watchdog_seconds,
-        stragglers=tuple(StragglerSpec.parse(s) for s in args.straggler),
+        hparam_set=args.hparam_set or DEFAULT_HPARAM_SET[model],
+        evaluate_segments=args.eval,
     )
+    entry = {"index": index, "protocol": args.protocol, "until_step": args.until_step, "plan_index": 0}
+    spec = job.segment_spec(entry, args.run_id or os.path.basename(run_dir) or "run", run_dir)
+    return spec.replace(watchdog_seconds=args.watchdog_seconds)
 
 
 def next_segment_index(run_dir: str) -> int:
@@ -179,7 +133,8 @@ def next_segment_index(run_dir: str) -> int:
 
 
 def train_main(argv: list[str]) -> int:
-    from syncswitch.launcher import SegmentFailed, install_signal_handlers, run_segment
+    from syncswitch.errors import SegmentFailed
+    from syncswitch.launcher import install_signal_handlers, run_segment
 
     args = build_train_parser().parse_args(argv)
     install_signal_handlers()

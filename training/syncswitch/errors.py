@@ -1,4 +1,5 @@
-"""The user-input error every entry point raises (DAG params, job files, CLI, REST conf)."""
+"""The errors the runtime's entry points raise: bad user input (DAG params, job files, CLI, REST conf),
+and a segment that failed."""
 
 from __future__ import annotations
 
@@ -9,3 +10,7 @@ class SpecError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+class SegmentFailed(RuntimeError):
+    """The segment did not reach its end; the message says which process failed and where its log is."""

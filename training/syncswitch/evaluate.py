@@ -63,7 +63,7 @@ def evaluate_model(model: Any, problem: Any, data_dir: str) -> dict[str, float]:
     on ``problem``'s test set, in inference mode. ``test_accuracy`` is always among them."""
     import tensorflow as tf
 
-    from syncswitch.trainer import example_loss
+    from syncswitch.models import example_loss
 
     loss_of = example_loss(problem, model)
     metrics = dict(getattr(model, "eval_metrics", None) or problem.metrics())

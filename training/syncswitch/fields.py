@@ -7,6 +7,7 @@ field accepts on its own and how people set it. Generated from it:
   (``syncswitch_airflow.dag_params``);
 - the flags of ``syncswitch run``, the original main.py's spellings included
   (``syncswitch_airflow.tools.cli``), and of ``syncswitch check`` (``add_job_flags``);
+- the flags of ``syncswitch train`` for the job fields its one segment takes (``add_train_flags``);
 - the per-field checks of ``JobSpec.from_params`` (bounds and accepted values, ``check``).
 
 tests/test_fields.py checks that the three agree for every field.
@@ -416,10 +417,11 @@ def flag_aliases(*flags: str) -> list[str]:
 
 
 def params_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The raw params the user gave by flag (absent flags are left to JobSpec's defaults)."""
+    """The raw params the user gave by flag (absent flags, and fields the command has no flag for,
+    are left to JobSpec's defaults)."""
     params: dict[str, Any] = {}
     for field in FIELDS:
-        value = getattr(args, field.name)
+        value = getattr(args, field.name, None)
         if value is not None:
             params[field.name] = value
     if params.get("usr_dir") and os.path.exists(params["usr_dir"]):
@@ -439,4 +441,52 @@ def _flag_kwargs(field: Field) -> dict[str, Any]:
     # No argparse choices: JobSpec names the field and its accepted values in one line.
     if field.metavar:
         kwargs["metavar"] = field.metavar
+    return kwargs
+
+
+# ---- the flags of `syncswitch train` -----------------------------------------------------------------
+
+# The job fields `syncswitch train` takes for its one segment, each with that command's own spellings
+# besides the field's flags. Its other flags (the segment's index and target, the launcher's folders)
+# are no job fields.
+TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_workers": ("--workers",),
+    "num_ps": ("--ps",),
+    "problem": (),
+    "model": (),
+    "hparam_set": (),
+    "usr_dir": ("--usr-dir", "--t2t-usr-dir"),
+    "hparams": (),
+    "data_dir": (),
+    "total_steps": (),
+    "ckpt_frequency": (),
+    "momentum_rule": (),
+    "momentum_ramp_steps": (),
+    "stragglers": (),
+    "pin_cores": (),
+    "seed": (),
+    "evaluate_checkpoints": ("--eval-checkpoints",),
+    "stall_seconds": (),
+}
+_ARGPARSE_TYPES = {"integer": int, "number": float, "string": str}
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``syncswitch train`` for TRAIN_FIELDS: the command's spellings and the field's own
+    flags, typed by the field, with one value for a per-segment array field (the segment's). Each
+    value lands under the field's name, None where the flag is absent."""
+    for name, spellings in TRAIN_FIELDS.items():
+        field = FIELDS_BY_NAME[name]
+        flags = list(dict.fromkeys([*spellings, *field_flags(field)]))
+        parser.add_argument(*flags, dest=field.name, default=None, **_train_flag_kwargs(field))
+
+
+def _train_flag_kwargs(field: Field) -> dict[str, Any]:
+    kwargs = _flag_kwargs(field)
+    kwargs.pop("nargs", None)  # one segment's value of a per-segment array
+    if field.type != "boolean":
+        kwargs["type"] = _ARGPARSE_TYPES[field.items or field.type]
+    if field.choices:
+        # No JobSpec checks a segment's fields: argparse names the flag and the accepted values.
+        kwargs["choices"] = field.choices
     return kwargs

@@ -1,9 +1,9 @@
 """A warm process that has imported TensorFlow once and forks cluster processes on request.
 
-Starting a segment's cluster used to mean 3-4 fresh Python processes importing TensorFlow at the same
-time: 15-50 s on 2 cores, most of a switch. The fork server pays that import once. The local backend
-starts one per cluster when it provisions it, so every segment's processes are forked warm; a launcher
-given none starts its own, so even a lone segment imports TensorFlow once instead of once per process.
+Every process of a cluster is forked from it, so TensorFlow is imported once per server, not once per
+process: that import is most of a process's start, and a segment starts several processes at once. The
+local backend starts one per cluster when it provisions it, so every segment's processes are forked
+warm; a launcher given none starts its own, so even a lone segment imports TensorFlow once.
 
     python -m syncswitch.forkserver DIR     serve until SIGTERM, until DIR is removed, or until no
                                             node has run for IDLE_EXIT_S (--idle-exit; 0: never)
@@ -11,6 +11,9 @@ given none starts its own, so even a lone segment imports TensorFlow once instea
                                             also serve launchers on other hosts, over TCP
     python -m syncswitch.forkserver DIR --standby
                                             import, then wait to be claimed by a cluster (below)
+
+This module is the server; launchers and backends start, claim and use one through
+syncswitch.forkserver_client.
 
 DIR holds the server's files:
     forkserver.pid    written at start (the server is alive, maybe still importing)
@@ -67,17 +70,16 @@ import contextlib
 import ctypes
 import hashlib
 import hmac
+import importlib
 import json
 import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,11 +87,8 @@ from syncswitch import storage
 from syncswitch.peers import host_port
 from syncswitch.procs import (
     initial_env_room,
-    is_alive,
     read_stat,
     rewrite_initial_env,
-    signal_pid,
-    wait_until,
 )
 
 PR_SET_PDEATHSIG = 1
@@ -103,40 +102,10 @@ PID_FILE = "forkserver.pid"
 LOG_FILE = "forkserver.log"
 
 
-# A lease over TCP whose peer vanished (its host lost) is noticed within about 20 s.
+# Keepalive on every lease over TCP: a peer that vanished (its host lost, no RST) ends its lease after
+# TCP_KEEPIDLE + TCP_KEEPINTVL x TCP_KEEPCNT seconds of silence, not never.
 KEEPALIVE = ((socket.SO_KEEPALIVE, 1),)
 TCP_KEEPALIVE = (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 4))
-
-
-class ForkServerUnavailable(RuntimeError):
-    """No fork server answers for this folder (never started, died, or still importing past the wait)."""
-
-
-@dataclass(frozen=True)
-class ServerRef:
-    """How a launcher reaches a fork server: its folder on this host, or ``tcp`` ("address:port") with
-    the cluster's ``token`` on another host."""
-
-    server_dir: str = ""
-    tcp: str = ""
-    token: str = ""
-
-    def __str__(self) -> str:
-        return f"tcp://{self.tcp}" if self.tcp else self.server_dir
-
-    def connect(self, timeout: float) -> socket.socket:
-        if not self.tcp:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.settimeout(timeout)
-            conn.connect(address_for(self.server_dir))
-            return conn
-        host, port = host_port(self.tcp)
-        conn = socket.create_connection((host, port), timeout=timeout)
-        keep_alive(conn)
-        return conn
-
-    def stamp(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {**request, "token": self.token} if self.tcp else request
 
 
 def keep_alive(conn: socket.socket) -> None:
@@ -164,15 +133,19 @@ def log(message: str) -> None:
     print(f"{stamp} forkserver: {message}", flush=True)
 
 
-def _die_with_parent(signum: int = signal.SIGKILL) -> None:
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
     _prctl(PR_SET_PDEATHSIG, signum)
 
 
-# What a forked child runs: "node" a cluster process (syncswitch.node), "linkdelay" a network
-# straggler (syncswitch.linkdelay), "preflight" a launcher's checks of a segment with user code
-# (syncswitch.launcher.warm_preflight). A link delay must restore the link when it ends, so it gets
-# SIGTERM, not SIGKILL, when its lease or the server goes away.
-PROGRAMS = ("node", "linkdelay", "preflight")
+# What a forked child runs, by the request's "program": "module:function", a ``function(argv) -> exit
+# code`` imported in the child only: a cluster process, a network straggler, a launcher's checks of a
+# segment with user code (syncswitch.preflight.warm_preflight). A link delay must restore the link
+# when it ends, so it gets SIGTERM, not SIGKILL, when its lease or the server goes away.
+PROGRAMS = {
+    "node": "syncswitch.node:main",
+    "linkdelay": "syncswitch.linkdelay:main",
+    "preflight": "syncswitch.preflight:main",
+}
 STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight": signal.SIGKILL}
 
 
@@ -181,10 +154,9 @@ STOP_SIGNALS = {"node": signal.SIGKILL, "linkdelay": signal.SIGTERM, "preflight"
 
 # Keras and TensorFlow import these at their own import when they are installed, for Keras's plotting
 # helpers, DataFrame input and scikit-learn wrappers and TF 1 Keras's sparse input, which no node
-# uses: 2.5 s of the server's ~10 s import on a slow machine (matplotlib.pyplot 1.7 s, pandas 0.9 s),
-# and scikit-learn with SciPy ~1 s of the ~4.5 s left on a fast one, paid by every cluster's server
-# on every host. (The digits problem reads scikit-learn's data file without importing it. A node's
-# user code imports any of them as usual; only those features stay unavailable in a node.)
+# uses: the server imports without them, since every cluster's server on every host pays its import.
+# (The digits problem reads scikit-learn's data file without importing it. A node's user code imports
+# any of them as usual; only those features stay unavailable in a node.)
 KERAS_OPTIONAL_IMPORTS = ("matplotlib", "pandas", "sklearn", "scipy")
 
 
@@ -416,7 +388,7 @@ class ForkServer:
         if not isinstance(request.get("argv"), list) or not isinstance(request.get("log"), str):
             raise ValueError("a request needs 'argv' (a list) and 'log' (a path)")
         if request.setdefault("program", "node") not in PROGRAMS:
-            raise ValueError(f"'program' must be one of {PROGRAMS}, got {request['program']!r}")
+            raise ValueError(f"'program' must be one of {tuple(PROGRAMS)}, got {request['program']!r}")
         for path, text in dict(request.get("files") or {}).items():
             storage.write_text(path, str(text))
         os.makedirs(os.path.dirname(request["log"]) or ".", exist_ok=True)
@@ -487,7 +459,7 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
     code = 1
     try:
         program = request.get("program", "node")
-        _die_with_parent(STOP_SIGNALS[program])
+        die_with_parent(STOP_SIGNALS[program])
         if os.getppid() != server_pid:  # the server died before the line above took effect
             return
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -501,18 +473,7 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
         os.environ.update(request.get("env", {}))
         if request.get("cpu") is not None:
             os.sched_setaffinity(0, {int(request["cpu"])})
-        if program == "linkdelay":
-            from syncswitch import linkdelay
-
-            code = linkdelay.main(request["argv"])
-        elif program == "preflight":
-            from syncswitch import launcher
-
-            code = launcher.preflight_main(request["argv"])
-        else:
-            from syncswitch import node
-
-            code = node.main(request["argv"])
+        code = program_main(program)(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the server
@@ -523,6 +484,12 @@ def run_node(request: dict[str, Any], server_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def program_main(program: str) -> Callable[[list[str]], int]:
+    """The function a child runs for ``program`` (PROGRAMS), imported now."""
+    module, _, function = PROGRAMS[program].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _output_to(path: str) -> None:
@@ -599,232 +566,10 @@ def write_in_own_folder(path: str, record: dict[str, Any]) -> bool:
     return True
 
 
-# ---- client -------------------------------------------------------------------------------------
-
-
-def start(
-    server_dir: str,
-    *,
-    env: dict[str, str] | None = None,
-    die_with_parent: bool = False,
-    standby: bool = False,
-    idle_exit: float = IDLE_EXIT_S,
-) -> subprocess.Popen:
-    """Start a server for ``server_dir`` in the background (it is ready later: see wait_ready).
-    ``env`` is its whole environment (default: ours). ``die_with_parent`` ties it to the caller;
-    otherwise it runs in a session of its own. A ``standby`` server waits for ``claim``; it runs in a
-    session of its own too, since, once claimed, signals to its starter's process group (an Airflow
-    instance stopping) must not reach the cluster's server. ``idle_exit``: see IDLE_EXIT_S."""
-    os.makedirs(server_dir, exist_ok=True)
-    argv = [server_dir, *(["--standby"] if standby else []), "--idle-exit", f"{idle_exit:g}"]
-    with open(os.path.join(server_dir, LOG_FILE), "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "syncswitch.forkserver", *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**(os.environ if env is None else env), "TF_CPP_MIN_LOG_LEVEL": "2"},
-            start_new_session=standby or not die_with_parent,
-            preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - only prctl
-        )
-    # Written here too, so that wait_ready sees the server starting from this moment on.
-    storage.write_json(os.path.join(server_dir, PID_FILE), pid_record(proc.pid))
-    return proc
-
-
 def pid_record(pid: int) -> dict[str, Any]:
     """``{"pid", "start_ticks"}``: the start time tells the server from a later process of that pid."""
     stat = read_stat(pid)
     return {"pid": pid, "start_ticks": stat.start_ticks if stat else None}
-
-
-def kill_started(server_dir: str, timeout: float = 10.0) -> int | None:
-    """SIGKILL the server recorded in ``server_dir`` if that very process still runs, and wait for it
-    to go; its pid, or None. A teardown's scan of /proc by environment misses a server started a few
-    milliseconds before: Popen returns while the child's exec has not yet set up its environment."""
-    record = storage.read_json(os.path.join(server_dir, PID_FILE), default=None) or {}
-    pid, ticks = record.get("pid"), record.get("start_ticks")
-    if pid is None or ticks is None or not is_alive(pid, ticks):
-        return None
-    signal_pid(pid, signal.SIGKILL)
-    wait_until(lambda: not is_alive(pid, ticks), timeout, poll=0.05)
-    return pid
-
-
-READY, STARTING, ABSENT = "ready", "starting", "absent"
-
-
-def status(server_dir: str) -> str:
-    """READY (accepting requests), STARTING (alive, still importing) or ABSENT."""
-    ready = storage.read_json(os.path.join(server_dir, READY_FILE), default=None)
-    if ready is not None and is_alive(ready["pid"]):
-        return READY
-    starting = storage.read_json(os.path.join(server_dir, PID_FILE), default=None)
-    return STARTING if starting is not None and is_alive(starting["pid"]) else ABSENT
-
-
-def wait_ready(server_dir: str, timeout: float) -> None:
-    """Wait for the server to accept requests; ForkServerUnavailable if it never started, died, or
-    is not ready within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while (state := status(server_dir)) != READY:
-        if state == ABSENT:
-            raise ForkServerUnavailable(f"no fork server is running for {server_dir}")
-        if time.monotonic() >= deadline:
-            raise ForkServerUnavailable(f"the fork server for {server_dir} was not ready in {timeout:.0f}s")
-        time.sleep(TICK_SECONDS)
-
-
-def claim(standby_dir: str, server_dir: str, env: dict[str, str], timeout: float) -> int | None:
-    """Have the standby server of ``standby_dir`` fork the server of ``server_dir``, found by the
-    markers ``env``; waits up to ``timeout`` s for one still importing. The new server's pid, or None
-    where none answers: none kept, one already serves ``server_dir``, or the markers do not fit the
-    placeholders."""
-    try:
-        wait_ready(standby_dir, timeout)  # ForkServerUnavailable at once where none runs
-        conn, answer, _ = _request(
-            ServerRef(server_dir=standby_dir), {"claim": {"dir": server_dir, "env": env}}, "claim"
-        )
-    except ForkServerUnavailable:
-        return None
-    conn.close()
-    return int(answer["claimed"]) if "claimed" in answer else None
-
-
-def tcp_address(server_dir: str) -> str:
-    """The "address:port" a ready server listens on over TCP ("" without --listen)."""
-    ready = storage.read_json(os.path.join(server_dir, READY_FILE), default=None) or {}
-    return str(ready.get("tcp", ""))
-
-
-class ForkedProcess:
-    """A node forked by the server, with the part of subprocess.Popen's interface the launcher uses.
-    Signals travel over the lease, so a node on another host is signalled the same way."""
-
-    def __init__(self, conn: socket.socket, pid: int) -> None:
-        self._conn = conn
-        self._buffer = b""
-        self._lock = threading.Lock()  # the launcher polls from its main and straggler threads
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        with self._lock:
-            return self._poll()
-
-    def _poll(self) -> int | None:
-        if self.returncode is None:
-            self._parse()
-        if self.returncode is None:
-            self._conn.setblocking(False)
-            try:
-                data = self._conn.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                return None
-            except OSError:
-                data = b""
-            self._buffer += data
-            self._parse()
-            if not data and self.returncode is None:
-                # The server died without a word, and PR_SET_PDEATHSIG took the node with it.
-                self.returncode = -signal.SIGKILL
-        if self.returncode is not None:
-            self._conn.close()
-        return self.returncode
-
-    def _parse(self) -> None:
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            message = json.loads(line)
-            if "returncode" in message:
-                self.returncode = int(message["returncode"])
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"node pid {self.pid}", timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        with self._lock:
-            if self._poll() is not None:  # never signal a pid the node no longer owns
-                return
-            with contextlib.suppress(OSError):
-                self._conn.setblocking(True)
-                self._conn.sendall((json.dumps({"signal": int(signum)}) + "\n").encode())
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def fork_node(
-    server: str | ServerRef,
-    argv: list[str],
-    *,
-    env: dict[str, str],
-    log: str,
-    name: str,
-    cpu: int | None = None,
-    files: dict[str, str] | None = None,
-    program: str = "node",
-) -> ForkedProcess:
-    """Ask the server (a folder on this host, or a ServerRef) to fork a child running ``program``
-    (``syncswitch.node``, ``syncswitch.linkdelay``, or a launcher's preflight) with ``argv``, after
-    writing ``files`` on the server's host."""
-    ref = server if isinstance(server, ServerRef) else ServerRef(server_dir=server)
-    request = {
-        "argv": argv,
-        "env": env,
-        "log": log,
-        "name": name,
-        "cpu": cpu,
-        "files": files or {},
-        "program": program,
-    }
-    conn, answer, rest = _request(ref, request, f"fork {name}")
-    if "pid" not in answer:
-        conn.close()
-        raise ForkServerUnavailable(f"the fork server {ref} refused {name}: {answer.get('error')}")
-    process = ForkedProcess(conn, int(answer["pid"]))
-    process._buffer = rest
-    return process
-
-
-def reserve_ports(server: ServerRef, count: int) -> list[int]:
-    """``count`` ports free on the server's listening address, for the nodes it is about to fork."""
-    conn, answer, _ = _request(server, {"ports": count}, "reserve ports")
-    conn.close()
-    if "ports" not in answer:
-        raise ForkServerUnavailable(f"the fork server {server} refused ports: {answer.get('error')}")
-    return [int(p) for p in answer["ports"]]
-
-
-def _request(
-    ref: ServerRef, request: dict[str, Any], what: str
-) -> tuple[socket.socket, dict[str, Any], bytes]:
-    """Send one request and read the first answer line; the connection stays open for the caller."""
-    conn: socket.socket | None = None
-    try:
-        conn = ref.connect(timeout=30)
-        conn.sendall((json.dumps(ref.stamp(request)) + "\n").encode())
-        reply = b""
-        while b"\n" not in reply:
-            chunk = conn.recv(4096)
-            if not chunk:
-                raise ForkServerUnavailable(f"the fork server {ref} closed without answering ({what})")
-            reply += chunk
-    except OSError as exc:
-        if conn is not None:
-            conn.close()
-        raise ForkServerUnavailable(f"the fork server {ref} did not answer ({what}): {exc}") from exc
-    conn.settimeout(None)
-    line, rest = reply.split(b"\n", 1)
-    return conn, json.loads(line), rest
 
 
 if __name__ == "__main__":

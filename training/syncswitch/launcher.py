@@ -1,8 +1,8 @@
 """Runs one segment on a cluster of processes and supervises it until it ends.
 
-    preflight()      every check that can fail on user input, before any process is spawned;
-                     warm_preflight() runs it in a child of the cluster's fork server where it would
-                     import user code (and with it TensorFlow) in the launcher
+    preflight()      every check that can fail on user input, before any process is spawned
+                     (syncswitch.preflight; in a child of the cluster's fork server where it would
+                     import user code, and with it TensorFlow, in the launcher)
     cluster_nodes()  where each node runs: free 127.0.0.1 ports on this host
     host_nodes()     or (``--cluster FILE``) the hosts of a ``hosts`` cluster, placed by
                      ``hosts.place_nodes``, on ports their fork servers reserve on the hosts'
@@ -32,15 +32,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from syncswitch import checkpoints, forkserver, registry, storage
+from syncswitch import forkserver, forkserver_client, storage
+from syncswitch.errors import SegmentFailed
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
 from syncswitch.peers import host_port
 from syncswitch.plan import step_text
+from syncswitch.preflight import imports_user_code, preflight, warm_preflight
+from syncswitch.reporting import ProgressFile
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
-from syncswitch.trainer import ProgressFile
 
 POLL_SECONDS = 0.2
 PROGRESS_SECONDS = 5.0
@@ -58,15 +60,11 @@ PEER_FATE_SECONDS = 25.0
 # coordinator reschedules the closure on the survivors. Pings only while calls are in flight.
 GRPC_KEEPALIVE = "grpc.keepalive_time_ms=10000,grpc.keepalive_timeout_ms=10000"
 # A node connects to its peers as it starts, often before they listen (on other hosts they are forked
-# later): a refused connection is retried after gRPC's initial backoff, 1 s by default, which was the
-# whole of ASP's ~1 s cluster connect on hosts (0.2 s with 100 ms).
+# later): a refused connection is retried after gRPC's initial backoff, so a short one (1 s by
+# default) keeps the wait for the last peer short.
 GRPC_RECONNECT = "grpc.initial_reconnect_backoff_ms=100"
 # A cluster's fork server may still be importing TensorFlow when its first segment starts.
 FORKSERVER_WAIT_SECONDS = 300.0
-
-
-class SegmentFailed(RuntimeError):
-    """The segment did not reach its end; the message says which process failed and where its log is."""
 
 
 @dataclass
@@ -74,10 +72,10 @@ class Node:
     role: str
     task: int
     address: str
-    server: forkserver.ServerRef
+    server: forkserver_client.ServerRef
     host: str = ""  # another host's name; "" = the launcher's own host
     host_work_dir: str = ""  # that host's work folder
-    process: forkserver.ForkedProcess | None = None
+    process: forkserver_client.ForkedProcess | None = None
     log_path: str = ""
 
     @property
@@ -89,81 +87,7 @@ class Node:
         return bool(self.host)
 
 
-# ---- preflight ------------------------------------------------------------------------------------
-
-
-def preflight(spec: SegmentSpec, cache_dir: str) -> str:
-    """Validate everything user-supplied and stage the data; returns the local data folder.
-
-    Raises ValueError subclasses whose message names the field (HParamsError, ProblemError,
-    SpecError, CheckpointMismatchError).
-    """
-    from syncswitch import usercode
-    from syncswitch.problems import get_problem
-
-    usercode.activate(spec, cache_dir)
-    hp = spec.resolved_hparams()
-    problem = get_problem(spec.problem)
-    local_data = problem.prepare(spec.data_dir, cache_dir)
-    checkpoints.check_compatible(
-        checkpoints.latest(RunLayout(spec.run_dir)), checkpoints.signature(hp, problem)
-    )
-    return local_data
-
-
-def imports_user_code(spec: SegmentSpec) -> bool:
-    """Whether the preflight imports code beyond the runtime's own (a usr_dir, or an installed
-    package's entry point). That code imports TensorFlow: ~6 s of a 2-core machine, per segment."""
-    builtin = registry.BUILTIN_ENTRIES
-    return bool(spec.usr_dir) or not (
-        spec.model in builtin["model"]
-        and spec.problem in builtin["problem"]
-        and spec.hparam_set in builtin["hparams"]
-    )
-
-
-def warm_preflight(spec: SegmentSpec, cache_dir: str, server: forkserver.ServerRef, work_dir: str) -> str:
-    """The preflight in a child of the cluster's fork server on this host, where TensorFlow is
-    imported already; its outcome comes back through a file. Raises what preflight raises (as a
-    PreflightError with the same message), SegmentFailed if the child died without an answer."""
-    request_dir = os.path.join(work_dir, "preflight")
-    spec_path, result_path = os.path.join(request_dir, "spec.json"), os.path.join(request_dir, "result.json")
-    log_path = os.path.join(request_dir, "preflight.log")
-    storage.delete(result_path)
-    child = forkserver.fork_node(
-        server,
-        [spec_path, cache_dir, result_path],
-        env=dict(os.environ),  # as the local nodes get it: the launcher's whole environment
-        log=log_path,
-        name="preflight",
-        files={spec_path: spec.to_json()},
-        program="preflight",
-    )
-    code = child.wait()
-    outcome = storage.read_json(result_path, default=None)
-    if outcome is None:
-        raise SegmentFailed(f"the preflight exited with {code} without an answer; see {log_path}")
-    if "error" in outcome:
-        raise PreflightError(outcome["error"])
-    return str(outcome["data_dir"])
-
-
-class PreflightError(ValueError):
-    """Bad input found by a preflight in another process: its message names the field."""
-
-
-def preflight_main(argv: list[str]) -> int:
-    """``program: preflight`` of the fork server: ``[spec.json, cache_dir, result.json]``. Writes
-    ``{"data_dir"}``, or ``{"error"}`` for bad input (anything else is a crash, in the log)."""
-    spec_path, cache_dir, result_path = argv
-    spec = SegmentSpec.from_dict(storage.read_json(spec_path))
-    try:
-        data_dir = preflight(spec, cache_dir)
-    except (ValueError, FileNotFoundError) as exc:
-        storage.write_json(result_path, {"error": str(exc)})
-        return 1
-    storage.write_json(result_path, {"data_dir": data_dir})
-    return 0
+# ---- where the nodes run ----------------------------------------------------------------------------
 
 
 def cluster_nodes(spec: SegmentSpec, forkserver_dir: str) -> list[Node]:
@@ -171,7 +95,7 @@ def cluster_nodes(spec: SegmentSpec, forkserver_dir: str) -> list[Node]:
     All on this host, on free 127.0.0.1 ports, forked by the server in ``forkserver_dir``."""
     placed = place_nodes(["any"], spec.protocol, spec.num_workers, spec.num_ps)
     ports = forkserver.free_ports("127.0.0.1", len(placed))
-    server = forkserver.ServerRef(server_dir=forkserver_dir)
+    server = forkserver_client.ServerRef(server_dir=forkserver_dir)
     return [
         Node(role, task, f"127.0.0.1:{port}", server)
         for (role, task, _), port in zip(placed, ports, strict=True)
@@ -184,11 +108,11 @@ def host_nodes(spec: SegmentSpec, cluster: ClusterFile) -> list[Node]:
     roles = [h.role for h in cluster.hosts]
     placed = place_nodes(roles, spec.protocol, spec.num_workers, spec.num_ps)
     token, here = cluster.read_token(), chief_host(roles)
-    servers = [forkserver.ServerRef(tcp=h.forkserver, token=token) for h in cluster.hosts]
+    servers = [forkserver_client.ServerRef(tcp=h.forkserver, token=token) for h in cluster.hosts]
     ports: dict[int, list[int]] = {}
     for index in sorted({host for _, _, host in placed}):
         count = sum(1 for _, _, host in placed if host == index)
-        ports[index] = forkserver.reserve_ports(servers[index], count)
+        ports[index] = forkserver_client.reserve_ports(servers[index], count)
     nodes = []
     for role, task, index in placed:
         host = cluster.hosts[index]
@@ -278,7 +202,7 @@ class SegmentCluster:
                 work_dir, files = self.work_dir, {}
                 argv = ["--spec", spec_path, "--work-dir", self.work_dir, "--data-dir", self.data_dir]
             node.log_path = os.path.join(work_dir, f"{node.name}.log")
-            node.process = forkserver.fork_node(
+            node.process = forkserver_client.fork_node(
                 node.server,
                 argv,
                 env=env,
@@ -494,7 +418,7 @@ class SegmentCluster:
         address = host_port(node.address)[0]
         argv = ["--address", address, "--delay-ms", f"{straggler.delay_ms:g}"]
         try:
-            shaper = forkserver.fork_node(
+            shaper = forkserver_client.fork_node(
                 node.server,
                 [*argv, "--duration", f"{end - time.time():.3f}"],
                 env={},
@@ -502,7 +426,7 @@ class SegmentCluster:
                 name=f"ss-linkdelay-{straggler.worker}",
                 program="linkdelay",
             )
-        except forkserver.ForkServerUnavailable as exc:
+        except forkserver_client.ForkServerUnavailable as exc:
             self._log(f"straggler: could not delay worker {straggler.worker}'s link: {exc}")
             return
         while shaper.poll() is None:
@@ -598,7 +522,7 @@ def run_segment(
             # User code imports TensorFlow: import it where that is done already. (On hosts the
             # launcher still imports it itself.)
             server_dir, private_server = _ready_forkserver(spec, forkserver_dir, work_dir)
-            server = forkserver.ServerRef(server_dir=server_dir)
+            server = forkserver_client.ServerRef(server_dir=server_dir)
             data_dir = warm_preflight(spec, cache_dir, server, work_dir)
             nodes = cluster_nodes(spec, server_dir)
         else:
@@ -633,16 +557,16 @@ def _ready_forkserver(
     """The fork server to use, and a private one this launcher started (to stop it afterwards)."""
     if forkserver_dir:
         try:
-            forkserver.wait_ready(forkserver_dir, FORKSERVER_WAIT_SECONDS)
+            forkserver_client.wait_ready(forkserver_dir, FORKSERVER_WAIT_SECONDS)
             return forkserver_dir, None
-        except forkserver.ForkServerUnavailable as exc:
+        except forkserver_client.ForkServerUnavailable as exc:
             message = f"[{spec.run_id}] seg {spec.index}: {exc}; starting a private one"
             print(message, file=sys.stderr, flush=True)
     private_dir = os.path.join(work_dir, "forkserver")
-    server = forkserver.start(private_dir, die_with_parent=True)
+    server = forkserver_client.start(private_dir, die_with_parent=True)
     try:
-        forkserver.wait_ready(private_dir, FORKSERVER_WAIT_SECONDS)
-    except forkserver.ForkServerUnavailable as exc:
+        forkserver_client.wait_ready(private_dir, FORKSERVER_WAIT_SECONDS)
+    except forkserver_client.ForkServerUnavailable as exc:
         _stop_process(server)
         log = os.path.join(private_dir, forkserver.LOG_FILE)
         raise SegmentFailed(f"{exc}; see {log}") from exc

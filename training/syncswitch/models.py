@@ -4,6 +4,8 @@
                                            an entry point, or a usr_dir's: syncswitch.registry)
     decayed_weights(model)              -> what weight decay applies to: every weight of rank >= 2
                                            (conv and dense kernels, embeddings)
+    example_loss(problem, model)        -> fn(outputs, labels): the per-example loss training and
+                                           evaluation use (the model's own, else the problem's)
 
 Checkpoint signatures (what a checkpoint must match to be restored) live in syncswitch.checkpoints,
 derived from the hparams and the problem so the launcher can check them without TensorFlow.
@@ -50,6 +52,14 @@ def build_model(hp: HParams, problem: Problem) -> keras.Model:
             "must exist before training (give it an Input, or call model.build(shape) in the builder)"
         )
     return model
+
+
+def example_loss(problem: Problem, model: keras.Model) -> Any:
+    """``fn(outputs, labels) -> per-example loss``: the model's ``example_loss(labels, outputs)`` when
+    it defines one, else the problem's ``loss``. (Weight decay is applied by the optimizer, beside
+    each variable: see syncswitch.optim.)"""
+    loss = getattr(model, "example_loss", None) or problem.loss
+    return lambda outputs, labels: loss(labels, outputs)
 
 
 def resnet(hp: HParams, problem: Problem) -> keras.Model:

@@ -43,7 +43,7 @@ def use_segment_temp_dir(work_dir: str) -> str:
     """Make the segment's work folder this process's temp folder. Autograph writes a module file per
     converted function there (and the gs:// event writer its buffers) and removes them only at a
     normal interpreter exit, which a node never has (it ends with os._exit, or killed): in the
-    system's temp folder they piled up, ~20 files per process start. The work folder goes with the
+    system's temp folder they would pile up with every process start. The work folder goes with the
     cluster's teardown."""
     path = os.path.join(work_dir, "tmp")
     os.makedirs(path, exist_ok=True)
@@ -52,8 +52,8 @@ def use_segment_temp_dir(work_dir: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A crash inside TensorFlow's C++ (a chief that exited with -11 once in ~60 suites) otherwise
-    # leaves nothing in the node's log: this writes every thread's Python stack there first.
+    # A crash inside TensorFlow's C++ (a fatal signal such as SIGSEGV) otherwise leaves nothing in the
+    # node's log: this writes every thread's Python stack there first.
     faulthandler.enable()
     args = parse_args(argv)
     timings = {"launch": float(os.environ.get("SYNCSWITCH_LAUNCH_TIME", time.time()))}
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import tensorflow as tf
 
     # Several TF processes share few cores: one intra-op thread each avoids oversubscription
-    # (measured up to +66% on 2 cores, stack-findings.md).
+    # (stack-findings.md).
     tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
     timings["imported"] = time.time()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # A BSP worker on a host of its own reads only its shard: it stages no more than that.
         cache = args.data_cache or os.path.join(args.work_dir, "data")
         data_dir = problem.prepare_shard(spec.data_dir, cache, task, spec.num_workers)
-    from syncswitch.trainer import NodeContext
+    from syncswitch.context import NodeContext
 
     ctx = NodeContext(
         spec=spec,
@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
     if spec.protocol == "bsp" and task != 0:
         # This worker's last all-reduce can end before the chief has fetched this worker's share of
-        # it (each chunk is pulled from its owner's server): exiting at once closed that fetch's
-        # socket and failed the chief at the segment's end ("Collective ops is aborted by: Socket
+        # it (each chunk is pulled from its owner's server): exiting at once would close that fetch's
+        # socket and fail the chief at the segment's end ("Collective ops is aborted by: Socket
         # closed"). So a worker stays until the chief, whose server is up until it exits, is gone.
         peers.wait_until_gone(tf_config["cluster"]["worker"][0])
     # Exit from here, while ctx still holds the segment's strategy, iterators and coordinator
     # (ctx.finished_objects): returning would destroy them, and their destructors wait on peers that
-    # have exited (MultiWorkerMirroredStrategy's collectives until the coordination service's 10 s
-    # heartbeat timeout). That wait added 10-16 s to the switch gap after about every other BSP segment.
+    # have exited (MultiWorkerMirroredStrategy's collectives until the coordination service's
+    # heartbeat timeout), a wait in the switch gap.
     exit_now(0)
 
 
@@ -129,8 +129,8 @@ def run_server(
 
     The server sizes its own thread pools from its ConfigProto, not from tf.config.threading. Left at
     0 they follow the CPUs the process may use: one when pinned to a core, and a worker running a
-    step function needs at least two inter-op threads (one waits on a transfer the other serves).
-    With a single one, pinned ASP clusters deadlocked before their first step.
+    step function needs at least two inter-op threads (one waits on a transfer the other serves),
+    so it gets two, pinned or not: with one, it deadlocks before its first step.
     """
     config = tf.compat.v1.ConfigProto(
         intra_op_parallelism_threads=intra_op_threads,

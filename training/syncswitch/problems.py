@@ -3,6 +3,8 @@
     get_problem("image_cifar10")                  -> Problem (built-in, an entry point or a usr_dir's)
     problem.prepare(data_dir, cache_dir)          -> local folder ready to read ("" if none is needed)
     problem.train_dataset(folder, batch_size=..., shard_index=..., num_shards=..., seed=...)
+    training_pipeline(examples, shuffle_buffer=..., **stream)
+                                                  -> what every train_dataset makes of its examples
     problem.test_dataset(folder, batch_size=...)
     problem.loss(labels, outputs)                 -> per-example loss (default: cross-entropy of logits)
     problem.metrics()                             -> {name: fn(labels, outputs) -> per-example values}
@@ -31,7 +33,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from syncswitch import storage
 
@@ -45,8 +47,8 @@ CIFAR_IMAGE_BYTES = 3 * 32 * 32
 CIFAR_PAD = 4
 # scikit-learn's bundled digits (what load_digits() reads), and their fixed 80/20 split: the rows of
 # each part in order, as train_test_split(test_size=0.2, random_state=0, stratify=labels) makes them
-# (tests/test_problems.py checks both against scikit-learn). Importing scikit-learn, and SciPy under
-# it, was ~1 s of CPU (a quarter) of every fork server's preload, on every host of every cluster.
+# (tests/test_problems.py checks both against scikit-learn). Read without importing scikit-learn, so
+# that it and SciPy under it stay out of every fork server's preload, on every host of every cluster.
 DIGITS_FILE = "datasets/data/digits.csv.gz"
 DIGITS_SPLIT = Path(__file__).with_name("digits_split.json")
 SYNTHETIC_TEST_EXAMPLES = 512
@@ -187,6 +189,50 @@ def _check_batching(batch_size: int, num_shards: int, seed: int) -> None:
         raise ValueError(f"seed must be >= 0, got {seed}")
 
 
+class TrainStream(TypedDict):
+    """``train_dataset``'s keyword arguments, which ``training_pipeline`` takes too: batches of
+    ``batch_size``, shard ``shard_index`` of ``num_shards`` (a tensor under ParameterServerStrategy),
+    shuffled with ``seed``."""
+
+    batch_size: int
+    shard_index: Any
+    num_shards: int
+    seed: int
+
+
+def training_pipeline(
+    examples: tf.data.Dataset,
+    *,
+    batch_size: int,
+    shard_index: Any,
+    num_shards: int,
+    seed: int,
+    shuffle_buffer: int,
+    sharded: bool = False,
+    per_example: Callable[[Any, tf.Tensor], Any] | None = None,
+) -> tf.data.Dataset:
+    """The training stream of ``examples``, as every problem's ``train_dataset`` returns it: shard
+    ``shard_index`` of ``num_shards`` (unless ``sharded``: ``examples`` are this shard's already),
+    shuffled through ``shuffle_buffer`` examples with ``seed``, repeated forever, each example passed
+    through ``per_example(example, example_seed)`` where given (decoding and augmentation, after the
+    shuffle; ``example_seed`` is ``stateless_seed`` of its shard and position), in whole batches of
+    ``batch_size``, prefetched. The four stream arguments are ``train_dataset``'s (a TrainStream):
+    pass them on as ``**stream``. ValueError for a batch size, shard count or seed out of range."""
+    import tensorflow as tf
+
+    _check_batching(batch_size, num_shards, seed)
+    if not sharded:
+        examples = examples.shard(num_shards, shard_index)
+    examples = examples.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).repeat()
+    if per_example is not None:
+
+        def seeded(index: tf.Tensor, example: Any) -> Any:
+            return per_example(example, stateless_seed(seed, shard_index, index))
+
+        examples = examples.enumerate().map(seeded, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return examples.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
 def stateless_seed(seed: int, shard_index: Any, index: Any) -> tf.Tensor:
     """A [2] int64 seed unique to (seed, shard, element): shards never share augmentation streams."""
     import tensorflow as tf
@@ -225,23 +271,14 @@ class DigitsProblem(ImageClassification):
         rows = json.loads(DIGITS_SPLIT.read_text())[split]
         return images[rows], labels[rows]
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> tf.data.Dataset:
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> tf.data.Dataset:
         import tensorflow as tf
 
-        _check_batching(batch_size, num_shards, seed)
         # Under ParameterServerStrategy this runs inside a traced dataset_fn: without the wrapper
-        # AutoGraph tries to convert scikit-learn's loader, which costs seconds at every segment start.
+        # AutoGraph tries to convert the numpy loader, needless work at every segment start.
         images, labels = tf.autograph.experimental.do_not_convert(self.arrays)("train")
-        return (
-            tf.data.Dataset.from_tensor_slices((images, labels))
-            .shard(num_shards, shard_index)
-            .shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
-        )
+        examples = tf.data.Dataset.from_tensor_slices((images, labels))
+        return training_pipeline(examples, shuffle_buffer=len(labels), **stream)
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
         import tensorflow as tf
@@ -381,27 +418,15 @@ class CifarProblem(ImageClassification):
         cropped = tf.image.stateless_random_crop(padded, self.image_shape, seed=crop_seed)
         return tf.image.stateless_random_flip_left_right(cropped, seed=flip_seed)
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> tf.data.Dataset:
-        import tensorflow as tf
-
-        _check_batching(batch_size, num_shards, seed)
-
-        def decode_and_augment(index: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> tf.data.Dataset:
+        def decode_and_augment(record: tf.Tensor, example_seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             image, label = self.decode(record)
-            return self.augment(image, stateless_seed(seed, shard_index, index)), label
+            return self.augment(image, example_seed), label
 
         # Shard by record (not by file) so any worker count gets an even, disjoint share.
-        return (
-            self._records(local_dir, self.train_files)
-            .shard(num_shards, shard_index)
-            .shuffle(_SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .enumerate()
-            .map(decode_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
+        records = self._records(local_dir, self.train_files)
+        return training_pipeline(
+            records, shuffle_buffer=_SHUFFLE_BUFFER, per_example=decode_and_augment, **stream
         )
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:

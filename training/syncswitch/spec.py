@@ -1,15 +1,20 @@
 """The job spec and the segment spec: what a user asks for, and what one training segment runs.
 
     JobSpec.from_params(params)            validates DAG params / CLI flags / REST conf, naming the bad field
+    JobSpec.parse_params(params)           the same params as field values, parsed but not checked
     JobSpec.plan_entries()                 the offline plan: one entry per digit of switch_order
                                            (the plan-entry contract: syncswitch.plan)
-    JobSpec.segment_spec(entry, ...)       -> SegmentSpec: what one plan entry's processes run
+    JobSpec.segment_spec(entry, ...)       -> SegmentSpec: what one plan entry's processes run (the
+                                           one builder of SegmentSpecs, `syncswitch train`'s too)
     JobSpec.plan(run_id, run_dir)          -> [SegmentSpec, ...] of the offline plan
 
 Units. Every step number in the interface is a BSP-equivalent step: one global batch of
 ``num_workers x batch_size`` samples. Progress is counted exactly in samples; an ASP worker update of
 ``batch_size`` samples is 1/num_workers of a step. ``until_step`` is cumulative over the job, so the
 global step and the LR schedule continue across segments.
+
+The module is longer than the runtime's others for one reason: what a job accepts reads in one place,
+JobSpec's parsing, checks and planning, with the specs it builds and its fields' parsers beside it.
 """
 
 from __future__ import annotations
@@ -276,6 +281,18 @@ class JobSpec:
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> JobSpec:
         """Validate raw params (DAG params, CLI, REST conf). Raises SpecError naming the field."""
+        values = cls.parse_params(params)
+        for field in FIELDS:  # each field's bounds and accepted values, from the one table
+            field.check(values[field.name])
+        spec = cls(**values)
+        spec.validate()
+        return spec
+
+    @classmethod
+    def parse_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Every field's value from raw params: its default where the param is absent or empty, else
+        the param parsed to the field's type. SpecError naming the field for an unknown param or a
+        value that does not parse; bounds and the rules between fields are from_params's."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -296,11 +313,7 @@ class JobSpec:
             if field.type in scalar_parsers:
                 values[field.name] = scalar_parsers[field.type](field.name, values[field.name])
         values["gce"] = GceSpec.parse(values["gce"], max(values["num_workers"], 1))
-        for field in FIELDS:  # each field's bounds and accepted values, from the one table
-            field.check(values[field.name])
-        spec = cls(**values)
-        spec.validate()
-        return spec
+        return values
 
     def validate(self) -> None:
         """SpecError naming the first bad field and what it accepts (checked in the order below)."""

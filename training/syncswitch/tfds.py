@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import Any, Unpack
 
 from syncswitch import storage
-from syncswitch.problems import Problem, ProblemError, stage_folder
+from syncswitch.problems import Problem, ProblemError, TrainStream, stage_folder, training_pipeline
 
 _SHUFFLE_BUFFER = 10_000
 
@@ -71,21 +71,13 @@ class TfdsProblem(Problem):
             features = tf.cast(features, tf.float32) / 255.0
         return features, tf.cast(example[self.label_key], tf.int32)
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> Any:
-        import tensorflow as tf
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> Any:
+        def pair(example: dict[str, Any], _example_seed: Any) -> tuple[Any, Any]:
+            return self.to_pair(example)
 
         # Records in a fixed order, then this worker's share: every worker reads a disjoint share.
         examples = self.builder(local_dir).as_dataset(split=self.train_split, shuffle_files=False)
-        return (
-            examples.shard(num_shards, shard_index)
-            .shuffle(_SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .map(self.to_pair, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
-        )
+        return training_pipeline(examples, shuffle_buffer=_SHUFFLE_BUFFER, per_example=pair, **stream)
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> Any:
         import tensorflow as tf

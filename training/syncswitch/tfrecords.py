@@ -25,12 +25,12 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Unpack
 
 import tensorflow as tf
 
 from syncswitch import storage
-from syncswitch.problems import Problem, ProblemError, stage_folder, stateless_seed
+from syncswitch.problems import Problem, ProblemError, TrainStream, stage_folder, training_pipeline
 
 TRAIN_PATTERN = "train-*.tfrecord"
 TEST_PATTERN = "test-*.tfrecord"
@@ -162,23 +162,20 @@ class TFRecordImageProblem(Problem):
             )
         return tf.data.TFRecordDataset(files).shard(num_shards, shard_index)
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> tf.data.Dataset:
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> tf.data.Dataset:
         files = self.files(local_dir, self.train_pattern)
+        records = self.records(files, shard_index=stream["shard_index"], num_shards=stream["num_shards"])
 
-        def decode_and_augment(index: tf.Tensor, serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        def decode_and_augment(serialized: tf.Tensor, example_seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             image, label = self.decode(serialized)
-            return self.augment(image, stateless_seed(seed, shard_index, index)), label
+            return self.augment(image, example_seed), label
 
-        return (
-            self.records(files, shard_index=shard_index, num_shards=num_shards)
-            .shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .enumerate()
-            .map(decode_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
+        return training_pipeline(
+            records,
+            shuffle_buffer=self.shuffle_buffer,
+            sharded=True,
+            per_example=decode_and_augment,
+            **stream,
         )
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:

@@ -1,5 +1,7 @@
-"""What the two training loops share: the node's context, model/optimizer/checkpoint, the schedule,
-progress reporting, per-worker timing and the graceful-stop signal.
+"""What the two training loops share: the schedule, the in-graph loop of one execution,
+model/optimizer/checkpoint, the graceful-stop signal and ``SegmentSession``, which runs a segment's
+book-keeping. The node's context is ``syncswitch.context``; what a segment reports (progress, step
+events, per-worker timing, the result) is ``syncswitch.reporting``.
 
 The loops themselves are ``syncswitch.bsp`` (MultiWorkerMirroredStrategy) and ``syncswitch.asp``
 (ParameterServerStrategy + ClusterCoordinator). Both use the same model, optimizer, checkpoint and
@@ -13,66 +15,27 @@ Keras 3 ``fit`` does not work under ParameterServerStrategy, hence custom loops 
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from syncswitch import checkpoints, storage
+from syncswitch.context import NodeContext
 from syncswitch.events import EventWriter
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
-from syncswitch.layout import RunLayout
-from syncswitch.peers import PeerProbe
+from syncswitch.reporting import ChiefReporter, StepBook, WorkerTimer
 from syncswitch.spec import SegmentSpec, switch_config
 
-LOG_INTERVAL_SECONDS = 1.0
-WORKER_EVENT_INTERVAL_SECONDS = 0.25
 STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
-# Several optimizer steps run in one tf.function execution (an ASP closure, a BSP call): each
-# execution pays fixed costs (ASP: the coordinator's dispatch and fetch round trips; BSP: a host sync
-# and the stop-vote collective). Chosen so that one execution takes about this long. Steps are timed
-# with their waits (see timed_steps); 0.25 s was chosen on a time without BSP's all-reduce wait, and
-# 0.25 s of the true time made BSP calls smaller and BSP 3% slower on digits (3 alternating pairs).
+# Several optimizer steps run in one tf.function execution (an ASP closure, a BSP call), sized so that
+# one execution takes about this long, waits included (steps are timed with them: see timed_steps):
+# each execution pays fixed costs (ASP: the coordinator's dispatch and fetch round trips; BSP: a host
+# sync and the stop-vote collective), which this amortizes.
 TARGET_EXECUTION_SECONDS = 0.33
 MAX_STEPS_PER_EXECUTION = 64
 # Executions of one step each, per worker, whose timing picks the automatic size.
 WARMUP_EXECUTIONS = 2
-
-
-@dataclass
-class NodeContext:
-    """What a training process knows about itself; built by syncswitch.node."""
-
-    spec: SegmentSpec
-    role: str
-    task: int
-    work_dir: str
-    data_dir: str  # local folder prepared by the launcher ("" for in-memory problems)
-    layout: RunLayout
-    hp: HParams
-    timings: dict[str, float] = field(default_factory=dict)
-    user_code: str = ""  # where this process imported the job's usr_dir from (a shipped copy on hosts)
-    # The distributed iterator, strategy and model of a finished loop. Freeing them tears down
-    # prefetch threads and collectives, which took 4.5 s after a segment had ended (time in every
-    # switch gap); the node exits with os._exit instead, so holding them here skips that teardown.
-    finished_objects: list[Any] = field(default_factory=list)
-
-    @property
-    def is_chief(self) -> bool:
-        return (self.role, self.task) in (("chief", 0), ("worker", 0) if self.spec.protocol == "bsp" else ())
-
-    def events(self) -> EventWriter:
-        return EventWriter(
-            self.layout.segment_events(self.spec.index, self.spec.protocol, self.role, self.task),
-            run_id=self.spec.run_id,
-            segment=self.spec.index,
-            protocol=self.spec.protocol,
-            role=self.role,
-            task=self.task,
-        )
 
 
 class StopSignal:
@@ -181,13 +144,13 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
     A step lasts until the next one starts (the last one until the loop has ended): an iteration
     begins only once every stateful op of the one before has run (automatic control dependencies),
     so this holds the update, and with it BSP's all-reduce (the wait for the peers) and ASP's
-    parameter-server round trips. A timestamp taken in the step after its update needed a control
-    dependency that cost BSP ~6% of its examples/s (3 alternating pairs); timed to the gradients,
-    BSP's waits fell between the timed steps and its step time equalled its compute time.
+    parameter-server round trips. No timestamp follows the update inside a step: it would need a
+    control dependency on the update, which slows BSP's step; and a step timed to its gradients only
+    would leave BSP's waits between the timed steps.
 
     An explicit ``tf.while_loop``, so that the step functions are traced with ``autograph=False``:
-    AutoGraph rewrote the Python source of every function a step calls (ours, the model's layers,
-    the optimizer's) on each node at its first step, the largest share of the first step's tracing.
+    AutoGraph would rewrite the Python source of every function a step calls (ours, the model's
+    layers, the optimizer's) on each node at its first step, the largest share of its tracing.
     Keras 3 layers have no Python control flow on tensors (they also run under JAX), so nothing needs
     it; a user model that does is refused before provisioning by the user-code check, which traces
     its forward and backward pass the same way (syncswitch.check)."""
@@ -225,24 +188,6 @@ def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
     return int(min(max(round(TARGET_EXECUTION_SECONDS / step_seconds), 1), MAX_STEPS_PER_EXECUTION))
 
 
-class ProgressFile:
-    """A small local file the chief writes and the launcher reads to show progress without parsing
-    events: the chief's latest step, loss and rate."""
-
-    def __init__(self, work_dir: str) -> None:
-        self.path = os.path.join(work_dir, "progress.json")
-
-    def write(self, **fields: Any) -> None:
-        storage.write_json(self.path, fields)
-
-    def read(self) -> dict[str, Any] | None:
-        """The latest progress; None before the chief's first write."""
-        return storage.read_json(self.path, default=None)
-
-    def clear(self) -> None:
-        storage.delete(self.path)
-
-
 # ---- model, optimizer, checkpoint -----------------------------------------------------------------
 
 
@@ -253,7 +198,7 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
     import keras
     import tensorflow as tf
 
-    from syncswitch.models import build_model, decayed_weights
+    from syncswitch.models import build_model, decayed_weights, example_loss
     from syncswitch.params import FlatModel
 
     # The same seed gives the same initial weights, so that runs are comparable and repeatable.
@@ -365,152 +310,7 @@ def save(
     return uri
 
 
-def example_loss(problem: Any, model: Any) -> Any:
-    """``fn(outputs, labels) -> per-example loss``: the model's ``example_loss(labels, outputs)`` when
-    it defines one, else the problem's ``loss``. (Weight decay is applied by the optimizer, beside
-    each variable: see syncswitch.optim.)"""
-    loss = getattr(model, "example_loss", None) or problem.loss
-    return lambda outputs, labels: loss(labels, outputs)
-
-
-# ---- reporting ------------------------------------------------------------------------------------
-
-
-class ChiefReporter:
-    """Rate-limited `step` events, the progress file and the segment result, written by the chief."""
-
-    def __init__(self, ctx: NodeContext, events: EventWriter, global_batch: int, start_samples: int) -> None:
-        self.ctx, self.events, self.global_batch = ctx, events, global_batch
-        self.progress = ProgressFile(ctx.work_dir)
-        self.start_samples = start_samples
-        self.started = time.time()
-        self.first_step_at: float | None = None
-        self._last_emit = 0.0
-        self._unreported: dict[str, Any] | None = None
-        self._last_samples = start_samples
-        self._last_time = time.time()
-        from syncswitch.tensorboard import TensorBoardWriter
-
-        self.tensorboard = TensorBoardWriter(ctx.layout, ctx.spec.protocol)
-
-    def step(
-        self,
-        *,
-        samples: int,
-        updates: int,
-        loss: float,
-        lr: float,
-        momentum: float,
-        step_time: float,
-        force: bool = False,
-    ) -> None:
-        now = time.time()
-        if self.first_step_at is None:
-            self.first_step_at = now
-        if not force and now - self._last_emit < LOG_INTERVAL_SECONDS:
-            # Kept, so that the segment's last step is an event (finish), however short the segment.
-            self._unreported = dict(
-                samples=samples, updates=updates, loss=loss, lr=lr, momentum=momentum, step_time=step_time
-            )
-            return
-        self._unreported = None
-        elapsed = max(now - self._last_time, 1e-9)
-        examples_per_sec = (samples - self._last_samples) / elapsed
-        global_step = samples / self.global_batch
-        self.events.emit(
-            "step",
-            global_step=global_step,
-            samples=samples,
-            updates=updates,
-            loss=loss,
-            examples_per_sec=examples_per_sec,
-            step_time=step_time,
-            learning_rate=lr,
-            momentum=momentum,
-        )
-        self.tensorboard.scalars(
-            global_step, loss=loss, examples_per_sec=examples_per_sec, learning_rate=lr, momentum=momentum
-        )
-        self.progress.write(
-            global_step=global_step,
-            until_step=self.ctx.spec.until_step,
-            loss=loss,
-            examples_per_sec=examples_per_sec,
-            time=now,
-        )
-        self._last_emit, self._last_samples, self._last_time = now, samples, now
-
-    def finish(
-        self,
-        *,
-        samples: int,
-        updates: int,
-        stopped_early: bool,
-        reason: str,
-        checkpoint_uri: str,
-        start_step: float,
-        evaluation: dict[str, float] | None,
-        extra: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        if self._unreported is not None:
-            self.step(**self._unreported, force=True)
-        ended = time.time()
-        seconds = ended - (self.first_step_at or ended)
-        done = samples - self.start_samples
-        result = {
-            "index": self.ctx.spec.index,
-            "protocol": self.ctx.spec.protocol,
-            "run_id": self.ctx.spec.run_id,
-            "start_step": start_step,
-            "end_step": samples / self.global_batch,
-            "until_step": self.ctx.spec.until_step,
-            "samples": samples,
-            "updates": updates,
-            "num_workers": self.ctx.spec.num_workers,
-            "started_at": self.ctx.timings.get("launch", self.started),
-            "first_step_at": self.first_step_at,
-            "ended_at": ended,
-            "seconds": seconds,
-            "examples_per_sec": done / seconds if seconds > 0 else 0.0,
-            "stopped_early": stopped_early,
-            "reason": reason,
-            "checkpoint": checkpoint_uri,
-            "startup": self._startup_split(),
-            **(extra or {}),
-            **(evaluation or {}),
-        }
-        self.events.emit(
-            "segment_end",
-            global_step=result["end_step"],
-            samples=samples,
-            updates=updates,
-            seconds=seconds,
-            examples_per_sec=result["examples_per_sec"],
-            stopped_early=stopped_early,
-            reason=reason,
-        )
-        scores = {k: v for k, v in (evaluation or {}).items() if k.startswith("test_")}
-        if scores:
-            self.events.emit("eval", global_step=result["end_step"], **scores)
-            self.tensorboard.scalars(result["end_step"], **scores)
-        self.tensorboard.close()
-        storage.write_json(
-            self.ctx.layout.segment_result(self.ctx.spec.index, self.ctx.spec.protocol), result
-        )
-        return result
-
-    def _startup_split(self) -> dict[str, float]:
-        """Launch -> first step, split into process start, cluster connect, restore, first step."""
-        t = self.ctx.timings
-        marks = [
-            ("process_start", "launch", "imported"),
-            ("cluster_connect", "imported", "cluster_ready"),
-            ("restore", "cluster_ready", "restored"),
-            ("first_step", "restored", "first_step"),
-        ]
-        if self.first_step_at is not None:
-            t = {**t, "first_step": self.first_step_at}
-        return {name: t[b] - t[a] for name, a, b in marks if a in t and b in t}
+# ---- segment events and evaluation ---------------------------------------------------------------
 
 
 def segment_start_event(
@@ -597,74 +397,6 @@ def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, Any] |
     return {k: v for k, v in scores.items() if k.startswith("test_") or k.startswith("export")}
 
 
-class WorkerTimer:
-    """Per-worker `worker_step` events (the straggler detector's input), averaged over ~0.25 s."""
-
-    def __init__(self, events: EventWriter, worker: int, probe: PeerProbe | None = None) -> None:
-        self.events, self.worker, self.probe = events, worker, probe
-        self._steps: list[tuple[float, float, float]] = []
-        self._last_emit = time.monotonic()
-        self._global_step = 0.0
-
-    def record(
-        self, *, global_step: float, step_time: float, compute_time: float, wait_time: float | None = None
-    ) -> None:
-        wait = max(step_time - compute_time, 0.0) if wait_time is None else wait_time
-        self._steps.append((step_time, compute_time, wait))
-        self._global_step = global_step
-        if time.monotonic() - self._last_emit >= WORKER_EVENT_INTERVAL_SECONDS:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._steps:
-            return
-        count = len(self._steps)
-        step_time, compute_time, wait_time = (
-            sum(column) / count for column in zip(*self._steps, strict=True)
-        )
-        self.events.emit(
-            "worker_step",
-            worker=self.worker,
-            global_step=self._global_step,
-            steps=count,
-            step_time=step_time,
-            compute_time=compute_time,
-            wait_time=wait_time,
-            **({"peer_rtt": self.probe.rtt} if self.probe is not None and self.probe.rtt is not None else {}),
-        )
-        self._steps.clear()
-        self._last_emit = time.monotonic()
-
-
-class StepBook:
-    """What both loops do after each call or closure of k steps: the worker's per-step timings, the
-    chief's rate-limited step event (with the LR and momentum of the last step), and the finite-loss
-    check. ``records`` holds per step [loss, own seconds, step seconds]."""
-
-    def __init__(self, schedule: Schedule, global_batch: int, reporter: ChiefReporter | None) -> None:
-        self.schedule, self.global_batch, self.reporter = schedule, global_batch, reporter
-
-    def after_steps(
-        self, records: Any, timer: WorkerTimer, *, samples: int, updates: int, samples_per_step: int
-    ) -> None:
-        """``samples`` and ``updates`` count up to the last of the steps; each step is
-        ``samples_per_step`` samples (a BSP step is the global batch, an ASP update one worker's)."""
-        last_step = samples / self.global_batch
-        step = samples_per_step / self.global_batch
-        for j, (_loss, own, took) in enumerate(records):
-            global_step = last_step - (len(records) - 1 - j) * step
-            timer.record(global_step=global_step, step_time=float(took), compute_time=float(own))
-        loss = float(records[-1][0])
-        if self.reporter is not None:
-            lr, momentum = self.schedule.at(last_step - step)
-            step_time = float(records[-1][2])
-            self.reporter.step(
-                samples=samples, updates=updates, loss=loss, lr=lr, momentum=momentum, step_time=step_time
-            )
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {last_step:g}")
-
-
 class SegmentSession:
     """What a segment's loop does besides stepping, the same under BSP and ASP: its events, the graceful
     stop request, the step book, checkpoints and the segment's result. Only the node that reports (the
@@ -690,7 +422,7 @@ class SegmentSession:
         self.events = ctx.events()
         self.stop_signal = StopSignal(ctx.layout.stop_request(ctx.spec.index)) if reports else None
         self.reporter = ChiefReporter(ctx, self.events, global_batch, self.start_samples) if reports else None
-        self.book = StepBook(schedule, global_batch, self.reporter)
+        self.book = StepBook(schedule.at, global_batch, self.reporter)
         if reports:
             segment_start_event(ctx, self.events, self.start_step, schedule, self.restored)
 

@@ -9,11 +9,11 @@ learns it but not in one step. Sequences have random lengths, padded with 0 to `
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Unpack
 
 import numpy as np
 import tensorflow as tf
-from syncswitch.problems import Problem
+from syncswitch.problems import Problem, TrainStream, training_pipeline
 from syncswitch.registry import register_problem
 
 VOCAB_SIZE = 2000
@@ -53,19 +53,11 @@ class SyntheticText(Problem):
     max_length = MAX_LENGTH
     num_classes = NUM_CLASSES
 
-    def train_dataset(
-        self, local_dir: str, *, batch_size: int, shard_index: Any, num_shards: int, seed: int
-    ) -> tf.data.Dataset:
+    def train_dataset(self, local_dir: str, **stream: Unpack[TrainStream]) -> tf.data.Dataset:
         # do_not_convert: under ParameterServerStrategy this runs in a traced dataset_fn.
         tokens, labels = tf.autograph.experimental.do_not_convert(make_split)("train")
-        return (
-            tf.data.Dataset.from_tensor_slices(({"tokens": tokens}, labels))
-            .shard(num_shards, shard_index)
-            .shuffle(len(labels), seed=seed, reshuffle_each_iteration=True)
-            .repeat()
-            .batch(batch_size, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE)
-        )
+        examples = tf.data.Dataset.from_tensor_slices(({"tokens": tokens}, labels))
+        return training_pipeline(examples, shuffle_buffer=len(labels), **stream)
 
     def test_dataset(self, local_dir: str, *, batch_size: int) -> tf.data.Dataset:
         tokens, labels = make_split("test")

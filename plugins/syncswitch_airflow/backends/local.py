@@ -21,12 +21,12 @@ group, or whose launcher was SIGKILLed, is still found.
 A standby fork server (``<work root>/standby-forkserver``) has imported TensorFlow before any run
 asks: the process that keeps it (the embedded Airflow's WarmLocalExecutor, ``StandbyForkServer``)
 starts one whenever none runs and no local cluster trains, in a session of its own, and it dies with
-that process. Provisioning claims it (``forkserver.claim``): the standby forks the cluster's server
-into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it finds a
-server the cluster started, and stands by for the next cluster. So one import serves every local run
-while its keeper lives. Without one (none kept, or still importing after STANDBY_CLAIM_WAIT_S)
-provisioning starts the cluster's own; the first segment's nodes then wait for its import (seconds
-of CPU, on the path to the run's first step).
+that process. Provisioning claims it (``forkserver_client.claim``): the standby forks the cluster's
+server into the cluster's folder with the cluster's marker, so teardown finds it and its nodes as it
+finds a server the cluster started, and stands by for the next cluster. So one import serves every
+local run while its keeper lives. Without one (none kept, or still importing after
+STANDBY_CLAIM_WAIT_S) provisioning starts the cluster's own; the first segment's nodes then wait for
+its import, on the path to the run's first step.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from syncswitch import forkserver, supervise
+from syncswitch import forkserver_client, supervise
 from syncswitch.layout import RunLayout
 from syncswitch.procs import ENV_PLACEHOLDER, mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
@@ -64,7 +64,7 @@ STANDBY_SETTING = "local_standby_forkserver"
 STANDBY_FOLDER = "standby-forkserver"
 # How long provisioning waits for a standby server that is still importing before it starts its own.
 STANDBY_CLAIM_WAIT_S = 60.0
-GB_PER_TF_PROCESS = 0.9  # a TF process's peak RSS, with headroom (docs/benchmarks.md)
+GB_PER_TF_PROCESS = 0.9  # a TF process's peak resident memory, with headroom
 TEARDOWN_GRACE_S = 15.0
 # A cluster with no process and no write for this long is gone (its run abandoned): its slot is freed.
 # Between segments and retries a live run's cluster has no process for seconds to a minute. An
@@ -144,14 +144,14 @@ class LocalBackend:
         (provision is idempotent). A new one imports TensorFlow in the background; the first
         segment's launcher waits for it."""
         server_dir = handle["forkserver_dir"]
-        if forkserver.status(server_dir) != forkserver.ABSENT:
+        if forkserver_client.status(server_dir) != forkserver_client.ABSENT:
             return
         marker = {CLUSTER_ENV: handle["work_dir"]}
-        claimed = forkserver.claim(self.standby_dir, server_dir, marker, timeout=STANDBY_CLAIM_WAIT_S)
+        claimed = forkserver_client.claim(self.standby_dir, server_dir, marker, timeout=STANDBY_CLAIM_WAIT_S)
         if claimed is not None:
             log.info("run %s: claimed the standby fork server (pid %d)", handle.get("run"), claimed)
             return
-        server = forkserver.start(server_dir, env=cluster_environment(**marker))
+        server = forkserver_client.start(server_dir, env=cluster_environment(**marker))
         log.info("run %s: started the cluster's fork server (pid %d)", handle.get("run"), server.pid)
 
     @property
@@ -176,7 +176,7 @@ class LocalBackend:
         if outcome["leftovers"]:
             raise ClusterError(f"run {handle.get('run')}: processes survived SIGKILL: {outcome['leftovers']}")
         # A fork server started a moment ago may not show its environment to that scan yet.
-        late_server = forkserver.kill_started(handle["forkserver_dir"])
+        late_server = forkserver_client.kill_started(handle["forkserver_dir"])
         terminated = outcome["stopped"] + ([late_server] if late_server is not None else [])
         shutil.rmtree(work_dir, ignore_errors=True)
         self.capacity().release(handle.get("run", ""))
@@ -278,7 +278,10 @@ class StandbyForkServer:
         cores it trains on) or ``[syncswitch] local_standby_forkserver`` is 0; its pid if started."""
         self._reap_ended()
         standby_dir = self.backend.standby_dir
-        if not settings.get_int(STANDBY_SETTING) or forkserver.status(standby_dir) != forkserver.ABSENT:
+        if (
+            not settings.get_int(STANDBY_SETTING)
+            or forkserver_client.status(standby_dir) != forkserver_client.ABSENT
+        ):
             return None
         if self.backend.capacity().holders():
             return None
@@ -288,7 +291,7 @@ class StandbyForkServer:
             return None
         shutil.rmtree(standby_dir, ignore_errors=True)  # what a dead one left
         env = cluster_environment(**{CLUSTER_ENV: ENV_PLACEHOLDER})
-        server = forkserver.start(standby_dir, env=env, die_with_parent=True, standby=True)
+        server = forkserver_client.start(standby_dir, env=env, die_with_parent=True, standby=True)
         self.started.append(server)
         log.info("started a standby fork server (pid %d) in %s", server.pid, standby_dir)
         return server.pid
@@ -296,7 +299,7 @@ class StandbyForkServer:
     def stop(self) -> int | None:
         """Kill the standby server (not the servers it forked for clusters: those are the clusters');
         its pid."""
-        pid = forkserver.kill_started(self.backend.standby_dir)
+        pid = forkserver_client.kill_started(self.backend.standby_dir)
         shutil.rmtree(self.backend.standby_dir, ignore_errors=True)
         self._reap_ended()
         return pid
@@ -326,7 +329,7 @@ def _cluster_gone(lease: dict[str, Any]) -> bool:
     """A local cluster lives while its fork server or any process of it does, or while its folder was
     written to lately: a live run's cluster has no process only between segments and retries."""
     cluster_dir = lease.get("cluster_dir", "")
-    if forkserver.status(os.path.join(cluster_dir, "forkserver")) != forkserver.ABSENT:
+    if forkserver_client.status(os.path.join(cluster_dir, "forkserver")) != forkserver_client.ABSENT:
         return False
     if processes_with_env(CLUSTER_ENV, cluster_dir):
         return False
