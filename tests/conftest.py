@@ -177,6 +177,7 @@ EMBEDDED_AIRFLOW_TESTS = (
 # the other still in a long file.
 LONGEST_GROUPS = (
     "embedded-airflow",
+    "docker",
     "tests/test_distributed.py",
     "tests/test_hosts_backend.py",
     "tests/test_runtime_cluster.py",
@@ -188,10 +189,18 @@ LONGEST_GROUPS = (
 )
 
 
+# The tests on a Docker engine, together: one engine (started once) and its image cache serve them.
+DOCKER_TESTS = ("tests/test_compose_stack.py::", "tests/test_install_python313.py::")
+
+
 def xdist_group_of(nodeid: str) -> str:
-    """A test's xdist group: the embedded Airflow's tests together, any other test with its file (its
-    module fixtures, a testbed or a Celery deployment, are built once)."""
-    return "embedded-airflow" if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS) else nodeid.split("::")[0]
+    """A test's xdist group: the embedded Airflow's tests together, the Docker ones together, any
+    other test with its file (its module fixtures, a testbed or a Celery deployment, are built once)."""
+    if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS):
+        return "embedded-airflow"
+    if nodeid.startswith(DOCKER_TESTS):
+        return "docker"
+    return nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -221,6 +230,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:  # noqa
             return xdist_group_of(nodeid)
 
     return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[Any]:
+    """The machine's Docker engine (one started here if none runs, stopped at the end), with the
+    stand-ins of the official base images built where no registry is reachable; the test is skipped,
+    saying why, where no engine can run (testing/docker_stack.py)."""
+    from docker_stack import DockerEngine, DockerUnavailable
+
+    try:
+        engine = DockerEngine.ensure()
+    except DockerUnavailable as exc:
+        pytest.skip(f"no Docker engine: {exc}")
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="session")
