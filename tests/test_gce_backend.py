@@ -419,7 +419,8 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
     from the bucket and resumes from the last checkpoint."""
     backend = GceBackend()
     job = JobSpec.from_params(
-        conf(bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50], gce=gce_param(gpus="none"))
+        # 750 steps past the checkpoint the chief's VM goes at: room for the deletion, however fast.
+        conf(bucket, switch_order="1", train_steps=[800], ckpt_frequency=[50], gce=gce_param(gpus="none"))
     )
     layout = RunLayout.for_run(bucket, "gce", "chief-gone")
     handle = backend.provision(job, layout)
@@ -431,7 +432,7 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
         assert "went with the chief's VM" in backend.segment_log_tail(handle, 0)
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
-        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+        assert result["end_step"] == 800 and result["start_step"] >= 50, result
         vms = read_state(layout)["vms"]
         assert vms[chief]["state"] == "revoked" and not vms[chief]["preempted"]
         replacement = vms[f"{chief}-r1"]
@@ -450,7 +451,8 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
     last checkpoint, with the variables restored onto the new parameter server."""
     backend = GceBackend()
     job = JobSpec.from_params(
-        conf(bucket, switch_order="0", train_steps=[900], ckpt_frequency=[300], gce=gce_param(gpus="none"))
+        # 1,200 steps past the checkpoint the parameter server's VM goes at: room for the deletion.
+        conf(bucket, switch_order="0", train_steps=[1500], ckpt_frequency=[300], gce=gce_param(gpus="none"))
     )
     layout = RunLayout.for_run(bucket, "gce", "ps-gone")
     handle = backend.provision(job, layout)
@@ -462,7 +464,7 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
         assert ended.exit_code != 0, ended
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
-        assert result["end_step"] == 900 and result["start_step"] >= 300, result
+        assert result["end_step"] == 1500 and result["start_step"] >= 300, result
         vms = read_state(layout)["vms"]
         assert vms[ps]["state"] == "revoked" and vms[f"{ps}-r1"]["state"] == "running"
     finally:
@@ -514,7 +516,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
         conf(
             bucket,
             switch_order="1",
-            train_steps=[400],
+            train_steps=[800],  # 750 steps past the preemption's checkpoint
             ckpt_frequency=[50],
             gce=gce_param(on_revocation="shrink"),
         )
@@ -533,7 +535,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
         state = read_state(layout)
-        assert result["end_step"] == 400 and result["start_step"] >= 50
+        assert result["end_step"] == 800 and result["start_step"] >= 50
         (shrunk,) = [e for e in state["cluster_events"] if e["kind"] == "shrunk"]
         assert shrunk["workers"] == 1 and shrunk["planned_workers"] == 2
         assert shrunk["hparams"] == f"batch_size={2 * segment.resolved_hparams().batch_size}"

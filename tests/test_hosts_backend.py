@@ -508,7 +508,7 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     """ "101" through the DAG (dag.test), each node on its own host, each segment resuming from the
     previous one's checkpoint in the bucket. Worker 1's host is lost just past ASP's checkpoint at
     ~1000 (of 30..3030): the segment finishes with the survivors. It is back by the last BSP
-    segment, whose worker 2's host is lost past its checkpoint at 3050 (of 3030..3330): that attempt
+    segment, whose worker 2's host is lost past its checkpoint at 3050 (of 3030..3630): that attempt
     fails cleanly, the host comes back while the task waits for its retry, and Airflow's retry
     resumes from the last checkpoint and ends exactly on target. The launcher names each lost node
     (node_lost events, kept for both attempts on gs://)."""
@@ -520,7 +520,8 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
         "switch_order": "101",
         # The ASP segment is long enough (~1 min on an idle machine) for the launcher to see the lost
         # host's lease time out (~17 s) before the segment ends.
-        "train_steps": [30, 3000, 300],
+        # The last BSP runs 550 steps past the checkpoint its host is lost at: room for the loss.
+        "train_steps": [30, 3000, 600],
         "ckpt_frequency": [30, 1000, 50],
         "stall_seconds": 180,
         "num_workers": 3,
@@ -554,7 +555,7 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     layout = RunLayout.for_run(bucket, "hosts", dag_run.run_id)
     state = read_state(layout)
     assert [e["protocol"] for e in state["plan"]] == ["bsp", "asp", "bsp"]
-    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [30, 3030, 3330]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [30, 3030, 3630]
     assert state["segments"]["1"]["start_step"] == 30  # from segment 0's checkpoint in the bucket
     assert state["segments"]["2"]["start_step"] >= 3050  # the retry resumed from a checkpoint
     assert segment_starts(layout) == {0: 1, 1: 1, 2: 2}, "ASP went on; the last BSP ran twice"
@@ -588,7 +589,8 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
     exited without a code once it is back (a restarted VM keeps its disk, not its processes). The
     retry starts a fork server there again and resumes from the last checkpoint in the bucket."""
     backend = HostsBackend()
-    spec_job = job(bed, bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50])
+    # 750 steps past the checkpoint the chief is lost at: room for the refused second launch first.
+    spec_job = job(bed, bucket, switch_order="1", train_steps=[800], ckpt_frequency=[50])
     layout = RunLayout.for_run(bucket, "hosts", "chief-lost")
     handle = backend.provision(spec_job, layout)
     chief = bed.hosts[0]
@@ -614,7 +616,7 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
         wait_until_segment_ended(backend, handle, 0, timeout=300)
         assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
         result = read_state_result(layout, 0, "bsp")
-        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+        assert result["end_step"] == 800 and result["start_step"] >= 50, result
     finally:
         backend.teardown(handle)
     assert_hosts_clean(bed)
