@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 from syncswitch import storage, usercode
-from syncswitch.layout import RunLayout, join
+from syncswitch.layout import SWEEP_PROGRESS, RunLayout, SweepLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
@@ -63,7 +63,7 @@ KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "re
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_TIMEOUT_SECONDS = 24 * 3600.0
 # In the report folder: every run of the sweep as triggered and as ended, for a start that resumes it.
-PROGRESS_FILE = "sweep-runs.json"
+PROGRESS_FILE = SWEEP_PROGRESS
 
 
 class SweepError(ValueError):
@@ -238,7 +238,7 @@ def report_dir(sweep: Sweep, out: str | None) -> str:
         return out
     bucket = next(iter(sweep.configs.values())).bucket_dir
     bucket = bucket if storage.is_remote(bucket) else str(Path(bucket).resolve())
-    return join(bucket, "_sweeps", sweep.name)
+    return SweepLayout.for_sweep(bucket, sweep.name).root
 
 
 def main(argv: list[str] | None = None) -> int:
