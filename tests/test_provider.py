@@ -58,6 +58,30 @@ def test_airflow_providers_list_shows_it(tmp_path: Path) -> None:
     assert config_value("gce_clusters", AIRFLOW__SYNCSWITCH__GCE_CLUSTERS="7") == "7"
 
 
+def test_airflow_plugins_shows_the_report_tab_and_its_app(tmp_path: Path) -> None:
+    """Airflow finds the plugin through the distribution's airflow.plugins entry point, as any
+    component does where the provider is installed: a Report tab on DAG runs, its app under /syncswitch."""
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    done = subprocess.run(
+        [str(AIRFLOW), "plugins", "--output", "json"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plugins = {p["name"]: p for p in json.loads(done.stdout[done.stdout.index("[") :])}
+    plugin = plugins["syncswitch"]
+    assert plugin["source"].startswith(f"{PACKAGE_NAME}==")
+    assert plugin["external_views"] == [
+        {
+            "name": "Report",
+            "href": "syncswitch/runs/{DAG_ID}/{RUN_ID}/report/",
+            "destination": "dag_run",
+            "url_route": "syncswitch-report",
+        }
+    ]
+    assert [(a["url_prefix"], a["app"]) for a in plugin["fastapi_apps"]] == [
+        ("/syncswitch", "fastapi.applications.FastAPI")
+    ]
+
+
 def test_a_setting_comes_from_its_old_variable_then_the_config_section_then_its_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
