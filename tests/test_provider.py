@@ -112,24 +112,31 @@ def test_the_docs_list_every_setting() -> None:
     assert rows == {s.key for s in settings.SETTINGS}
 
 
-def test_run_links_point_at_the_report_the_folder_and_the_tensorboard_logs() -> None:
-    """The tasks' extra links (the embedded Airflow end-to-end test reads them through the REST API)."""
+def test_run_links_point_at_the_plugins_pages_on_the_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tasks' extra links (the embedded Airflow end-to-end test reads them through the REST API): the
+    plugin's pages of the run under ``[api] base_url``, whatever and wherever the bucket is."""
     from types import SimpleNamespace
 
     from syncswitch_airflow.links import RUN_LINKS
 
-    def links(run_dir: object) -> dict[str, str]:
-        return {link.name: link.get_link(SimpleNamespace(run_dir=run_dir), ti_key=None) for link in RUN_LINKS}
+    run = SimpleNamespace(dag_id="sync_switch", run_id="manual__2026-11-25T10:00:00+00:00")
 
-    assert links("gs://my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00") == {
-        "Run report": "https://storage.cloud.google.com/my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00"
-        "/report/index.html",
-        "Run bucket folder": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
-        "manual__2026-11-25T10_00_00_00_00/",
-        "TensorBoard logs": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
-        "manual__2026-11-25T10_00_00_00_00/tensorboard/",
+    def links(run_dir: object) -> dict[str, str]:
+        return {link.name: link.get_link(SimpleNamespace(run_dir=run_dir), ti_key=run) for link in RUN_LINKS}
+
+    server = "https://airflow.example.com/team"
+    run_path = "/syncswitch/runs/sync_switch/manual__2026-11-25T10%3A00%3A00%2B00%3A00"
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", f"{server}/")
+    remote = links("gs://my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00")
+    assert remote == {
+        "Run report": f"{server}{run_path}/report/",
+        "Run bucket folder": f"{server}{run_path}/folder",
+        "TensorBoard logs": f"{server}{run_path}/folder#tensorboard",
     }
-    assert links("/data/runs/job/a run")["Run report"] == "file:///data/runs/job/a%20run/report/index.html"
+    assert links("/data/runs/job/a run") == remote
+    # Without a base_url, a path from the api-server's root: the UI opens it on its own origin.
+    monkeypatch.delenv("AIRFLOW__API__BASE_URL")
+    assert links("/data/runs/job/a run")["Run report"] == f"{run_path}/report/"
     # Before the plan task has made the run folder, the template renders to nothing: no link.
     assert set(links("None").values()) == set(links(None).values()) == {""}
     info = get_provider_info()
