@@ -7,9 +7,10 @@ without a login is refused.
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -20,6 +21,7 @@ from conftest import new_bucket
 from proc_utils import wait_for
 from syncswitch.layout import SweepLayout
 from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
+from syncswitch_airflow.embedded.boot import wait_healthy
 
 pytestmark = [pytest.mark.airflow, pytest.mark.cluster, needs_chromium]
 
@@ -32,14 +34,19 @@ def page(embedded_airflow: EmbeddedAirflow) -> Iterator:  # noqa: ANN201 - playw
         yield page
 
 
-def get(url: str, token: str | None = None) -> tuple[int, str, bytes]:
-    """``GET url``: status, content type, body (any status)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as answer:
-            return answer.status, answer.headers.get("Content-Type", ""), answer.read()
-    except urllib.error.HTTPError as refused:
-        return refused.code, refused.headers.get("Content-Type", ""), refused.read()
+def get_from(airflow: EmbeddedAirflow) -> Callable[..., tuple[int, str, bytes]]:
+    """``get(url, token=None)``: status, content type and body of ``GET url`` (any status), waiting
+    for an api-server that its supervisor restarts, as the REST client does."""
+
+    def once(url: str, token: str | None) -> tuple[int, str, bytes]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as answer:
+                return answer.status, answer.headers.get("Content-Type", ""), answer.read()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.headers.get("Content-Type", ""), refused.read()
+
+    return lambda url, token=None: airflow.api.answered(lambda: once(url, token))
 
 
 def test_the_report_tab_shows_the_runs_report_from_its_gs_bucket(
@@ -50,6 +57,7 @@ def test_the_report_tab_shows_the_runs_report_from_its_gs_bucket(
     conf = {"job_name": f"{SWEEP}-bsp", "bucket_dir": bucket_dir, "switch_order": "1", "total_steps": 40}
     run_id, layout = trigger(airflow, conf)
     assert wait_run(airflow, run_id) == "success"
+    wait_healthy(airflow, time.monotonic() + 180)
 
     # The finished run, then its Report tab: the report's page in the tab's iframe, its plots loaded.
     page.goto(f"{airflow.url}/dags/{DAG_ID}/runs/{quote(run_id, safe='')}")
@@ -74,6 +82,7 @@ def test_the_report_tab_shows_the_runs_report_from_its_gs_bucket(
     print(f"screenshot of the Report tab: {screenshot}")
 
     # Airflow's own auth: no session or token, or a forged token, is refused.
+    get = get_from(airflow)
     run_url = f"{airflow.url}/syncswitch/runs/{DAG_ID}/{quote(run_id, safe='')}"
     for path in ("report/", "report/accuracy.png", "folder", "sweep/"):
         assert get(f"{run_url}/{path}")[0] in (401, 403), path
