@@ -166,6 +166,7 @@ EMBEDDED_AIRFLOW_TESTS = (
     "tests/test_airflow_faults.py::",
     "tests/test_embedded_airflow.py::",
     "tests/test_recurring_jobs.py::",
+    "tests/test_report_tab.py::",
     "tests/test_trigger_form.py::",
     "tests/test_hosts_backend.py::test_a_network_straggler_",
     "tests/test_sweep.py::test_a_sweep_started_again_",

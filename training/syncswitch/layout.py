@@ -25,7 +25,14 @@ A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job
     runs/<run_id>.json                  one immutable record per finished run (syncswitch_airflow.history)
     claims.json                         {run_id: claim}: the BSP fraction each started run took
 
-Job names are lowercase letters, digits and '-', so ``_history`` can never be a job's folder.
+and a sweep's comparison report (``syncswitch sweep``) in ``<bucket_dir>/_sweeps/<name>/``
+(:class:`SweepLayout`; its runs' jobs are ``<name>-<label>``)::
+
+    comparison.html, comparison.json, *.png   the report (syncswitch_airflow.tools.compare)
+    sweep-runs.json                     {runs: [{label, repeat, run_id, run_dir, state, ...}]}: its runs
+
+Job names are lowercase letters, digits and '-', so ``_history`` and ``_sweeps`` can never be a job's
+folder.
 
 ``bucket_dir`` is a local folder or a ``gs://bucket/prefix`` URI; all access goes through
 ``syncswitch.storage`` so the same paths work for both. Run ids become path segments through
@@ -67,6 +74,15 @@ class RunLayout:
     @classmethod
     def for_run(cls, bucket_dir: str, job_name: str, run_id: str) -> RunLayout:
         return cls(join(bucket_dir, job_name, safe_run_id(run_id)))
+
+    @property
+    def bucket_dir(self) -> str:
+        """The bucket folder that holds the run's job folder."""
+        return self.root.rsplit("/", 2)[0]
+
+    @property
+    def job_name(self) -> str:
+        return self.root.rsplit("/", 2)[1]
 
     @property
     def state(self) -> str:
@@ -169,6 +185,30 @@ class JobHistoryLayout:
     def claims(self) -> str:
         """One document for all claims: a run decides and claims in one atomic update of it."""
         return join(self.root, "claims.json")
+
+
+SWEEPS_DIR = "_sweeps"
+SWEEP_PROGRESS = "sweep-runs.json"
+
+
+@dataclass(frozen=True)
+class SweepLayout:
+    """Paths of one sweep's report. ``root`` is ``<bucket_dir>/_sweeps/<name>`` by default."""
+
+    root: str
+
+    @classmethod
+    def for_sweep(cls, bucket_dir: str, name: str) -> SweepLayout:
+        return cls(join(bucket_dir, SWEEPS_DIR, name))
+
+    @property
+    def page(self) -> str:
+        return join(self.root, "comparison.html")
+
+    @property
+    def progress(self) -> str:
+        """The sweep's runs as triggered and as ended: what a start that resumes it reads."""
+        return join(self.root, SWEEP_PROGRESS)
 
 
 def safe_run_id(run_id: str) -> str:
