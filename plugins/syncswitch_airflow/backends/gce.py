@@ -393,8 +393,10 @@ class GceBackend:
     # ---- teardown --------------------------------------------------------------------------------
 
     def teardown(self, handle: Handle) -> dict[str, Any]:
-        """Delete every VM and the firewall rule of the run; verify by label that none is left."""
+        """Upload the VMs' logs the run folder lacks, then delete every VM and the firewall rule of
+        the run; verify by label that none is left."""
         layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        self._upload_logs(handle)
         deleted = self._delete_all(layout, cloud)
         left = [i.name for i in self.hook.instances_labelled(cloud["project"], cloud["labels"])]
         if left:
@@ -408,6 +410,14 @@ class GceBackend:
             cloud["firewall"],
         )
         return {"deleted": deleted, "firewall": cloud["firewall"]}
+
+    def _upload_logs(self, handle: Handle) -> None:
+        """The running VMs' logs, before their disks go with them (a VM that does not answer is
+        skipped: its logs came home with its launcher, or are lost with it)."""
+        try:
+            self.hosts.upload_logs(self.current(handle))
+        except Exception as exc:  # noqa: BLE001 - a log must not keep a VM billed
+            log.warning("run %s: the VMs' logs not uploaded: %s", handle.get("run"), exc)
 
     def _delete_all(self, layout: RunLayout, cloud: dict[str, Any]) -> list[str]:
         """Delete, in parallel, every instance the run recorded or labelled; gone counts as deleted."""

@@ -225,6 +225,32 @@ def _launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
         launch_entry(run_dir, state, entry, log)
 
 
+def describe_failure(event: dict[str, Any] | None) -> str:
+    """A failed try's ``segment_failed`` event, for the task log: the node that failed first, where,
+    how, and its last lines; where every node's log is."""
+    if event is None:
+        return "the launcher named no failed node (it did not get that far, or went with its host)"
+    logs = f"every node's log: {event.get('logs')}/"
+    if not event.get("node"):
+        return f"no node failed; {logs}"
+    where = f" on host {event['host']}" if event.get("host") else ""
+    code = event.get("exit_code")
+    if event.get("lost"):
+        how = "its host or fork server stopped answering"
+    elif isinstance(code, int) and code < 0:
+        how = f"killed by signal {-code}"
+    else:
+        how = f"exited with {code}"
+    step = event.get("global_step")
+    at = f" at step {plans.step_text(step)}" if step is not None else ""
+    lines = [str(line) for line in event.get("last_lines") or []]
+    tail = "\n".join(f"  | {line}" for line in lines) or "  (its log is empty)"
+    return (
+        f"the node that failed first: {event['node']}{where} ({how}){at}; its last {len(lines)} lines:\n"
+        f"{tail}\nits log: {event.get('log')}; {logs}"
+    )
+
+
 class SegmentTrigger(FieldsTrigger):
     """Fires when segment ``index`` of the run in ``run_dir`` ends, fails, or stalls."""
 
@@ -370,13 +396,22 @@ class SegmentTrigger(FieldsTrigger):
 
     async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
         log_tail = await self.bucket.in_thread(backend.segment_log_tail, self.handle, self.index)
-        self.log.error("%s failed: %s\nlauncher log tail:\n%s", self.label, reason, log_tail)
+        failure = await self._from_bucket(self._failure_event)
+        described = describe_failure(failure)
+        self.log.error("%s failed: %s\n%s\nlauncher log tail:\n%s", self.label, reason, described, log_tail)
+        metrics.segment_failed((failure or {}).get("node"), **self.tags)
         # Leave nothing running, so that a retry starts cleanly from the latest checkpoint.
         try:
             await self.bucket.in_thread(backend.stop_segment, self.handle, self.index)
         except Exception as exc:  # noqa: BLE001 - teardown_cluster kills whatever is left
             self.log.error("%s: stopping its processes failed: %s", self.label, exc)
         return self._failure()
+
+    def _failure_event(self) -> dict[str, Any] | None:
+        """This try's ``segment_failed`` event (its launcher's account of the failure), if it wrote one."""
+        folder = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
+        failures = EventTail(folder, self.event_offsets).read_new("segment_failed", stream="launcher-0")
+        return failures[-1] if failures else None
 
     def _failure(self) -> TriggerEvent:
         """Airflow retries a TaskFailedEvent up to the task's ``retries``: the last try of the job's
