@@ -329,12 +329,9 @@ class EventTail:
         self.offsets = storage.file_sizes(self.folder, suffix=".jsonl")
         return dict(self.offsets)
 
-    def read_new(self, event: str | None = None, stream: str = "") -> list[dict[str, Any]]:
-        """``stream``: only that process's files (``launcher-0``: launcher-0.jsonl and its parts)."""
+    def read_new(self, event: str | None = None) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
         for uri in storage.list_files(self.folder, suffix=".jsonl"):
-            if stream and uri.rsplit("/", 1)[-1].split(".", 1)[0] != stream:
-                continue
             offset = self.offsets.get(uri, 0)
             chunk = storage.read_bytes_from(uri, offset)
             complete = chunk[: chunk.rfind(b"\n") + 1]

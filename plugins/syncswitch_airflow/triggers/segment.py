@@ -98,11 +98,13 @@ class Progress:
 @dataclass
 class SegmentEvents:
     """What the trigger follows in a try's events: the chief's newest step (progress), its first step
-    and newest checkpoint (the checkpoint's age), and the launcher's lost nodes."""
+    and newest checkpoint (the checkpoint's age), the launcher's lost nodes and its account of a
+    failure (``segment_failed``)."""
 
     progress: Progress | None = None
     first_step_at: float | None = None
     checkpoint_at: float | None = None
+    failure: dict[str, Any] | None = None
 
     def follow(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Take in new events (in wall-time order); returns the ``node_lost`` ones among them."""
@@ -113,6 +115,8 @@ class SegmentEvents:
                 self.first_step_at = self.first_step_at or self.progress.wall_time
             elif kind == "checkpoint":
                 self.checkpoint_at = float(event.get("wall_time", 0.0)) or self.checkpoint_at
+            elif kind == "segment_failed":
+                self.failure = event
         return [event for event in events if event.get("event") == "node_lost"]
 
     def checkpoint_age(self, now: float) -> float | None:
@@ -278,6 +282,8 @@ class SegmentTrigger(FieldsTrigger):
         # kwargs (run_dir), not a snapshot that a later launch (a moved fork server) would outdate.
         self.handle: Handle = {}
         self.tags: dict[str, Any] = {}  # the metrics' (dag, job, segment), known once it runs
+        self._tail: EventTail | None = None  # this try's events, read as it runs
+        self._seen = SegmentEvents()
         self.stall_seconds = stall_seconds
         self.stall_grace_seconds = stall_grace_seconds
         self.poll_seconds = poll_seconds
@@ -298,9 +304,9 @@ class SegmentTrigger(FieldsTrigger):
         self.tags = self._metric_tags(state)
         backend = get_backend(self.handle["backend"])
         folder = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
-        tail = EventTail(folder, self.event_offsets)
+        self._tail = tail = EventTail(folder, self.event_offsets)
         stall = StallWatch(self.stall_seconds)
-        seen = SegmentEvents()
+        seen = self._seen
         started = time.monotonic()
         next_look = next_log = next_status = started
         unknown_since: float | None = None
@@ -396,7 +402,9 @@ class SegmentTrigger(FieldsTrigger):
 
     async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
         log_tail = await self.bucket.in_thread(backend.segment_log_tail, self.handle, self.index)
-        failure = await self._from_bucket(self._failure_event)
+        if self._tail is not None:  # the launcher's last events: its lost nodes, its account
+            self._follow(self._seen, await self._from_bucket(self._tail.read_new) or [])
+        failure = self._seen.failure
         described = describe_failure(failure)
         self.log.error("%s failed: %s\n%s\nlauncher log tail:\n%s", self.label, reason, described, log_tail)
         metrics.segment_failed((failure or {}).get("node"), **self.tags)
@@ -406,12 +414,6 @@ class SegmentTrigger(FieldsTrigger):
         except Exception as exc:  # noqa: BLE001 - teardown_cluster kills whatever is left
             self.log.error("%s: stopping its processes failed: %s", self.label, exc)
         return self._failure()
-
-    def _failure_event(self) -> dict[str, Any] | None:
-        """This try's ``segment_failed`` event (its launcher's account of the failure), if it wrote one."""
-        folder = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
-        failures = EventTail(folder, self.event_offsets).read_new("segment_failed", stream="launcher-0")
-        return failures[-1] if failures else None
 
     def _failure(self) -> TriggerEvent:
         """Airflow retries a TaskFailedEvent up to the task's ``retries``: the last try of the job's
