@@ -250,7 +250,8 @@ def describe_failure(event: dict[str, Any] | None) -> str:
     lines = [str(line) for line in event.get("last_lines") or []]
     tail = "\n".join(f"  | {line}" for line in lines) or "  (its log is empty)"
     return (
-        f"the node that failed first: {event['node']}{where} ({how}){at}; its last {len(lines)} lines:\n"
+        f"the node that failed first: {event['node']}{where} ({how}){at}; "
+        f"its last {len(lines)} line{'' if len(lines) == 1 else 's'}:\n"
         f"{tail}\nits log: {event.get('log')}; {logs}"
     )
 
