@@ -254,10 +254,10 @@ class GceBackend:
             state.record_vm(
                 layout, vm["name"], state="revoked", ended_at=ended or time.time(), preempted=preempted
             )
-            recorded = state.record_cluster_event(
+            state.record_cluster_event(
                 layout, "revoked", vm["name"], role=vm["role"], status=status, preempted=preempted
             )
-            _count(metrics.REVOCATIONS, recorded, vm, preempted=str(preempted).lower())
+            _count(metrics.REVOCATIONS, cloud, vm, preempted=str(preempted).lower())
             log.warning(
                 "run %s: VM %s (%s %d) revoked: %s%s",
                 handle["run"],
@@ -294,14 +294,14 @@ class GceBackend:
             operation = self.hook.request_instance(body, new.zone, gce.project)
         except Exception as exc:  # a stock-out answers at once; the next launch tries again
             state.record_vm(layout, new.name, state="failed", ended_at=time.time(), error=str(exc)[:300])
-            recorded = state.record_cluster_event(
+            state.record_cluster_event(
                 layout, "replacement_failed", new.name, replaces=vm["name"], error=str(exc)[:300]
             )
-            _count(metrics.REPLACEMENTS, recorded, vm, outcome="refused")
+            _count(metrics.REPLACEMENTS, cloud, vm, outcome="refused")
             log.warning("run %s: replacement %s for %s refused: %s", handle["run"], new.name, vm["name"], exc)
             return
-        recorded = state.record_vm(layout, new.name, operation=operation)
-        _count(metrics.REPLACEMENTS, recorded, vm, outcome="requested")
+        state.record_vm(layout, new.name, operation=operation)
+        _count(metrics.REPLACEMENTS, cloud, vm, outcome="requested")
         log.info("run %s: replacement %s requested for %s", handle["run"], new.name, vm["name"])
 
     def _await_replacements(self, handle: Handle) -> None:
@@ -323,15 +323,15 @@ class GceBackend:
                 self._pin_host_key(layout, cloud, vm["name"], vm["zone"])
                 _wait_for_ssh(_host_specs(cloud, [state.read_state(layout)["vms"][vm["name"]]]))
             except Exception as exc:
-                recorded = state.record_vm(
+                state.record_vm(
                     layout, vm["name"], state="failed", ended_at=time.time(), error=str(exc)[:300]
                 )
-                _count(metrics.REPLACEMENTS, recorded, vm, outcome="failed")
+                _count(metrics.REPLACEMENTS, cloud, vm, outcome="failed")
                 raise ClusterError(
                     f"replacement VM {vm['name']} for {vm['replaces']} did not start: {exc}"
                 ) from exc
-            recorded = state.record_cluster_event(layout, "replaced", vm["replaces"], by=vm["name"])
-            _count(metrics.REPLACEMENTS, recorded, vm, outcome="running")
+            state.record_cluster_event(layout, "replaced", vm["replaces"], by=vm["name"])
+            _count(metrics.REPLACEMENTS, cloud, vm, outcome="running")
             log.info(
                 "run %s: replacement %s running in place of %s", handle["run"], vm["name"], vm["replaces"]
             )
@@ -487,9 +487,11 @@ def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: flo
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _count(metric: metrics.Metric, recorded: state.State, vm: dict[str, Any], **tags: str) -> None:
-    """One VM's revocation or replacement step, as a metric of the run that ``recorded`` is."""
-    metrics.send(metric, 1, job_name=recorded.get("job_name"), backend="gce", role=vm.get("role"), **tags)
+def _count(metric: metrics.Metric, cloud: dict[str, Any], vm: dict[str, Any], **tags: str) -> None:
+    """One VM's revocation or replacement step, as a metric of the job the run's labels name (known
+    from provisioning on, before the run's state is)."""
+    job = cloud.get("labels", {}).get(LABEL_JOB)
+    metrics.send(metric, 1, job_name=job, backend="gce", role=vm.get("role"), **tags)
 
 
 def _record_requested(layout: RunLayout, vm: VmPlan, **more: Any) -> None:
