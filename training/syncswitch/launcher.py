@@ -114,13 +114,15 @@ class Node:
         return f"{self.name}{where} ({how})"
 
 
-def first_failed(nodes: list[Node]) -> Node | None:
+def first_failed(nodes: list[Node], tolerated: set[str] | frozenset[str] = frozenset()) -> Node | None:
     """The node whose failure came first, as far as the launcher can tell: a node lost with its host
     or server, then one killed by a signal, then one that exited with an error, each kind in the
     order the launcher saw them end. A peer's death makes the others fail in turn (BSP's collectives
     abort; an aborted chief exits with an error), often before the lost one's lease times out, so
-    the kind of end counts before its time. Nodes the launcher stopped itself do not count."""
-    failed = [n for n in nodes if not n.stopped_here and n.poll() not in (None, 0)]
+    the kind of end counts before its time. Nodes the launcher stopped itself do not count, nor
+    ``tolerated`` ones (ASP workers the segment went on without) while another node failed."""
+    ended = [n for n in nodes if not n.stopped_here and n.poll() not in (None, 0)]
+    failed = [n for n in ended if n.name not in tolerated] or ended
 
     def order(node: Node) -> tuple[int, float]:
         kind = 0 if node.lost else 1 if (node.poll() or 0) < 0 else 2
@@ -536,7 +538,7 @@ class SegmentCluster:
         last lines, or every node's last lines where none failed (a stall); and where every log goes.
         Also the launcher's ``segment_failed`` event, which the segment task's log shows."""
         self.logs.pull_all(skip=[n.name for n in self.nodes if n.lost])
-        node = first_failed(self.nodes)
+        node = first_failed(self.nodes, {f"worker-{task}" for task in self._lost_workers})
         logs = self.layout.segment_logs(self.spec.index, self.spec.protocol)
         progress = self.progress.read() or {}
         self._emit(
