@@ -641,7 +641,11 @@ def _supervise(cluster: SegmentCluster, result_uri: str) -> dict[str, Any]:
             raise SegmentFailed(f"the chief exited without writing {result_uri}")
         return result
     except SegmentFailed as exc:
-        raise SegmentFailed(f"{exc}\n{cluster.failure_report(str(exc))}") from None
+        try:
+            report = cluster.failure_report(str(exc))
+        except Exception as error:  # noqa: BLE001 - the failure stands, named or not
+            report = f"(the node that failed first could not be named: {type(error).__name__}: {error})"
+        raise SegmentFailed(f"{exc}\n{report}") from None
 
 
 def _ready_forkserver(
