@@ -334,6 +334,25 @@ class SessionAirflow:
         self.wait_for_dags = wait_for_dags
         self.replaced: list[str] = []
 
+    def with_its_settings(self) -> Any:  # noqa: ANN401 - EmbeddedAirflow
+        """``serving()``, started again with the session's settings where the instance runs without
+        them: one that ``syncswitch run`` started again after it had stopped (test_airflow_faults'
+        last test) has the CLI's, without the session's metrics and bucket connection."""
+        from proc_utils import environ
+        from syncswitch_airflow.embedded.supervisor import read_status
+
+        instance = self.serving()
+        status = read_status(Path(instance.home)) or {}
+        scheduler = status.get("components", {}).get("scheduler", {}).get("pid")
+        wanted = {f"AIRFLOW__{key}": value for key, value in instance.settings_overrides.items()}
+        running = environ(scheduler) if scheduler else {}
+        if all(running.get(key) == value for key, value in wanted.items()):
+            return instance
+        print("the session's embedded Airflow runs without its settings; starting it again", file=sys.stderr)
+        instance.stop()
+        self.start()
+        return instance
+
     def start(self) -> None:
         self.instance.start(wait_for_dags=self.wait_for_dags, timeout=600)
 
@@ -472,6 +491,13 @@ def session_airflow(
 def embedded_airflow(session_airflow: SessionAirflow):  # noqa: ANN201 - EmbeddedAirflow
     """The session's embedded Airflow, found serving before the test (or replaced: SessionAirflow)."""
     return session_airflow.serving()
+
+
+@pytest.fixture
+def metrics_airflow(embedded_airflow: Any, session_airflow: SessionAirflow):  # noqa: ANN201, ANN401
+    """The session's embedded Airflow sending its metrics to the session's StatsD sink (started again
+    with the session's settings where it runs without them: SessionAirflow.with_its_settings)."""
+    return session_airflow.with_its_settings()
 
 
 def stop_with_the_cli(home: Path) -> None:

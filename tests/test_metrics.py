@@ -239,7 +239,7 @@ BSP_STEPS = 4000
 
 
 def test_a_run_on_the_embedded_airflow_sends_each_metric_it_makes(
-    embedded_airflow: EmbeddedAirflow, statsd_sink: StatsdSink, tmp_path: Path
+    metrics_airflow: EmbeddedAirflow, statsd_sink: StatsdSink, tmp_path: Path
 ) -> None:
     """A "10" digits job with greedy online switching on the real scheduler, which sends its metrics to
     the session's StatsD sink: worker 1 of the BSP segment runs at a quarter speed until greedy has
@@ -265,13 +265,13 @@ def test_a_run_on_the_embedded_airflow_sends_each_metric_it_makes(
         "max_online_switches": 1,
     }
     with ProgressThrottle(LocalSegmentNodes(JOB, 0, "worker-1"), switched) as straggler:
-        run_id, layout = trigger(embedded_airflow, conf)
+        run_id, layout = trigger(metrics_airflow, conf)
         wait_for(switched, timeout=600, what="greedy's switch to ASP", poll=1)
     assert straggler.slowed, "the BSP segment's worker 1 was never found"
     wait_for_step(layout, 1, "asp", 1)
     (worker,) = LocalSegmentNodes(JOB, 1, "worker-1")()
     os.kill(worker, signal.SIGKILL)
-    assert wait_run(embedded_airflow, run_id) == "success"
+    assert wait_run(metrics_airflow, run_id) == "success"
     state = json.loads(Path(layout.state).read_text())
     assert [(e["protocol"], e["origin"]) for e in state["plan"]] == [
         ("bsp", "plan"),
