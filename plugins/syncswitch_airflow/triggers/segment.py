@@ -332,7 +332,9 @@ class SegmentTrigger(FieldsTrigger):
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + self.progress_seconds
-                self._follow(seen, await self._from_bucket(tail.read_new) or [])
+                events = await self._from_bucket(tail.read_new) or []
+                # In a thread: a process's first metric has Airflow's Stats read its table of metric names.
+                await asyncio.to_thread(self._follow, seen, events)
                 stall.observe(seen.progress.global_step if seen.progress else None)
                 if now >= next_log:
                     next_log = now + self.log_seconds
@@ -404,11 +406,12 @@ class SegmentTrigger(FieldsTrigger):
     async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
         log_tail = await self.bucket.in_thread(backend.segment_log_tail, self.handle, self.index)
         if self._tail is not None:  # the launcher's last events: its lost nodes, its account
-            self._follow(self._seen, await self._from_bucket(self._tail.read_new) or [])
+            events = await self._from_bucket(self._tail.read_new) or []
+            await asyncio.to_thread(self._follow, self._seen, events)
         failure = self._seen.failure
         described = describe_failure(failure)
         self.log.error("%s failed: %s\n%s\nlauncher log tail:\n%s", self.label, reason, described, log_tail)
-        metrics.segment_failed((failure or {}).get("node"), **self.tags)
+        await asyncio.to_thread(metrics.segment_failed, (failure or {}).get("node"), **self.tags)
         # Leave nothing running, so that a retry starts cleanly from the latest checkpoint.
         try:
             await self.bucket.in_thread(backend.stop_segment, self.handle, self.index)
