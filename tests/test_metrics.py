@@ -247,8 +247,9 @@ def test_a_run_on_the_embedded_airflow_sends_each_metric_it_makes(
     the online ASP segment is killed once it steps (ASP goes on without it). Every metric such a run
     makes arrives, tagged, with a plausible value: the segments' throughput and duration, the two
     switch gaps, the decision and the switch, the checkpoint's age, the node loss, the chief's bucket
-    retries (none) and the run's outcome and accuracy. (Failures, revocations and the Airflow side's
-    bucket retries are in the tests above and in test_hosts_backend.)"""
+    retries (none) and the run's outcome and accuracy. (The Airflow side's bucket retries are
+    above; a failed segment in test_segment_trigger and test_hosts_backend; revocations and
+    replacements in test_gce_backend.)"""
     runs = tmp_path / "runs"
 
     def switched() -> bool:
