@@ -409,14 +409,16 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
 
 
 def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_the_checkpoint(
-    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path, statsd_here: Any
 ) -> None:
     """The chief VM (launcher, BSP worker 0 and the only checkpointer; on-demand, so never preempted)
     deleted out of band mid-segment: the next status poll records it revoked, requests its
     replacement and reports the segment ended without a result at once (its launcher went with the
     VM: the segment trigger fails the task without waiting out an unknown status); the
     retry waits for the replacement, pins its host key, starts a fork server there with the token
-    from the bucket and resumes from the last checkpoint."""
+    from the bucket and resumes from the last checkpoint. The revocation and the replacement are
+    metrics; the teardown brings the VMs' logs home before it deletes them (the launcher's, which
+    only the teardown uploads)."""
     backend = GceBackend()
     job = JobSpec.from_params(
         # 750 steps past the checkpoint the chief's VM goes at: room for the deletion, however fast.
@@ -441,6 +443,13 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
     finally:
         backend.teardown(handle)
     assert_nothing_left(fake, bed)
+    samples = statsd_here.received("airflow.syncswitch.cluster.")
+    revoked = [s.tags for s in samples if s.name.endswith(".revocations")]
+    assert revoked == [{"job_name": "gce", "backend": "gce", "role": "chief", "preempted": "false"}]
+    replaced = [s.tags["outcome"] for s in samples if s.name.endswith(".replacements")]
+    assert replaced == ["requested", "running"]
+    logs = {uri.rsplit("/", 1)[1] for uri in storage.list_files(layout.segment_logs(0, "bsp"))}
+    assert {"launcher-0.log", "worker-0.log", "worker-1.log"} <= logs, logs
 
 
 def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_its_replacement(

@@ -232,7 +232,9 @@ def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_le
 
 def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_leftover_processes) -> None:
     """A dead BSP worker aborts the segment; the last checkpoint is intact and a rerun resumes from it.
-    The rerun also injects a straggler, which must show in that worker's compute time."""
+    The failure names the worker that died first (not the chief its death aborted) with its last
+    lines, and every node's log is in the run folder. The rerun also injects a straggler, which must
+    show in that worker's compute time."""
     run_dir, work_dir = tmp_path / "run", tmp_path / "work"
     no_leftover_processes(re.escape(str(tmp_path)))
     args = [
@@ -264,6 +266,16 @@ def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_left
     assert proc.returncode == 1, err[-3000:]
     assert "segment failed" in err
     assert "worker-1" in {e["node"] for e in segment_events(str(run_dir), 0, "bsp", "node_lost")}
+    logs = RunLayout(str(run_dir)).segment_logs(0, "bsp")
+    assert "the node that failed first: worker-1 (killed by signal 9); its last lines:" in err, err[-3000:]
+    assert f"every node's log: {logs}/" in err
+    (failed,) = segment_events(str(run_dir), 0, "bsp", "segment_failed")
+    assert (failed["node"], failed["exit_code"], failed["lost"]) == ("worker-1", -9, False), failed
+    assert failed["log"] == f"{logs}/worker-1.log" and failed["reason"].startswith("the chief exited with")
+    worker_1 = Path(logs, "worker-1.log").read_text().splitlines()
+    assert worker_1[0].startswith("worker 1 of segment 0 (bsp), pid ")
+    assert failed["last_lines"] == worker_1[-20:]
+    assert sorted(p.name for p in Path(logs).iterdir()) == ["worker-0.log", "worker-1.log"]
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
     assert manifest is not None and manifest["global_step"] >= 40
     resumed_from = manifest["global_step"]

@@ -34,6 +34,10 @@ Per event type, the extra keys are:
     node_lost      node (e.g. worker-1), host (its host's name; null on the launcher's own), exit_code,
                    global_step (the chief's, when the launcher saw it), outcome (what followed: ASP
                    continues with the survivors, or the segment fails); written by the launcher
+    segment_failed reason, node (the node that failed first, or null: syncswitch.launcher.first_failed),
+                   host, exit_code, lost (its host or fork server stopped answering), global_step,
+                   last_lines (its log's), log (its log in the run folder), logs (every node's);
+                   written by the launcher as the segment fails
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
@@ -64,6 +68,7 @@ EVENT_TYPES = (
     "straggler",
     "watchdog",
     "node_lost",
+    "segment_failed",
     "steps_per_execution",
     "segment_end",
 )

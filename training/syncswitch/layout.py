@@ -11,6 +11,9 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     metrics/seg-<ii>-<protocol>/result.json   SegmentResult written by the chief when the segment ends
     tensorboard/                        scalars of the whole logical run, keyed by global step
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
+    logs/seg-<ii>-<protocol>/           every node's log, <role>-<task>.log, and its launcher's,
+        <role>-<task>.log               launcher-0.log: uploaded at the segment's end, at its failure
+                                        and at teardown (syncswitch.nodelogs)
     report/                             summary.json, index.html, *.png
     cluster/syncswitch-runtime.whl      gce clusters: the runtime's wheel the VMs' startup script installs
     cluster/usercode-<digest>.tar.gz    hosts and gce clusters: the job's usr_dir, as every node imports it
@@ -113,6 +116,17 @@ class RunLayout:
 
     def segment_result(self, index: int, protocol: str) -> str:
         return join(self.segment_metrics(index, protocol), "result.json")
+
+    @property
+    def logs(self) -> str:
+        return join(self.root, "logs")
+
+    def segment_logs(self, index: int, protocol: str) -> str:
+        return join(self.logs, segment_name(index, protocol))
+
+    def node_log(self, index: int, protocol: str, node: str) -> str:
+        """``node`` is a node's name (``worker-1``) or ``launcher-0``."""
+        return join(self.segment_logs(index, protocol), f"{node}.log")
 
     @property
     def tensorboard(self) -> str:
