@@ -406,7 +406,8 @@ class MigrationStamp:
     skipped only while all of them are unchanged; any other database (PostgreSQL) is always migrated."""
 
     FILE = "migrated.json"
-    OURS = "AIRFLOW__SYNCSWITCH__"  # this provider's section: it has no tables
+    # Sections with no tables (this provider's; where metrics are sent): no migration depends on them.
+    WITHOUT_TABLES = ("AIRFLOW__SYNCSWITCH__", "AIRFLOW__METRICS__")
     # Ports an instance picks as it starts: no migration depends on them.
     PER_START = frozenset(
         f"AIRFLOW__{key}"
@@ -464,7 +465,7 @@ class MigrationStamp:
         settings = sorted(
             f"{k}={v}"
             for k, v in self.environ.items()
-            if k.startswith("AIRFLOW__") and k not in self.PER_START and not k.startswith(self.OURS)
+            if k.startswith("AIRFLOW__") and k not in self.PER_START and not k.startswith(self.WITHOUT_TABLES)
         )
         try:
             config = (self.home / "airflow.cfg").read_text()
