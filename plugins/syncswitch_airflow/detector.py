@@ -83,7 +83,6 @@ class WorkerStat:
     factor: float | None  # mean / baseline of the other workers; None without a baseline
     open_step: bool = False  # the mean was raised by a step still in progress at window end
 
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerStat:
         values = dict(data)

@@ -68,13 +68,13 @@ class Missing(Exception):
 
 @app.exception_handler(Missing)
 def _missing(_request: Request, exc: Missing) -> HTMLResponse:
-    body = f'<p>{html.escape(str(exc))}</p>'
+    body = f"<p>{html.escape(str(exc))}</p>"
     return HTMLResponse(page("Not there", body), status_code=404, headers=HEADERS)
 
 
 @app.exception_handler(storage.BucketUnavailable)
 def _unavailable(_request: Request, exc: storage.BucketUnavailable) -> HTMLResponse:
-    body = f'<p>The bucket does not answer: {html.escape(str(exc))}</p>'
+    body = f"<p>The bucket does not answer: {html.escape(str(exc))}</p>"
     return HTMLResponse(page("Bucket unavailable", body), status_code=503, headers=HEADERS)
 
 
