@@ -47,7 +47,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
     """Check ``job`` (a syncswitch.spec.JobSpec); returns what was checked, with timings."""
     started = time.monotonic()
     usercode.load(job.usr_dir)
-    from syncswitch.hparams import HParamsError, get_hparams
+    from syncswitch.hparams import HParamsError, check_one_optimizer, get_hparams
     from syncswitch.registry import FIELDS, REGISTRY
 
     model_what, problem_what = f"model {job.model!r}", f"problem {job.problem!r}"
@@ -57,6 +57,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
     try:
         base = get_hparams(job.hparam_set, job.model)
         hparams = [base.override(overrides) for overrides in job.hparams]
+        check_one_optimizer(hparams)
     except HParamsError as err:
         field, _, message = str(err).partition(": ")
         raise SpecError(field, message) from None
@@ -77,13 +78,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
         from syncswitch.params import FlatModel
 
         model = build_model(hp, problem)
-        flat = FlatModel(
-            model,
-            groups=job.num_ps,
-            nesterov=hp.optimizer_momentum_nesterov,
-            weight_decay=hp.weight_decay,
-            decayed=decayed_weights(model),
-        )
+        flat = FlatModel(model, groups=job.num_ps, hp=hp, decayed=decayed_weights(model))
     loss = _forward_backward(flat, model, problem, features, labels, builder, job)
     test_metrics = _evaluation_batch(model, problem, local_data, job)
     return {

@@ -31,7 +31,14 @@ from syncswitch.errors import SpecError
 from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
-from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
+from syncswitch.hparams import (
+    HParams,
+    HParamsError,
+    PythonOps,
+    check_one_optimizer,
+    first_moment,
+    get_hparams,
+)
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
@@ -201,7 +208,7 @@ class SwitchConfig:
     """The configuration policy: effective LR factor and momentum of one protocol at a given point."""
 
     learning_rate_scale: float
-    momentum: float
+    momentum: float  # momentum SGD's momentum; Adam's beta1
 
 
 def switch_config(
@@ -215,11 +222,19 @@ def switch_config(
 ) -> SwitchConfig:
     """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
     and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
-    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at."""
-    m = hp.optimizer_momentum_momentum
+    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at.
+
+    Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule.
+    The rule exists because heavy-ball momentum multiplies the step (by 1/(1-m) at steady state) on top
+    of the momentum that stale asynchronous updates add; Adam's first moment is an average, which
+    does not multiply the step, and its update has a size of about the LR per element, so N updates
+    at LR/N move the weights as far per sample as one BSP step at the LR."""
+    m = first_moment(hp)
     if protocol == "bsp":
         return SwitchConfig(1.0, m)
     scale = 1.0 / num_workers
+    if hp.optimizer != "momentum":
+        return SwitchConfig(scale, m)
     if rule == "keep":
         momentum = m
     elif rule == "zero":
@@ -393,8 +408,7 @@ class JobSpec:
         """The built-in hparam set and the overrides apply."""
         try:
             hp = get_hparams(self.hparam_set, self.model)
-            for overrides in self.hparams:
-                hp.override(overrides)
+            check_one_optimizer([hp.override(overrides) for overrides in self.hparams])
         except HParamsError as exc:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]

@@ -90,10 +90,23 @@ class TensorOps:
 class Schedule:
     """LR and momentum as pure functions of progress (configuration policy + LR schedule): ``at`` in
     Python (for logs), ``tensors`` in a step graph (per optimizer step, inside a multi-step execution).
-    Both evaluate the one formula of syncswitch.hparams / syncswitch.spec."""
+    Both evaluate the one formula of syncswitch.hparams / syncswitch.spec.
 
-    def __init__(self, spec: SegmentSpec, hp: HParams, start_step: float) -> None:
+    The segment starts at ``start_step`` with ``start_updates`` optimizer updates done in the job (the
+    checkpoint's counters) and applies ``updates_per_step`` updates per BSP-equivalent step (BSP 1,
+    ASP N): each step's update number, Adam's bias-correction count, follows from its progress."""
+
+    def __init__(
+        self,
+        spec: SegmentSpec,
+        hp: HParams,
+        start_step: float,
+        *,
+        start_updates: int = 0,
+        updates_per_step: int = 1,
+    ) -> None:
         self.spec, self.hp, self.start_step = spec, hp, start_step
+        self.start_updates, self.updates_per_step = start_updates, updates_per_step
 
     def _evaluate(self, step: Any, ops: Any) -> tuple[Any, Any]:
         cfg = switch_config(
@@ -111,12 +124,23 @@ class Schedule:
     def at(self, step: float) -> tuple[float, float]:
         return self._evaluate(float(step), PythonOps)
 
-    def tensors(self, step: Any) -> tuple[Any, Any]:
-        """(lr, momentum) as float32 tensors at a float64 ``step`` tensor."""
+    def tensors(self, step: Any) -> Any:
+        """The optimizer's StepConfig (syncswitch.optim) as float32 tensors at a float64 ``step``
+        tensor: LR and momentum (Adam's beta1), beta2 and epsilon, and the step's update number in
+        the job, counted from 1."""
         import tensorflow as tf
 
+        from syncswitch.optim import StepConfig
+
         lr, momentum = self._evaluate(step, TensorOps)
-        return tf.cast(lr, tf.float32), tf.cast(momentum, tf.float32)
+        done = tf.round((step - self.start_step) * self.updates_per_step)  # exact: progress is in samples
+        return StepConfig(
+            learning_rate=tf.cast(lr, tf.float32),
+            momentum=tf.cast(momentum, tf.float32),
+            beta2=tf.constant(self.hp.optimizer_adam_beta2, tf.float32),
+            epsilon=tf.constant(self.hp.optimizer_adam_epsilon, tf.float32),
+            update=tf.cast(self.start_updates + done + 1.0, tf.float32),
+        )
 
 
 def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
@@ -125,11 +149,11 @@ def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
     ``started`` to the gradients (this worker's own compute)."""
     import tensorflow as tf
 
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any]:
+    def replica_step(x: Any, y: Any, config: Any, started: Any) -> tuple[Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, loss_fn)
         with tf.control_dependencies(grads):
             computed = tf.timestamp()
-        flat.apply(grads, statistics, lr, momentum)
+        flat.apply(grads, statistics, config)
         return loss, computed - started
 
     return replica_step
@@ -138,7 +162,8 @@ def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
 def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run_step: Any) -> Any:
     """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
     timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
-    (float64); ``run_step(x, y, lr, momentum, started)``: its [loss, own seconds] as float32. Returns
+    (float64); ``run_step(x, y, config, started)``: its [loss, own seconds] as float32, ``config`` the
+    optimizer's StepConfig of that step (``Schedule.tensors``). Returns
     the records [loss, own seconds, step seconds], shape [count, 3].
 
     A step lasts until the next one starts (the last one until the loop has ended): an iteration
@@ -160,8 +185,8 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             x, y = next(iterator)
-        lr, momentum = schedule.tensors(step_at(j))
-        return j + 1, records.write(j, run_step(x, y, lr, momentum, started)), starts.write(j, started)
+        config = schedule.tensors(step_at(j))
+        return j + 1, records.write(j, run_step(x, y, config, started)), starts.write(j, started)
 
     # One step at a time (parallel_iterations=1): each step's timestamps are its own.
     _, records, starts = tf.while_loop(
@@ -192,9 +217,10 @@ def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
 
 
 def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[str, Any]:
-    """The flat model (syncswitch.params: weights, velocities and batch-norm statistics placed by
+    """The flat model (syncswitch.params: weights, optimizer slots and batch-norm statistics placed by
     ``strategy``; every variable exists before PSS's first schedule) and the checkpoint, which holds
-    the canonical per-variable form: a local template model, its velocities, and the progress."""
+    the canonical per-variable form: a local template model, its optimizer's slots (a velocity, or
+    Adam's two moments, per variable), and the progress."""
     import keras
     import tensorflow as tf
 
@@ -208,22 +234,22 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
         flat = FlatModel(
             template,
             groups=ctx.spec.num_ps if ctx.spec.protocol == "asp" else 1,
-            nesterov=ctx.hp.optimizer_momentum_nesterov,
-            weight_decay=ctx.hp.weight_decay,
+            hp=ctx.hp,
             decayed=decayed_weights(template),
         )
-    velocities = tf.Module(name="optimizer")
-    velocities.velocities = flat.velocity_template()
+    slots = tf.Module(name="optimizer")
+    for name, variables in flat.slot_templates().items():  # momentum: optimizer/velocities/<i>
+        setattr(slots, name, variables)
     checkpoint = tf.train.Checkpoint(
         model=template,
-        optimizer=velocities,
+        optimizer=slots,
         samples=tf.Variable(0, dtype=tf.int64, trainable=False, name="samples"),
         updates=tf.Variable(0, dtype=tf.int64, trainable=False, name="updates"),
     )
     return {
         "flat": flat,
         "template": template,
-        "velocities": velocities.velocities,
+        "slots": [v for variables in flat.slot_templates().values() for v in variables],
         "checkpoint": checkpoint,
         "loss": example_loss(problem, template),
     }
@@ -241,12 +267,12 @@ def build_and_restore(ctx: NodeContext, strategy: Any, problem: Any) -> tuple[di
 
 
 def weights_digest(state: dict[str, Any]) -> str:
-    """SHA-256 over the template's weights (BN statistics included) and velocities, i.e. the
+    """SHA-256 over the template's weights (BN statistics included) and optimizer slots, i.e. the
     checkpoint's content: the proof that a handoff between protocols restored bit-identical state."""
     import hashlib
 
     digest = hashlib.sha256()
-    for variable in [*state["template"].weights, *state["velocities"]]:
+    for variable in [*state["template"].weights, *state["slots"]]:
         digest.update(variable.numpy().tobytes())
     return digest.hexdigest()
 
@@ -330,16 +356,20 @@ def segment_start_event(
         learning_rate=lr,
         momentum=momentum,
         momentum_rule=ctx.spec.momentum_rule,
+        optimizer=ctx.hp.optimizer,
         weight_decay=ctx.hp.weight_decay,
         steps_per_execution=ctx.hp.steps_per_execution,
         **_user_code_fields(ctx),
     )
     k = ctx.hp.steps_per_execution or f"auto (about {TARGET_EXECUTION_SECONDS * 1000:.0f} ms per execution)"
+    # Adam's beta1 takes momentum's place, and the momentum rule does not apply to it (switch_config).
+    first = f"momentum={momentum:.4g}" if ctx.hp.optimizer == "momentum" else f"beta1={momentum:.4g}"
+    rule = ctx.spec.momentum_rule if ctx.hp.optimizer == "momentum" else "n/a"
     print(
         f"[{ctx.spec.run_id}] segment {ctx.spec.index} ({ctx.spec.protocol}) starts at step "
-        f"{start_step:g} -> {ctx.spec.until_step}: per optimizer step lr={lr:.5g} momentum={momentum:.4g} "
-        f"weight_decay={ctx.hp.weight_decay:g} batch/worker={ctx.hp.batch_size} "
-        f"workers={ctx.spec.num_workers} momentum_rule={ctx.spec.momentum_rule}; steps per execution: {k}",
+        f"{start_step:g} -> {ctx.spec.until_step}: optimizer {ctx.hp.optimizer}, per optimizer step "
+        f"lr={lr:.5g} {first} weight_decay={ctx.hp.weight_decay:g} batch/worker={ctx.hp.batch_size} "
+        f"workers={ctx.spec.num_workers} momentum_rule={rule}; steps per execution: {k}",
         flush=True,
     )
 
