@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
 JOB_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+# The job name of the built-in demo (the digits CNN without user code) when a job names none.
+DEMO_JOB_NAME = "digits-demo"
 # The most retries a job may ask for per segment: the segment tasks' own ``retries`` (Airflow's
 # ceiling), of which a run uses its job's ``segment_retries``.
 MAX_SEGMENT_RETRIES = 20
@@ -96,8 +99,11 @@ FIELDS: tuple[Field, ...] = (
         "job_name",
         "string",
         "Job name",
-        "Names the run folder <bucket_dir>/<job_name>/<run_id>/: lowercase letters, digits and '-'.",
+        "Names the run folder <bucket_dir>/<job_name>/<run_id>/ and the job's history: lowercase "
+        f"letters, digits and '-'. Empty: <model>-<problem> ({DEMO_JOB_NAME} for the built-in demo), "
+        "so the runs of different models never share a folder or a history.",
         pattern=JOB_NAME_PATTERN,
+        nullable=True,
         original_flag="--job-name",
     ),
     Field(
@@ -382,6 +388,16 @@ FIELDS: tuple[Field, ...] = (
 )
 
 FIELDS_BY_NAME = {field.name: field for field in FIELDS}
+
+
+def default_job_name(model: str, problem: str, usr_dir: str) -> str:
+    """The job name of a job that names none: the demo's for the built-in demo, else
+    ``<model>-<problem>`` made a valid job name (lowercase, ``-`` for anything else, 63 characters at
+    most), so that a user's runs and their history never land in the demo's folder."""
+    if not usr_dir and (model, problem) == ("cnn", "digits"):
+        return DEMO_JOB_NAME
+    name = re.sub(r"[^a-z0-9]+", "-", f"{model}-{problem}".lower()).strip("-")
+    return name[:63].rstrip("-") or DEMO_JOB_NAME
 
 
 # ---- flags -------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
-from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
+from syncswitch.fields import DEMO_JOB_NAME, FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES, default_job_name
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import (
@@ -253,7 +253,7 @@ def switch_config(
 class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
 
-    job_name: str = "digits-demo"
+    job_name: str = DEMO_JOB_NAME  # none given: fields.default_job_name (parse_params)
     switch_order: str = "10"
     train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
     total_steps: int = 400
@@ -317,7 +317,11 @@ class JobSpec:
         for name in known:
             raw = params.get(name)
             # Absent or empty means "use the default"; data_dir's default is itself empty.
-            values[name] = getattr(defaults, name) if raw is None or raw == "" or raw == [] else raw
+            values[name] = getattr(defaults, name) if _absent(raw) else raw
+        if _absent(params.get("job_name")):  # the job is named after its model and problem
+            values["job_name"] = default_job_name(
+                str(values["model"]), str(values["problem"]), str(values["usr_dir"])
+            )
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
@@ -600,6 +604,11 @@ class JobSpec:
 
 
 # ---- field parsers: each names its field in the error -------------------------------------------
+
+
+def _absent(raw: Any) -> bool:
+    """A param left out, or left empty (null, "", []): the field's default applies."""
+    return raw is None or raw == "" or raw == []
 
 
 def _seq(value: Any) -> list:
