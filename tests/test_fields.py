@@ -32,6 +32,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "hparam_set": ("resnet_cifar_32", ["resnet_cifar_32"], {"model": "resnet", "problem": "synthetic_cifar"}),
     "problem": ("synthetic_cifar", ["synthetic_cifar"], {"model": "resnet", "hparam_set": "resnet_cifar_20"}),
     "usr_dir": ("examples.mnist1d", ["examples.mnist1d"], {}),
+    "hooks": (["notify", "copy"], ["notify", "copy"], {"usr_dir": "examples.mnist1d"}),
     "data_dir": ("gs://data/digits", ["gs://data/digits"], {}),
     "bucket_dir": ("gs://bucket/runs", ["gs://bucket/runs"], {}),
     "cluster_backend": ("hosts", ["hosts"], {"hosts": HOSTS, "bucket_dir": "gs://b/r"}),

@@ -106,7 +106,7 @@ def field_param(field: Field, default: Any) -> Param:
         schema["enum"] = list(field.choices)
     elif field.registry == "backend":
         schema["enum"] = REGISTRY.names("backend")  # a closed set: the backends installed here
-    elif field.registry:
+    elif field.registry and field.type == "string":
         schema.update(_registered(field.registry, default))
     elif field.type == "string" and not field.nullable and not field.pattern:
         schema["minLength"] = 1

@@ -211,6 +211,18 @@ FIELDS: tuple[Field, ...] = (
         metavar="FOLDER|FILE.py|MODULE",
     ),
     Field(
+        "hooks",
+        "array",
+        "Hooks",
+        "Registered hooks (a usr_dir's @register_hooks, or entry points) whose on_checkpoint(step, path) "
+        "and on_evaluate(step, metrics) run on the chief at each checkpoint and evaluation; a hook's "
+        "error is logged and training goes on. See docs/bring-your-own-model.md.",
+        items="string",
+        registry="hooks",
+        repeat_flag="--hook",
+        metavar="NAME",
+    ),
+    Field(
         "data_dir",
         "string",
         "Data folder",
@@ -472,6 +484,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "model": (),
     "hparam_set": (),
     "usr_dir": ("--usr-dir", "--t2t-usr-dir"),
+    "hooks": (),
     "hparams": (),
     "data_dir": (),
     "total_steps": (),

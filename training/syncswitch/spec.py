@@ -153,6 +153,7 @@ class SegmentSpec:
     usr_dir: str = ""
     usr_code_uri: str = ""
     usr_code_digest: str = ""
+    hooks: tuple[str, ...] = ()  # registered hooks the chief calls (syncswitch.hooks)
     num_workers: int = 2
     num_ps: int = 1
     ckpt_frequency: int = 0  # steps between checkpoints; 0 = only at segment end
@@ -181,6 +182,7 @@ class SegmentSpec:
     def from_dict(cls, data: dict[str, Any]) -> SegmentSpec:
         data = dict(data)
         data["stragglers"] = tuple(StragglerSpec(**s) for s in data.get("stragglers", ()))
+        data["hooks"] = tuple(data.get("hooks", ()))
         return cls(**data)
 
     def replace(self, **changes: Any) -> SegmentSpec:
@@ -267,6 +269,7 @@ class JobSpec:
     problem: str = "digits"
     data_dir: str = ""
     usr_dir: str = ""  # user code registering models, problems, hparam sets (syncswitch.usercode)
+    hooks: tuple[str, ...] = ()  # registered hooks called on the chief (syncswitch.hooks)
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
@@ -325,6 +328,7 @@ class JobSpec:
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
+        values["hooks"] = _name_list("hooks", values["hooks"])
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
         values["hosts"] = parse_hosts(values["hosts"])
         scalar_parsers = {"integer": _int, "number": _float, "boolean": _bool}
@@ -432,6 +436,8 @@ class JobSpec:
             return
         for kind, value in (("model", self.model), ("problem", self.problem)):
             REGISTRY.entry(kind, value)
+        for name in self.hooks:
+            REGISTRY.entry("hooks", name)
 
     def _validate_hosts(self) -> None:
         """hosts and gce describe the cluster of their own backend only; both share through a bucket."""
@@ -572,6 +578,7 @@ class JobSpec:
             data_dir=self.data_dir,
             hparams=self.per_segment(self.hparams, position),
             usr_dir=self.usr_dir,
+            hooks=self.hooks,
             num_workers=self.num_workers,
             num_ps=self.num_ps,
             ckpt_frequency=self.per_segment(self.ckpt_frequency, position),
@@ -598,7 +605,7 @@ class JobSpec:
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
         data["gce"] = self.gce.to_params() if self.gce else {}
-        for key in ("train_steps", "ckpt_frequency", "hparams"):
+        for key in ("train_steps", "ckpt_frequency", "hparams", "hooks"):
             data[key] = list(data[key])
         return data
 
@@ -639,6 +646,14 @@ def _str_list(name: str, value: Any) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in items):
         raise SpecError(name, f"must be strings, got {value!r}")
     return tuple(items) or ("",)
+
+
+def _name_list(name: str, value: Any) -> tuple[str, ...]:
+    """Registered names: a list, or one string of comma-separated names."""
+    items = _seq(value)
+    if not all(isinstance(v, str) for v in items):
+        raise SpecError(name, f"must be names (strings), got {value!r}")
+    return tuple(n.strip() for item in items for n in item.split(",") if n.strip())
 
 
 def _int(name: str, value: Any) -> int:

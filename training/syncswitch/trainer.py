@@ -22,6 +22,7 @@ from typing import Any
 from syncswitch import checkpoints, storage
 from syncswitch.context import NodeContext
 from syncswitch.events import EventWriter
+from syncswitch.hooks import HookRunner
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
 from syncswitch.reporting import ChiefReporter, StepBook, WorkerTimer
 from syncswitch.spec import SegmentSpec, switch_config
@@ -332,7 +333,6 @@ def save(
         events.emit(
             "checkpoint", global_step=samples / global_batch, samples=samples, uri=uri, seconds=seconds
         )
-        evaluate_checkpointed(ctx, state, events, samples, global_batch)
     return uri
 
 
@@ -393,18 +393,19 @@ def steps_per_execution_event(ctx: NodeContext, events: EventWriter, k: int, ste
 
 def evaluate_checkpointed(
     ctx: NodeContext, state: dict[str, Any], events: EventWriter, samples: int, global_batch: int
-) -> None:
+) -> dict[str, float] | None:
     """With ``evaluate_checkpoints``: the test accuracy of what was just checkpointed (the template
     model holds it), as an ``eval`` event, so runs have an accuracy-over-time curve. Its seconds are
-    in the event: time-to-accuracy figures subtract them."""
+    in the event: time-to-accuracy figures subtract them. Returns the scores (None when not asked)."""
     if not ctx.spec.evaluate_checkpoints:
-        return
+        return None
     from syncswitch.evaluate import evaluate_model
     from syncswitch.problems import get_problem
 
     started = time.monotonic()
     scores = evaluate_model(state["template"], get_problem(ctx.spec.problem), ctx.data_dir)
     events.emit("eval", global_step=samples / global_batch, seconds=time.monotonic() - started, **scores)
+    return scores
 
 
 def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, Any] | None:
@@ -431,7 +432,8 @@ class SegmentSession:
     """What a segment's loop does besides stepping, the same under BSP and ASP: its events, the graceful
     stop request, the step book, checkpoints and the segment's result. Only the node that reports (the
     chief: BSP's worker 0, ASP's coordinator) watches for a stop request, writes checkpoints (they hold
-    local variables only) and returns a result; the others time their steps.
+    local variables only), calls the job's hooks (syncswitch.hooks) and returns a result; the others
+    time their steps.
 
     A context manager: leaving it closes the stop request's poller and the event writer."""
 
@@ -453,6 +455,7 @@ class SegmentSession:
         self.stop_signal = StopSignal(ctx.layout.stop_request(ctx.spec.index)) if reports else None
         self.reporter = ChiefReporter(ctx, self.events, global_batch, self.start_samples) if reports else None
         self.book = StepBook(schedule.at, global_batch, self.reporter)
+        self.hooks = HookRunner(ctx.spec.hooks if reports else (), self.events)
         if reports:
             segment_start_event(ctx, self.events, self.start_step, schedule, self.restored)
 
@@ -487,16 +490,24 @@ class SegmentSession:
             self.checkpoint(samples=samples, updates=updates)
 
     def checkpoint(self, *, samples: int, updates: int) -> None:
-        if self.reporter is not None:
-            self.checkpoint_uri = save(
-                self.ctx,
-                self.state,
-                self.signature,
-                samples=samples,
-                updates=updates,
-                global_batch=self.global_batch,
-                events=self.events,
-            )
+        """On the reporting node: the checkpoint, then the hooks told of it, then its evaluation
+        (with ``evaluate_checkpoints``) and the hooks told of that."""
+        if self.reporter is None:
+            return
+        self.checkpoint_uri = save(
+            self.ctx,
+            self.state,
+            self.signature,
+            samples=samples,
+            updates=updates,
+            global_batch=self.global_batch,
+            events=self.events,
+        )
+        step = samples // self.global_batch  # checkpoints are at whole steps
+        self.hooks.checkpoint(step, self.checkpoint_uri)
+        scores = evaluate_checkpointed(self.ctx, self.state, self.events, samples, self.global_batch)
+        if scores is not None:
+            self.hooks.evaluate(step, scores)
 
     def finish(
         self, *, samples: int, updates: int, stopped_early: bool, extra: dict[str, Any] | None = None
@@ -510,6 +521,9 @@ class SegmentSession:
         reason = "reached until_step"
         if stopped_early:
             reason = (self.stop_signal.reason if self.stop_signal else "") or "stop requested"
+        evaluation = evaluate_if_asked(self.ctx, self.checkpoint_uri)
+        if evaluation is not None:
+            self.hooks.evaluate(samples // self.global_batch, evaluation)
         return self.reporter.finish(
             samples=samples,
             updates=updates,
@@ -517,6 +531,6 @@ class SegmentSession:
             reason=reason,
             checkpoint_uri=self.checkpoint_uri,
             start_step=self.start_step,
-            evaluation=evaluate_if_asked(self.ctx, self.checkpoint_uri),
+            evaluation=evaluation,
             extra=extra,
         )
