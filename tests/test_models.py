@@ -143,6 +143,20 @@ def test_adam_and_adamw_are_keras_adam_and_adamw(decoupled: bool) -> None:
     assert all(len(slot) == len(variables) for slot in ours.slots.values())
 
 
+def test_adamw_decays_kernels_only_by_the_scheduled_learning_rate() -> None:
+    """Decoupled decay: with no gradient Adam moves nothing, and each masked kernel shrinks by
+    learning_rate x weight_decay; biases and batch-norm weights stay."""
+    model = build_model(get_hparams("cnn_digits"), DIGITS)
+    kernel_refs = {k.value.ref() for k in decayed_weights(model)}
+    masks = [1.0 if w.value.ref() in kernel_refs else 0.0 for w in model.trainable_variables]
+    before = [w.numpy().copy() for w in model.trainable_variables]
+    ours = Adam(model.trainable_variables, decoupled=True, weight_decay=0.1, decay_masks=masks)
+    zeros = [tf.zeros_like(w) for w in model.trainable_variables]
+    ours.apply(zeros, model.trainable_variables, StepConfig(0.2, 0.9, 0.999, 1e-7, 1))
+    for weight, old, mask in zip(model.trainable_variables, before, masks, strict=True):
+        np.testing.assert_allclose(weight.numpy(), old * (1 - 0.2 * 0.1 * mask), rtol=1e-6)
+
+
 def test_adam_weight_decay_is_the_l2_term_on_the_gradient() -> None:
     """``adam`` with weight_decay: t2t's L2 term, Keras' Adam on gradient + weight_decay * kernel."""
     model, twin = _twin_models()
