@@ -153,14 +153,19 @@ def test_adam_bsp_asp_bsp_handoff_is_exact_and_its_moments_are_checkpointed(tmp_
         results.append(result)
     assert results[-1]["updates"] == 24 + 2 * 24 + 12
 
-    for index, (protocol, previous) in enumerate((("asp", results[0]), ("bsp", results[1])), start=1):
+    # The digest is of the state as restored; then the second moment follows the update batch (digits:
+    # 2 workers x 32 under BSP, 32 under ASP).
+    for index, (protocol, previous, scale) in enumerate(
+        (("asp", results[0], 2.0), ("bsp", results[1], 0.5)), 1
+    ):
         (start,) = segment_events(run_dir, index, protocol, "segment_start")
         assert start["optimizer"] == "adam"
         assert start["restored_from"] == previous["checkpoint"]
         assert start["checkpoint_digest"] == start["restored_digest"], "restored weights or moments differ"
+        assert start["second_moment_scale"] == scale
 
     manifest = checkpoints.latest(RunLayout(run_dir))
-    assert manifest["signature"]["optimizer"] == "adam"
+    assert manifest["signature"]["optimizer"] == "adam" and manifest["update_batch"] == 64
     saved = dict(tf.train.list_variables(os.path.join(manifest["uri"], checkpoints.CKPT_PREFIX)))
     from syncswitch.hparams import get_hparams
     from syncswitch.models import build_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from syncswitch.errors import SpecError
 from syncswitch.hparams import HParams, HParamsError, get_hparams
-from syncswitch.spec import JobSpec, SegmentSpec, switch_config
+from syncswitch.spec import JobSpec, SegmentSpec, second_moment_scale, switch_config
 
 MOMENTUM = HParams(model="cnn", optimizer_momentum_momentum=0.9)
 ADAM = HParams(model="cnn", optimizer="adam", optimizer_adam_beta1=0.8)
@@ -35,6 +35,16 @@ def test_adam_under_asp_takes_the_lr_scale_alone_and_keeps_beta1(optimizer: str,
         assert (config.learning_rate_scale, config.momentum) == (0.25, 0.8)
     bsp = switch_config("bsp", hp, 4, rule, ramp_steps=10, steps_into_segment=0)
     assert (bsp.learning_rate_scale, bsp.momentum) == (1.0, 0.8)
+
+
+def test_adams_second_moment_follows_the_update_batch_across_a_switch() -> None:
+    """BSP (16 x 32 per update) -> ASP (32): the second moment x16, and back /16; the same batch, a
+    checkpoint without the record, or momentum SGD: unchanged."""
+    assert second_moment_scale(ADAM, 512, 32) == 16.0
+    assert second_moment_scale(ADAM, 32, 512) == 1 / 16
+    assert second_moment_scale(ADAM.override("optimizer=adamw"), 512, 32) == 16.0
+    assert second_moment_scale(ADAM, 32, 32) == second_moment_scale(ADAM, None, 32) == 1.0
+    assert second_moment_scale(MOMENTUM, 512, 32) == 1.0
 
 
 def _schedule(protocol: str, hp: HParams, start_step: float, start_updates: int, per_step: int):  # noqa: ANN202

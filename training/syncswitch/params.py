@@ -181,6 +181,12 @@ class FlatModel(tf.Module):
             }
         return self._slot_templates
 
+    def scale_slot(self, slot: str, factor: float) -> None:
+        """Multiply one slot of every weight group by ``factor`` (the configuration policy's, at a
+        switch)."""
+        for variable in self.optimizer.slots[slot]:
+            variable.assign(variable.read_value() * factor)
+
     def to_template(self) -> None:
         """Copy the flat state into the template model and per-variable slots."""
         weights = self.weights_layout.unflatten(tf.concat([p.read_value() for p in self.params], 0))

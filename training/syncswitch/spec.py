@@ -251,6 +251,19 @@ def switch_config(
     return SwitchConfig(scale, momentum)
 
 
+def second_moment_scale(hp: HParams, previous_update_batch: int | None, update_batch: int) -> float:
+    """Adam's second moment across a switch: multiplied by the previous update's batch over this
+    segment's (BSP -> ASP with N workers: N; back: 1/N), where the checkpoint records it (else 1).
+
+    The second moment estimates E[g^2] of one update's gradient, which is mostly noise once training
+    is under way, and noise variance goes as 1/batch: carried over unchanged from BSP's N x b batch, it
+    is about N times too small for ASP's b, so ASP's first updates would be about sqrt(N) times too
+    large until it re-estimates (1/(1 - beta2) updates). Momentum SGD keeps no second moment."""
+    if hp.optimizer == "momentum" or not previous_update_batch:
+        return 1.0
+    return previous_update_batch / update_batch
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""

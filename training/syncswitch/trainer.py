@@ -25,7 +25,7 @@ from syncswitch.events import EventWriter
 from syncswitch.hooks import HookRunner
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
 from syncswitch.reporting import ChiefReporter, StepBook, WorkerTimer
-from syncswitch.spec import SegmentSpec, switch_config
+from syncswitch.spec import SegmentSpec, second_moment_scale, switch_config
 
 STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
@@ -278,9 +278,16 @@ def weights_digest(state: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def update_batch(spec: SegmentSpec, hp: HParams) -> int:
+    """Examples in one optimizer update: BSP's global batch, an ASP worker's own."""
+    return hp.batch_size * spec.num_workers if spec.protocol == "bsp" else hp.batch_size
+
+
 def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str, Any]) -> dict[str, Any]:
     """Restore the newest complete checkpoint into the template, then into the flat model; returns
-    {samples, updates, uri, digests} (zeros if there is none)."""
+    {samples, updates, uri, digests, second_moment_scale} (zeros if there is none). The digest is of
+    the state as restored; the configuration policy's rescaling of Adam's second moment at a switch
+    (spec.second_moment_scale) follows it."""
     manifest = checkpoints.latest(ctx.layout)
     if manifest is None:
         return {"samples": 0, "updates": 0, "uri": None}
@@ -289,12 +296,17 @@ def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str,
     prefix = checkpoints.fetch(manifest, ctx.work_dir)
     state["checkpoint"].read(prefix).assert_consumed()
     state["flat"].from_template()
+    restored_digest = weights_digest(state)
+    scale = second_moment_scale(ctx.hp, manifest.get("update_batch"), update_batch(ctx.spec, ctx.hp))
+    if scale != 1.0:
+        state["flat"].scale_slot("second_moments", scale)
     return {
         "samples": int(manifest["samples"]),
         "updates": int(manifest["updates"]),
         "uri": manifest["uri"],
         "digest": manifest.get("digest"),
-        "restored_digest": weights_digest(state),
+        "restored_digest": restored_digest,
+        "second_moment_scale": scale,
     }
 
 
@@ -316,6 +328,7 @@ def save(
     extra = {
         "segment": ctx.spec.index,
         "protocol": ctx.spec.protocol,
+        "update_batch": update_batch(ctx.spec, ctx.hp),
         "digest": weights_digest(state),
         "structure": checkpoints.structure(state["template"].weights),
     }
@@ -357,6 +370,7 @@ def segment_start_event(
         momentum=momentum,
         momentum_rule=ctx.spec.momentum_rule,
         optimizer=ctx.hp.optimizer,
+        second_moment_scale=restored.get("second_moment_scale", 1.0),
         weight_decay=ctx.hp.weight_decay,
         steps_per_execution=ctx.hp.steps_per_execution,
         **_user_code_fields(ctx),
