@@ -226,7 +226,8 @@ def switch_config(
     and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
     over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at.
 
-    Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule.
+    Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule
+    (their second moment is rescaled at the switch instead: second_moment_scale).
     The rule exists because heavy-ball momentum multiplies the step (by 1/(1-m) at steady state) on top
     of the momentum that stale asynchronous updates add; Adam's first moment is an average, which
     does not multiply the step, and its update has a size of about the LR per element, so N updates
