@@ -10,7 +10,8 @@ step, loss, own seconds and step seconds), so a closure of k steps pays the coor
 fetch round trips once instead of k times.
 
 Book-keeping (AspLoop) is in optimizer updates: an update is one worker's batch, 1/N of a BSP-equivalent
-step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP).
+step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP),
+and so does each step's update number, Adam's bias-correction count (``Schedule``).
 A closure is never scheduled past the segment target or the next checkpoint boundary, so segments end
 exactly on target and checkpoints capture a drained state; an early stop rounds up to a whole step.
 """
@@ -65,7 +66,13 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     state, restored, _signature = training
     spec, batch = ctx.spec, ctx.hp.batch_size
     loop = AspLoop(spec, batch, spec.num_workers * batch, restored["samples"], restored["updates"])
-    schedule = Schedule(spec, ctx.hp, restored["samples"] / loop.global_batch)
+    schedule = Schedule(
+        spec,
+        ctx.hp,
+        restored["samples"] / loop.global_batch,
+        start_updates=restored["updates"],
+        updates_per_step=loop.global_batch // batch,
+    )
     iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, restored["samples"])))
     worker_steps = _compile_worker_steps(
         strategy, state, schedule, restored["samples"], batch, loop.global_batch
@@ -148,8 +155,8 @@ def _compile_worker_steps(
 
     replica_step = replica_step_fn(state["flat"], mean_loss)
 
-    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+    def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
+        loss, own = strategy.run(replica_step, args=(x, y, config, started))
         return tf.stack([loss, tf.cast(own, tf.float32)])
 
     @tf.function(autograph=False)  # see timed_steps

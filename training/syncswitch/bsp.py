@@ -46,7 +46,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     training = build_and_restore(ctx, strategy, problem)
     state, restored, _signature = training
     loop = BspLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
-    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch)
+    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch, start_updates=loop.updates)
     iterator = iter(strategy.distribute_datasets_from_function(_dataset_fn(ctx, problem, loop.samples)))
     train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch)
     # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
@@ -118,8 +118,8 @@ def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedul
 
     replica_step = replica_step_fn(state["flat"], average_loss)
 
-    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+    def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
+        loss, own = strategy.run(replica_step, args=(x, y, config, started))
         local = [strategy.experimental_local_results(value)[0] for value in (loss, own)]
         return tf.stack([tf.cast(value, tf.float32) for value in local])
 

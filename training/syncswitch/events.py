@@ -13,7 +13,7 @@ Every event is one JSON object per line with these common keys:
 Per event type, the extra keys are:
 
     segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
-                   momentum_rule, weight_decay, steps_per_execution (0 = automatic), restored_from
+                   momentum_rule, optimizer, weight_decay, steps_per_execution (0 = automatic), restored_from
                    (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (the chief only: the ASP coordinator, BSP worker 0) global_step (BSP-equivalent
@@ -41,6 +41,8 @@ Per event type, the extra keys are:
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
+    hook_error     (the chief) hook, method (on_checkpoint | on_evaluate), step, error, where (the
+                   file:line that raised): a user's hook failed, training went on (syncswitch.hooks)
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ EVENT_TYPES = (
     "segment_failed",
     "steps_per_execution",
     "segment_end",
+    "hook_error",
 )
 
 

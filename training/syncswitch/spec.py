@@ -28,10 +28,17 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
-from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
+from syncswitch.fields import DEMO_JOB_NAME, FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES, default_job_name
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
-from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
+from syncswitch.hparams import (
+    HParams,
+    HParamsError,
+    PythonOps,
+    check_one_optimizer,
+    first_moment,
+    get_hparams,
+)
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
@@ -146,6 +153,7 @@ class SegmentSpec:
     usr_dir: str = ""
     usr_code_uri: str = ""
     usr_code_digest: str = ""
+    hooks: tuple[str, ...] = ()  # registered hooks the chief calls (syncswitch.hooks)
     num_workers: int = 2
     num_ps: int = 1
     ckpt_frequency: int = 0  # steps between checkpoints; 0 = only at segment end
@@ -174,6 +182,7 @@ class SegmentSpec:
     def from_dict(cls, data: dict[str, Any]) -> SegmentSpec:
         data = dict(data)
         data["stragglers"] = tuple(StragglerSpec(**s) for s in data.get("stragglers", ()))
+        data["hooks"] = tuple(data.get("hooks", ()))
         return cls(**data)
 
     def replace(self, **changes: Any) -> SegmentSpec:
@@ -201,7 +210,7 @@ class SwitchConfig:
     """The configuration policy: effective LR factor and momentum of one protocol at a given point."""
 
     learning_rate_scale: float
-    momentum: float
+    momentum: float  # momentum SGD's momentum; Adam's beta1
 
 
 def switch_config(
@@ -215,11 +224,20 @@ def switch_config(
 ) -> SwitchConfig:
     """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
     and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
-    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at."""
-    m = hp.optimizer_momentum_momentum
+    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at.
+
+    Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule
+    (their second moment is rescaled at the switch instead: second_moment_scale).
+    The rule exists because heavy-ball momentum multiplies the step (by 1/(1-m) at steady state) on top
+    of the momentum that stale asynchronous updates add; Adam's first moment is an average, which
+    does not multiply the step, and its update has a size of about the LR per element, so N updates
+    at LR/N move the weights as far per sample as one BSP step at the LR."""
+    m = first_moment(hp)
     if protocol == "bsp":
         return SwitchConfig(1.0, m)
     scale = 1.0 / num_workers
+    if hp.optimizer != "momentum":
+        return SwitchConfig(scale, m)
     if rule == "keep":
         momentum = m
     elif rule == "zero":
@@ -234,11 +252,24 @@ def switch_config(
     return SwitchConfig(scale, momentum)
 
 
+def second_moment_scale(hp: HParams, previous_update_batch: int | None, update_batch: int) -> float:
+    """Adam's second moment across a switch: multiplied by the previous update's batch over this
+    segment's (BSP -> ASP with N workers: N; back: 1/N), where the checkpoint records it (else 1).
+
+    The second moment estimates E[g^2] of one update's gradient, which is mostly noise once training
+    is under way, and noise variance goes as 1/batch: carried over unchanged from BSP's N x b batch, it
+    is about N times too small for ASP's b, so ASP's first updates would be about sqrt(N) times too
+    large until it re-estimates (1/(1 - beta2) updates). Momentum SGD keeps no second moment."""
+    if hp.optimizer == "momentum" or not previous_update_batch:
+        return 1.0
+    return previous_update_batch / update_batch
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
 
-    job_name: str = "digits-demo"
+    job_name: str = DEMO_JOB_NAME  # none given: fields.default_job_name (parse_params)
     switch_order: str = "10"
     train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
     total_steps: int = 400
@@ -252,6 +283,7 @@ class JobSpec:
     problem: str = "digits"
     data_dir: str = ""
     usr_dir: str = ""  # user code registering models, problems, hparam sets (syncswitch.usercode)
+    hooks: tuple[str, ...] = ()  # registered hooks called on the chief (syncswitch.hooks)
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
@@ -302,10 +334,15 @@ class JobSpec:
         for name in known:
             raw = params.get(name)
             # Absent or empty means "use the default"; data_dir's default is itself empty.
-            values[name] = getattr(defaults, name) if raw is None or raw == "" or raw == [] else raw
+            values[name] = getattr(defaults, name) if _absent(raw) else raw
+        if _absent(params.get("job_name")):  # the job is named after its model and problem
+            values["job_name"] = default_job_name(
+                str(values["model"]), str(values["problem"]), str(values["usr_dir"])
+            )
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
+        values["hooks"] = _name_list("hooks", values["hooks"])
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
         values["hosts"] = parse_hosts(values["hosts"])
         scalar_parsers = {"integer": _int, "number": _float, "boolean": _bool}
@@ -393,8 +430,7 @@ class JobSpec:
         """The built-in hparam set and the overrides apply."""
         try:
             hp = get_hparams(self.hparam_set, self.model)
-            for overrides in self.hparams:
-                hp.override(overrides)
+            check_one_optimizer([hp.override(overrides) for overrides in self.hparams])
         except HParamsError as exc:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
@@ -414,6 +450,8 @@ class JobSpec:
             return
         for kind, value in (("model", self.model), ("problem", self.problem)):
             REGISTRY.entry(kind, value)
+        for name in self.hooks:
+            REGISTRY.entry("hooks", name)
 
     def _validate_hosts(self) -> None:
         """hosts and gce describe the cluster of their own backend only; both share through a bucket."""
@@ -554,6 +592,7 @@ class JobSpec:
             data_dir=self.data_dir,
             hparams=self.per_segment(self.hparams, position),
             usr_dir=self.usr_dir,
+            hooks=self.hooks,
             num_workers=self.num_workers,
             num_ps=self.num_ps,
             ckpt_frequency=self.per_segment(self.ckpt_frequency, position),
@@ -580,12 +619,17 @@ class JobSpec:
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
         data["gce"] = self.gce.to_params() if self.gce else {}
-        for key in ("train_steps", "ckpt_frequency", "hparams"):
+        for key in ("train_steps", "ckpt_frequency", "hparams", "hooks"):
             data[key] = list(data[key])
         return data
 
 
 # ---- field parsers: each names its field in the error -------------------------------------------
+
+
+def _absent(raw: Any) -> bool:
+    """A param left out, or left empty (null, "", []): the field's default applies."""
+    return raw is None or raw == "" or raw == []
 
 
 def _seq(value: Any) -> list:
@@ -616,6 +660,14 @@ def _str_list(name: str, value: Any) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in items):
         raise SpecError(name, f"must be strings, got {value!r}")
     return tuple(items) or ("",)
+
+
+def _name_list(name: str, value: Any) -> tuple[str, ...]:
+    """Registered names: a list, or one string of comma-separated names."""
+    items = _seq(value)
+    if not all(isinstance(v, str) for v in items):
+        raise SpecError(name, f"must be names (strings), got {value!r}")
+    return tuple(n.strip() for item in items for n in item.split(",") if n.strip())
 
 
 def _int(name: str, value: Any) -> int:
