@@ -1,4 +1,4 @@
-"""Runtime benchmark (issue 2): single-process baseline vs BSP / ASP local clusters, with and without a
+"""Runtime benchmark: single-process baseline vs BSP / ASP local clusters, with and without a
 straggler, side by side in one run.
 
     .venv/bin/python bench/bench_runtime.py                 # ~6-10 minutes on 2 cores
@@ -22,6 +22,8 @@ examples/s is the steady-state rate after warm-up: for the clusters from the chi
 "start -> 1st step" is process launch to the end of the first training step (TF import, cluster
 connect, model build/restore, first step with its tracing). The baseline runs first and again last, so
 drift of the shared machine's load shows; ratios are to the mean of the two baseline runs.
+
+A script past the usual length: its configs, measurements and tables are one run's, read together.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ What runs (docs/deployment.md maps it to Cloud Composer and to docker-compose.ya
 Every component shares one Fernet key, one JWT secret and one API secret key, as a real deployment's
 must. The task instances' host names are the workers' addresses (``[core] hostname_callable``), so
 the api-server reaches each worker's log server, which accepts its token.
+
+Longer than the usual module: one deployment's lifecycle (its services, their installation, their
+start and their teardown in reverse) is read in one place.
 """
 
 from __future__ import annotations

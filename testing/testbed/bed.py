@@ -1,5 +1,8 @@
 """The testbed itself: a named cluster of network-namespace hosts on one bridge, their lifecycle
-(up, lost and revived, added and removed, down), link shaping per host and the testbed's state file."""
+(up, lost and revived, added and removed, down), link shaping per host and the testbed's state file.
+
+Longer than the usual module because every operation of a Testbed changes its namespaces, its bridge
+and its state file together; split, each part would reach into the others'."""
 
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ the coordinator's watchdog is killed; injected stragglers are duty-cycled with S
 Nodes are forked from a fork server that has TensorFlow imported already (forkserver.py): the cluster's,
 warm since provisioning, or a private one. The server kills a node as soon as its launcher's connection
 closes, so even a SIGKILLed launcher leaves no orphan behind.
+
+Longer than the usual module: where the nodes run, how they are forked and how they are supervised
+share the Node records and are read together when a segment fails.
 """
 
 from __future__ import annotations

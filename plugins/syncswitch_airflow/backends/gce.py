@@ -28,6 +28,8 @@ left behind (the ``sync_switch_reaper`` DAG runs it).
 Settings (``[syncswitch]``, syncswitch_airflow.settings): gce_clusters (clusters at once, default 4),
 gce_host_keys (guest-attributes, or accept-any for images without Google's guest environment),
 gce_api_endpoint (hooks.compute), and those of the hosts backend.
+
+At the usual length's edge because provisioning, revocation and teardown share the run's VM records.
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ Deployment settings (``[syncswitch]`` of the Airflow worker's config, syncswitch
                       over SSH once per version of the runtime and of the user's list)
     hosts_clusters    how many hosts clusters may exist at once (default 1)
     leases_dir        where the capacity ledger is: a gs:// folder on a distributed Airflow
+
+Longer than the usual module: provision, launch, status, stop and teardown all act on the same
+host records over the same SSH sessions, and are read together.
 """
 
 from __future__ import annotations
