@@ -22,6 +22,7 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
+from syncswitch.protocols import SPELLINGS
 
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
@@ -104,9 +105,11 @@ FIELDS: tuple[Field, ...] = (
         "switch_order",
         "string",
         "Switch order",
-        "One digit per segment: 1 = BSP (synchronous), 0 = ASP (asynchronous). "
-        "'10' trains BSP, then switches to ASP.",
-        pattern=r"^[01]+$",
+        "One protocol per segment: digits as the original's flag (1 = BSP, 0 = ASP: '10' trains BSP, "
+        "then switches to ASP), or protocols separated by commas: '1,ssp:4,0', 'bsp,local:8', "
+        f"'bsp,topk:0.01'. Each is one of: {SPELLINGS}. ssp: stale-synchronous with staleness bound "
+        "s; local: local SGD averaging every H steps; fp16 and topk: BSP with a compressed all-reduce.",
+        # No pattern: JobSpec names the bad segment and the accepted spellings (syncswitch.protocols).
         original_flag="--switch-order",
     ),
     Field(

@@ -2,8 +2,9 @@
 
     JobSpec.from_params(params)            validates DAG params / CLI flags / REST conf, naming the bad field
     JobSpec.parse_params(params)           the same params as field values, parsed but not checked
-    JobSpec.plan_entries()                 the offline plan: one entry per digit of switch_order
-                                           (the plan-entry contract: syncswitch.plan)
+    JobSpec.plan_entries()                 the offline plan: one entry per segment of switch_order
+                                           (the plan-entry contract: syncswitch.plan; the grammar
+                                           and the protocols: syncswitch.protocols)
     JobSpec.segment_spec(entry, ...)       -> SegmentSpec: what one plan entry's processes run (the
                                            one builder of SegmentSpecs, `syncswitch train`'s too)
     JobSpec.plan(run_id, run_dir)          -> [SegmentSpec, ...] of the offline plan
@@ -27,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import plan as plans
+from syncswitch import protocols as protocol_grammar
 from syncswitch.errors import SpecError
 from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
 from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
+from syncswitch.protocols import Protocol
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
@@ -133,7 +136,7 @@ class SegmentSpec:
     run_id: str
     run_dir: str
     index: int
-    protocol: str  # "bsp" | "asp"
+    protocol: str  # one of syncswitch.protocols.PROTOCOLS
     until_step: int  # cumulative BSP-equivalent target; the segment ends exactly here
     total_steps: int  # the whole job's workload, for the LR schedule
     model: str
@@ -159,6 +162,12 @@ class SegmentSpec:
     stall_seconds: float = DEFAULT_STALL_SECONDS  # the floor of syncswitch.stall's rule
     stragglers: tuple[StragglerSpec, ...] = ()
     straggler_reference_time: float | None = None  # epoch seconds; None = launch time
+    protocol_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the protocol's settings
+
+    @property
+    def segment_protocol(self) -> Protocol:
+        """The protocol this segment runs, with its settings (staleness bound, period, compression)."""
+        return Protocol.of(self.protocol, self.protocol_args)
 
     def resolved_hparams(self) -> HParams:
         return get_hparams(self.hparam_set, self.model).override(self.hparams)
@@ -213,11 +222,16 @@ def switch_config(
     steps_into_segment: Any,
     ops: Any = PythonOps,
 ) -> SwitchConfig:
-    """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
-    and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
-    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at."""
+    """The configuration policy, per protocol (``ops`` as in hparams.learning_rate_at):
+
+    - BSP, compressed BSP and local SGD: the base LR and momentum. Each of their updates is the
+      global batch's (compressed BSP's is BSP's with a lossy all-reduce), and a local SGD replica
+      steps at that LR on its own batch: averaged every step, that is BSP's update exactly.
+    - ASP and SSP: the LR divided by N (an update is one worker's batch b instead of N x b), and the
+      momentum rule, as N updates in flight add momentum of their own: keep m, zero, scaled m/N, or
+      ramped (m/N rising linearly back to m over ``ramp_steps`` BSP-equivalent steps)."""
     m = hp.optimizer_momentum_momentum
-    if protocol == "bsp":
+    if not protocol_grammar.family(protocol).per_worker_updates:
         return SwitchConfig(1.0, m)
     scale = 1.0 / num_workers
     if rule == "keep":
@@ -239,6 +253,7 @@ class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
 
     job_name: str = "digits-demo"
+    # One protocol per segment (syncswitch.protocols): digits "10", or "1,ssp:4,0"; canonical text.
     switch_order: str = "10"
     train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
     total_steps: int = 400
@@ -303,6 +318,9 @@ class JobSpec:
             raw = params.get(name)
             # Absent or empty means "use the default"; data_dir's default is itself empty.
             values[name] = getattr(defaults, name) if raw is None or raw == "" or raw == [] else raw
+        values["switch_order"] = protocol_grammar.switch_order_text(
+            protocol_grammar.parse_switch_order(values["switch_order"])
+        )
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
@@ -336,15 +354,13 @@ class JobSpec:
         if not self.usr_dir:  # a usr_dir's names exist once imported: syncswitch.check checks them
             self._validate_hparams()
 
+    def protocols(self) -> tuple[Protocol, ...]:
+        """The planned protocol of each segment, from switch_order."""
+        return protocol_grammar.parse_switch_order(self.switch_order)
+
     def _validate_plan(self) -> None:
         """The switch order, and per-segment values that match it."""
-        if not self.switch_order or set(self.switch_order) - set(plans.PROTOCOL_DIGITS):
-            raise SpecError(
-                "switch_order",
-                f"{self.switch_order!r} must be a non-empty string of 1 (BSP) "
-                "and 0 (ASP), e.g. '10' or '101'",
-            )
-        n = len(self.switch_order)
+        n = len(self.protocols())  # SpecError naming the segment and the accepted spellings
         if self.train_steps and len(self.train_steps) != n:
             raise SpecError(
                 "train_steps",
@@ -367,7 +383,7 @@ class JobSpec:
             )
         if self.model == "resnet" and self.problem == "digits":
             raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
-        n = len(self.switch_order)
+        n = len(self.protocols())
         if n + self.max_online_switches > plans.MAX_SEGMENTS:
             raise SpecError(
                 "switch_order/max_online_switches",
@@ -450,57 +466,59 @@ class JobSpec:
 
     def _validate_timing(self) -> None:
         if self.timing_policy == "search":
-            # The policy chooses the BSP share of one BSP-then-ASP job, as the paper's search did.
-            if self.switch_order != "10":
+            # The policy chooses the BSP share of one BSP-then-X job, as the paper's search did.
+            protocols = self.protocols()
+            if len(protocols) != 2 or protocols[0].name != "bsp" or protocols[1].name == "bsp":
                 raise SpecError(
                     "switch_order",
-                    f"timing_policy 'search' needs switch_order '10', got {self.switch_order!r}",
+                    "timing_policy 'search' needs two segments, BSP then another protocol ('10', "
+                    f"'bsp,ssp:4'), got {self.switch_order!r}",
                 )
             if self.train_steps:
                 raise SpecError(
                     "train_steps", "timing_policy 'search' splits total_steps itself; leave it empty"
                 )
 
-    def with_bsp_fraction(self, fraction: float) -> JobSpec:
-        """This run's plan once a timing policy chose its BSP share: all BSP at 1.0, else BSP then
-        ASP; the choice is now fixed for this run (the decision itself is kept in state.json)."""
+    def with_bsp_fraction(self, fraction: float, second: Protocol | None = None) -> JobSpec:
+        """This run's plan once a timing policy chose its BSP share (and, where it searches it, the
+        protocol after BSP; else the job's own second segment's): all BSP at 1.0, else BSP then that
+        protocol; the choice is now fixed for this run (the decision itself is kept in state.json)."""
+        second = second or self.protocols()[-1]
+        order = [Protocol("bsp")] if fraction >= 1.0 else [Protocol("bsp"), second]
         return dataclasses.replace(
-            self, bsp_fraction=fraction, switch_order="1" if fraction >= 1.0 else "10", timing_policy="fixed"
+            self,
+            bsp_fraction=fraction,
+            switch_order=protocol_grammar.switch_order_text(order),
+            timing_policy="fixed",
         )
 
     def planned_bsp_fraction(self) -> float:
         """The share of the workload planned as BSP (before any online switch)."""
         steps = self.segment_steps()
-        return sum(s for s, d in zip(steps, self.switch_order, strict=True) if d == "1") / sum(steps)
+        return sum(s for s, p in zip(steps, self.protocols(), strict=True) if p.name == "bsp") / sum(steps)
 
     # ---- planning --------------------------------------------------------------------------
 
     def segment_steps(self) -> list[int]:
         """Steps per segment. With total_steps + bsp_fraction, the BSP share is split evenly over the
-        BSP segments and the rest over the ASP segments; rounding goes to the last segment."""
+        BSP segments and the rest evenly over the others (whatever their protocols); rounding goes to
+        the last segment of each share."""
         if self.train_steps:
             return list(self.train_steps)
-        order = self.switch_order
-        n_bsp, n_asp = order.count("1"), order.count("0")
-        bsp_total = round(self.total_steps * self.bsp_fraction) if n_asp else self.total_steps
+        is_bsp = [p.name == "bsp" for p in self.protocols()]
+        n_bsp, n_other = is_bsp.count(True), is_bsp.count(False)
+        bsp_total = round(self.total_steps * self.bsp_fraction) if n_other else self.total_steps
         if n_bsp == 0:
             bsp_total = 0
-        asp_total = self.total_steps - bsp_total
-        if n_asp and asp_total < n_asp or n_bsp and bsp_total < n_bsp:
+        other_total = self.total_steps - bsp_total
+        if n_other and other_total < n_other or n_bsp and bsp_total < n_bsp:
             raise SpecError(
                 "bsp_fraction",
                 f"{self.bsp_fraction} leaves a segment of switch_order "
-                f"{order!r} with no steps out of {self.total_steps}",
+                f"{self.switch_order!r} with no steps out of {self.total_steps}",
             )
-        steps = []
-        for proto_total, digit in ((bsp_total, "1"), (asp_total, "0")):
-            count = order.count(digit)
-            if count:
-                share = [proto_total // count] * count
-                share[-1] += proto_total - sum(share)
-                steps.append((digit, share))
-        shares = {digit: list(share) for digit, share in steps}
-        return [shares[d].pop(0) for d in order]
+        shares = {True: _even_split(bsp_total, n_bsp), False: _even_split(other_total, n_other)}
+        return [shares[bsp].pop(0) for bsp in is_bsp]
 
     @property
     def workload(self) -> int:
@@ -511,17 +529,17 @@ class JobSpec:
 
     def plan_entries(self) -> list[dict[str, Any]]:
         """The offline plan (``state["plan"]`` before any online switch): one entry per
-        switch_order digit with its cumulative target. ``plan_index`` is the entry's position in
+        switch_order segment with its cumulative target. ``plan_index`` is the entry's position in
         switch_order; per-segment settings (hparams, ckpt_frequency) follow it, also after online
         switches renumber the entries."""
         until = 0
         entries = []
-        for index, (digit, steps) in enumerate(zip(self.switch_order, self.segment_steps(), strict=True)):
+        for index, (protocol, steps) in enumerate(zip(self.protocols(), self.segment_steps(), strict=True)):
             until += steps
             entries.append(
                 {
                     "index": index,
-                    "protocol": plans.PROTOCOL_DIGITS[digit],
+                    **plans.entry_fields(protocol),
                     "until_step": until,
                     "origin": "plan",
                     "plan_index": index,
@@ -546,6 +564,7 @@ class JobSpec:
             run_dir=run_dir,
             index=entry["index"],
             protocol=entry["protocol"],
+            protocol_args=dict(entry.get("protocol_args") or {}),
             until_step=entry["until_step"],
             total_steps=self.workload,
             model=self.model,
@@ -573,7 +592,7 @@ class JobSpec:
             until += steps
             if until_step <= until:
                 return position
-        return len(self.switch_order) - 1
+        return len(self.protocols()) - 1
 
     def to_params(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -583,6 +602,15 @@ class JobSpec:
         for key in ("train_steps", "ckpt_frequency", "hparams"):
             data[key] = list(data[key])
         return data
+
+
+def _even_split(total: int, count: int) -> list[int]:
+    """``total`` in ``count`` equal shares, the remainder on the last."""
+    if not count:
+        return []
+    share = [total // count] * count
+    share[-1] += total - sum(share)
+    return share
 
 
 # ---- field parsers: each names its field in the error -------------------------------------------

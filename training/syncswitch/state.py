@@ -3,7 +3,8 @@
     {
       "run_id", "job_name", "run_dir", "status": "running" | "success" | "failed",
       "job":       JobSpec params (JobSpec.to_params()),
-      "plan":      [{"index", "protocol", "until_step", "origin": "plan" | "online"}, ...],
+      "plan":      [{"index", "protocol", "protocol_args" (where it has settings), "until_step",
+                     "origin": "plan" | "online"}, ...],
       "segments":  {"<index>": SegmentResult dict (below)},
       "decisions": [{"time", "segment", "action", "reason", ...numbers behind it}, ...],
       "cluster":   {"backend", ...backend-specific handle},
@@ -43,6 +44,7 @@ from typing import Any
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import parse_token
 
 State = dict[str, Any]
 
@@ -156,12 +158,16 @@ def segment_recorded(state: State, index: int) -> bool:
 
 def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
     """Record an online switch decision and rewrite the plan in one update: the entry after ``item``
-    runs the other protocol to the same target. Repeating it does not insert the switch twice.
+    runs the decision's protocol (``record["to"]``, a switch order's spelling; without one, ASP
+    after BSP and BSP after anything else) to the same target. Repeating it does not insert the
+    switch twice.
 
     Once the segment's result is recorded the plan stands (the next entry may be launched already)
     and nothing changes: the returned state then holds ``segments[index]``."""
     index = item["index"]
-    new_protocol = plans.other_protocol(item["protocol"])
+    target = record.get("to") or ("asp" if item["protocol"] == "bsp" else "bsp")
+    new_protocol = parse_token(target, "the switch's protocol")
+    new_fields = plans.entry_fields(new_protocol)
 
     def mutate(state: State) -> None:
         if segment_recorded(state, index):
@@ -171,7 +177,8 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
         already = (
             following is not None
             and following.get("origin") == "online"
-            and following.get("protocol") == new_protocol
+            and following.get("protocol") == new_fields["protocol"]
+            and following.get("protocol_args") == new_fields.get("protocol_args")
             and following.get("until_step") == item["until_step"]
         )
         if not already:
