@@ -59,28 +59,40 @@ class MomentumSGD(tf.Module):
         masks = decay_masks if decay_masks is not None else [0.0] * len(variables)
         self._masks = [np.asarray(m, dtype=np.float32) for m in masks]
 
-    def apply(self, grads: list[Any], variables: list[Any], learning_rate: Any, momentum: Any) -> None:
-        """One update of every variable. Call in a replica context (inside ``strategy.run``):
-        gradients are summed across replicas first (MultiWorkerMirroredStrategy's all-reduce; a no-op
-        for the single replica of a parameter-server worker)."""
+    def apply(
+        self,
+        grads: list[Any],
+        variables: list[Any],
+        learning_rate: Any,
+        momentum: Any,
+        *,
+        summed: bool = False,
+    ) -> list[Any]:
+        """One update of every variable; returns the update ops (to order work after them). Call in
+        a replica context (inside ``strategy.run``): gradients are summed across replicas first
+        (MultiWorkerMirroredStrategy's all-reduce; a no-op for the single replica of a
+        parameter-server worker), unless ``summed`` says the caller did (a compressed all-reduce) or
+        that there is nothing to sum with (a local SGD replica)."""
         context = tf.distribute.get_replica_context()
-        if context is not None:
+        if context is not None and not summed:
             grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
         pairs = list(zip(grads, variables, strict=True))
-        tf.__internal__.distribute.interim.maybe_merge_call(
+        return tf.__internal__.distribute.interim.maybe_merge_call(
             self._update_all, tf.distribute.get_strategy(), pairs, learning_rate, momentum
         )
 
     def _update_all(
         self, strategy: Any, pairs: list[tuple[Any, Any]], learning_rate: Any, momentum: Any
-    ) -> None:
-        for grad, variable in pairs:
+    ) -> list[Any]:
+        return [
             strategy.extended.update(
                 _tf_variable(variable),
                 self._update_one,
                 args=(grad, *self._slot_and_mask(variable), learning_rate, momentum),
                 group=False,
             )
+            for grad, variable in pairs
+        ]
 
     def _slot_and_mask(self, variable: Any) -> tuple[Any, np.ndarray]:
         position = self._position[_key(variable)]

@@ -164,12 +164,29 @@ class FlatModel(tf.Module):
         new_statistics, new_others = self._split_non_trainable(list(new_non_trainable))
         return loss, grads, (self.stats_layout.flatten(new_statistics), new_others)
 
-    def apply(self, grads: list[Any], new_state: Any, learning_rate: Any, momentum: Any) -> None:
-        self.optimizer.apply(grads, self.params, learning_rate, momentum)
+    def apply(
+        self, grads: list[Any], new_state: Any, learning_rate: Any, momentum: Any, *, summed: bool = False
+    ) -> list[Any]:
+        """The update (``summed`` as MomentumSGD.apply's) and the new non-trainable state; returns
+        the ops that write them."""
+        updates = self.optimizer.apply(grads, self.params, learning_rate, momentum, summed=summed)
         new_statistics, new_others = new_state
-        self.stats.assign(new_statistics)
+        writes = [self.stats.assign(new_statistics)]
         for variable, value in zip(self.other_state, new_others, strict=True):
-            variable.assign(value)
+            writes.append(variable.assign(value))
+        return [op for op in [*tf.nest.flatten(updates), *writes] if op is not None]
+
+    def state_vector(self) -> Any:
+        """Weights, velocities and batch-norm statistics as one vector (what local SGD averages)."""
+        parts = [p.read_value() for p in self.params] + [v.read_value() for v in self.optimizer.velocities]
+        return tf.concat([*parts, self.stats.read_value()], 0)
+
+    def assign_state_vector(self, vector: Any) -> Any:
+        """Write a vector of :meth:`state_vector`'s layout back; returns the op."""
+        sizes = [*self.weights_layout.group_sizes, *self.weights_layout.group_sizes, self.stats_layout.total]
+        parts = tf.split(vector, sizes)
+        targets = [*self.params, *self.optimizer.velocities, self.stats]
+        return tf.group(*[t.assign(v) for t, v in zip(targets, parts, strict=True)])
 
     # ---- the canonical (per-variable) form, for checkpoints ---------------------------------------
 
