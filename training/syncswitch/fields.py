@@ -290,6 +290,14 @@ FIELDS: tuple[Field, ...] = (
         choices=ONLINE_POLICIES,
     ),
     Field(
+        "online_protocol",
+        "string",
+        "Online protocol",
+        "What an online switch during BSP goes to: asp (the paper's), ssp:<s> (stale-synchronous, "
+        "bound s), local:<H> (local SGD, averaging every H steps), or auto (bounded staleness: SSP "
+        "with s from the straggler's slowdown). A switch back is always to BSP.",
+    ),
+    Field(
         "max_online_switches",
         "integer",
         "Max online switches",
@@ -343,8 +351,17 @@ FIELDS: tuple[Field, ...] = (
         "Timing policy",
         "fixed: train bsp_fraction as given. search: the job's history chooses it (BSP baseline runs, "
         "then a halving search 0.5, 0.25, ... accepted while accuracy holds, then the smallest "
-        "accepted fraction); needs switch_order '10'.",
+        "accepted fraction); needs switch_order of BSP then another protocol ('10', 'bsp,ssp:4').",
         choices=TIMING_POLICIES,
+    ),
+    Field(
+        "timing_protocols",
+        "array",
+        "Timing: protocols after BSP",
+        "With timing_policy search: the protocols to search after BSP, each with its own halving "
+        "search (e.g. asp, ssp:4, local:8); once all have finished, runs take the fastest one that "
+        "keeps BSP's accuracy. Empty: switch_order's second protocol only.",
+        items="string",
     ),
     Field(
         "timing_repeats",

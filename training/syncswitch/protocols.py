@@ -147,14 +147,15 @@ class Protocol:
         return protocol
 
 
-def parse_token(text: Any, where: str) -> Protocol:
-    """One segment's protocol from its spelling; SpecError naming ``where`` and the accepted spellings."""
+def parse_token(text: Any, where: str, field: str = FIELD) -> Protocol:
+    """One segment's protocol from its spelling; SpecError naming the ``field``, ``where`` in it, and
+    the accepted spellings."""
     token = str(text).strip().lower()
     name, _, value = token.partition(":")
     name = DIGITS.get(name, name)
 
     def refuse(why: str) -> SpecError:
-        return SpecError(FIELD, f"{where} ({text!r}): {why}; accepted: {SPELLINGS}")
+        return SpecError(field, f"{where} ({text!r}): {why}; accepted: {SPELLINGS}")
 
     if name in ("bsp", "asp", "fp16"):
         if value:

@@ -40,6 +40,8 @@ from syncswitch.stall import DEFAULT_STALL_SECONDS
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
 _BUILTIN_IMAGE_MODELS = {"cnn": ("digits",), "resnet": ("image_cifar10", "image_cifar100", "synthetic_cifar")}
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+# What an online switch away from BSP may go to: the protocols that do not wait for every worker each step.
+ONLINE_PROTOCOLS = ("asp", "ssp", "local")
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,7 @@ class JobSpec:
     momentum_rule: str = "ramped"
     momentum_ramp_steps: int = 50
     online_policy: str = "none"
+    online_protocol: str = "asp"  # asp, ssp:<s>, local:<H> or auto (syncswitch_airflow.policies)
     max_online_switches: int = 2
     stragglers: tuple[StragglerSpec, ...] = ()
     seed: int = 0
@@ -286,6 +289,7 @@ class JobSpec:
     # The offline timing policy (syncswitch_airflow.timing): "fixed" runs bsp_fraction as given;
     # "search" lets the job's history choose it (halving search, then the smallest accepted fraction).
     timing_policy: str = "fixed"
+    timing_protocols: tuple[str, ...] = ()  # search: the protocols after BSP to search (canonical)
     timing_repeats: int = 3
     timing_tolerance: float = 0.005
     timing_floor: float = 1 / 32
@@ -324,6 +328,10 @@ class JobSpec:
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
+        values["timing_protocols"] = tuple(
+            protocol_grammar.parse_token(t, f"protocol {i}", "timing_protocols").token
+            for i, t in enumerate(_seq(values["timing_protocols"]))
+        )
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
         values["hosts"] = parse_hosts(values["hosts"])
         scalar_parsers = {"integer": _int, "number": _float, "boolean": _bool}
@@ -345,6 +353,7 @@ class JobSpec:
         self._validate_names()
         self._validate_hosts()
         self._validate_timing()
+        self._validate_online_protocol()
         self._validate_workload()
         self._validate_stragglers()
         if not self.bucket_dir:
@@ -478,6 +487,26 @@ class JobSpec:
                 raise SpecError(
                     "train_steps", "timing_policy 'search' splits total_steps itself; leave it empty"
                 )
+        elif self.timing_protocols:
+            raise SpecError("timing_protocols", "only for timing_policy 'search'")
+        if "bsp" in self.timing_protocols:
+            raise SpecError(
+                "timing_protocols", "the protocols after BSP: asp, ssp:<s>, local:<H>, fp16, topk:<r>"
+            )
+
+    def second_protocols(self) -> tuple[str, ...]:
+        """The protocols a timing search tries after BSP: timing_protocols, else switch_order's second."""
+        return self.timing_protocols or (self.protocols()[-1].token,)
+
+    def _validate_online_protocol(self) -> None:
+        if self.online_protocol == "auto":
+            return
+        name = protocol_grammar.parse_token(self.online_protocol, "the protocol", "online_protocol").name
+        if name not in ONLINE_PROTOCOLS:
+            raise SpecError(
+                "online_protocol",
+                f"{self.online_protocol!r}: a straggler's switch goes to asp, ssp:<s>, local:<H> or auto",
+            )
 
     def with_bsp_fraction(self, fraction: float, second: Protocol | None = None) -> JobSpec:
         """This run's plan once a timing policy chose its BSP share (and, where it searches it, the
@@ -599,7 +628,7 @@ class JobSpec:
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
         data["gce"] = self.gce.to_params() if self.gce else {}
-        for key in ("train_steps", "ckpt_frequency", "hparams"):
+        for key in ("train_steps", "ckpt_frequency", "hparams", "timing_protocols"):
             data[key] = list(data[key])
         return data
 
