@@ -12,7 +12,8 @@ Every event is one JSON object per line with these common keys:
 
 Per event type, the extra keys are:
 
-    segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
+    segment_start  protocol_args (the protocol's settings: syncswitch.protocols), start_step,
+                   until_step, num_workers, batch_per_worker, learning_rate, momentum,
                    momentum_rule, weight_decay, steps_per_execution (0 = automatic), restored_from
                    (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff

@@ -22,8 +22,10 @@
     }
 
 A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json`` when a segment ends:
-index, protocol, start_step, end_step, samples, updates, started_at, first_step_at, ended_at,
-seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup.
+index, protocol, protocol_args, start_step, end_step, samples, updates, started_at, first_step_at,
+ended_at, seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss,
+startup, bytes_per_worker_step; SSP's ``staleness`` {bound, max_lead, steps_by_lead, cut_closures},
+local SGD's ``averaging`` {period, averages}.
 
 Every change to state.json is one of the named operations below (record_cluster,
 record_fork_servers, create_run, record_segment, straggler_reference_time, apply_switch,

@@ -356,6 +356,7 @@ def segment_start_event(
     lr, momentum = schedule.at(start_step)
     events.emit(
         "segment_start",
+        protocol_args=ctx.spec.protocol_args,
         start_step=start_step,
         restored_from=restored["uri"],
         checkpoint_digest=restored.get("digest"),

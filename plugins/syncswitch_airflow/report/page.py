@@ -234,8 +234,7 @@ def _cost_tables(cost: dict[str, Any] | None) -> str:
     if not cost:
         return '<p class="note">No VMs: this cluster had no per-second price.</p>'
     currency = cost["currency"]
-    # BSP and ASP always, as before; another protocol where the run used it.
-    shown = [p for p, c in cost["per_protocol"].items() if p in ("bsp", "asp") or c]
+    shown = list(cost["per_protocol"])  # BSP, ASP, and any other protocol the run used
     overview = html_table(
         [
             "total",
