@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--log", help="JSON lines, one per run: appended to, and runs in it are skipped")
     parser.add_argument("--report-only", action="store_true", help="the tables of --log, running nothing")
+    parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="with --report-only: measure every logged run again from its run folder under --out (another "
+        "--target, say)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per segment")
     parser.add_argument("--target", type=float, help="instead of the file's target_accuracy")
     return parser.parse_args(argv)
@@ -107,6 +113,19 @@ def measure(label: str, seed: int, job: JobSpec, run_dir: str, target: float | N
         "total_steps": job.workload,
         "bytes_per_step": sent / steps if steps else None,
         **{k: v for k, v in numbers.items() if k not in ("label", "run_dir", "run_id")},
+    }
+
+
+def remeasure(
+    run: dict[str, Any], job: JobSpec, args: argparse.Namespace, target: float | None
+) -> dict[str, Any]:
+    """A logged run measured again from its run folder (kept under --out)."""
+    run_dir = os.path.join(args.out, run["label"], f"seed{run['seed']}")
+    if not args.out or not os.path.isdir(run_dir):
+        raise SystemExit(f"--remeasure needs the run folders under --out; {run_dir} is not there")
+    return {
+        **measure(run["label"], run["seed"], scaled(job, args, run["seed"]), run_dir, target),
+        "scale": run["scale"],
     }
 
 
@@ -234,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             if not (args.keep or args.out or failed):
                 shutil.rmtree(out, ignore_errors=True)
     runs = [r for r in runs if r.get("scale") == scale]
+    if args.report_only and args.remeasure:
+        runs = [remeasure(r, sweep.configs[r["label"]], args, target) for r in runs if r["label"] in labels]
     print(f"# bench_protocols: {sweep.name}, scale {scale}, {repeats} repeat(s)\n# {machine_line()}\n")
     print(table(runs, labels, sweep.baseline, target))
     return 0
