@@ -38,6 +38,7 @@ from syncswitch.reporting import WorkerTimer
 from syncswitch.spec import SegmentSpec
 from syncswitch.ssp import ClockGate, LeadTally
 from syncswitch.trainer import (
+    CLOCK_LEAD,
     RECORD_WIDTH,
     STEP_SECONDS,
     WARMUP_EXECUTIONS,
@@ -111,7 +112,7 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 continue
             worker, records, cut = done
             if tally is not None:
-                tally.add(records[:, -1], cut)
+                tally.add(records[:, CLOCK_LEAD], cut)
             if not len(records):  # an SSP closure whose worker was at the bound: nothing ran
                 continue
             sizer.observe(records[:, STEP_SECONDS])

@@ -43,6 +43,7 @@ WARMUP_EXECUTIONS = 2
 RECORD_COLUMNS = ("loss", "own_seconds", "step_seconds", "bytes_sent", "clock_lead")
 RECORD_WIDTH = len(RECORD_COLUMNS)
 STEP_SECONDS = RECORD_COLUMNS.index("step_seconds")
+CLOCK_LEAD = RECORD_COLUMNS.index("clock_lead")
 
 
 class StopSignal:
