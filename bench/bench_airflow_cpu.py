@@ -3,6 +3,12 @@
     .venv/bin/python bench/bench_airflow_cpu.py                 # ~15 minutes on 2 cores
     .venv/bin/python bench/bench_airflow_cpu.py --only "before,now" --samples 3 --sample-seconds 60 \
         --first-segment-steps 16000
+    .venv/bin/python bench/bench_airflow_cpu.py --only "metrics" --rounds 2    # metrics on and off
+
+The metrics settings (issue 59) send Airflow's StatsD to a sink this script listens on (metrics.md);
+"metrics off" is the instance as it ships. Their rows also count the StatsD datagrams received while
+BSP trains, all and the pipeline's (``syncswitch.``). ``--rounds`` measures the chosen settings that
+many times, alternating, so a busy machine's drift falls on each alike.
 
 For each setting, side by side in one run: a fresh embedded Airflow (its own home), its CPU use idle
 for ``--sample-seconds``, then a digits job on it ("101010": a long first BSP segment, then short
@@ -36,6 +42,14 @@ AIRFLOW_TIMERS = {
     "CONNECTION_TEST__REAPER_INTERVAL": "30",
 }
 COLD_EXECUTOR = {"CORE__EXECUTOR": "LocalExecutor", "SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2.0"}
+# StatsD to the sink this script opens (its port is filled in at the start of a measurement).
+STATSD_PORT = "{statsd_port}"
+STATSD = {
+    "METRICS__STATSD_ON": "True",
+    "METRICS__STATSD_HOST": "127.0.0.1",
+    "METRICS__STATSD_PORT": STATSD_PORT,
+    "METRICS__STATSD_INFLUXDB_ENABLED": "True",
+}
 SETTINGS = {
     "idle sleep 0.1 s, Airflow's timers (Airflow's defaults)": {
         **COLD_EXECUTOR,
@@ -47,6 +61,12 @@ SETTINGS = {
     # The WarmLocalExecutor: warm task starts, and a heartbeat that waits up to 4.8 s for a task to
     # end, then a 0.2 s idle sleep (warm_start.py, instance.py).
     "5 s loop, relaxed timers, warm task starts that follow each other at once (now)": {},
+    "metrics off (as shipped)": {},
+    "metrics on: StatsD, Airflow's and the pipeline's": STATSD,
+    "metrics on: StatsD, the pipeline's alone (metrics_allow_list = syncswitch)": {
+        **STATSD,
+        "METRICS__METRICS_ALLOW_LIST": "syncswitch",
+    },
 }
 # A long first BSP segment to sample in, then five short segments: five switch gaps per setting.
 SWITCH_ORDER = "101010"
@@ -95,6 +115,30 @@ def cpu_by_component(airflow: Any, seconds: float) -> dict[str, float]:
 
 
 def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from statsd_sink import StatsdSink
+
+    with StatsdSink() as sink:
+        filled = {key: value.replace(STATSD_PORT, str(sink.port)) for key, value in settings.items()}
+        return measure_with(name, filled, args, work, sink)
+
+
+def datagrams_while(sink: Any, seconds: float, call: Any) -> tuple[Any, dict[str, float]]:
+    """``call()``'s result (it lasts about ``seconds``), and the StatsD datagrams and the pipeline's
+    samples received meanwhile, per second."""
+    datagrams, ours = sink.datagrams, len(sink.received("airflow.syncswitch."))
+    started = time.monotonic()
+    value = call()
+    elapsed = max(time.monotonic() - started, seconds, 1e-9)
+    counts = {
+        "datagrams": (sink.datagrams - datagrams) / elapsed,
+        "syncswitch": (len(sink.received("airflow.syncswitch.")) - ours) / elapsed,
+    }
+    return value, counts
+
+
+def measure_with(
+    name: str, settings: dict[str, str], args: argparse.Namespace, work: Path, sink: Any
+) -> dict[str, Any]:
     from syncswitch.layout import RunLayout
     from syncswitch.state import read_state
     from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
@@ -120,9 +164,13 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
         layout = RunLayout.for_run(conf["bucket_dir"], "cpu", run_id)
         wait_for_bsp_step(layout, 100)
         log(f"{name}: sampling CPU for {args.samples} x {args.sample_seconds:.0f} s while BSP trains")
-        samples = []
+        samples, rates = [], []
         for index in range(args.samples):
-            samples.append(cpu_by_component(airflow, args.sample_seconds))
+            sample, rate = datagrams_while(
+                sink, args.sample_seconds, lambda: cpu_by_component(airflow, args.sample_seconds)
+            )
+            samples.append(sample)
+            rates.append(rate)
             parts = ", ".join(f"{c} {v:.3f}" for c, v in samples[-1].items() if v >= 0.0005)
             log(f"{name}: sample {index + 1}: {sum(samples[-1].values()):.3f} cores ({parts})")
         seen = {name for sample in samples for name in sample}  # "other" too, as the totals count it
@@ -148,6 +196,9 @@ def measure(name: str, settings: dict[str, str], args: argparse.Namespace, work:
             "gaps": gaps,
             "start_up": start_up,
             "wind_down": wind_down,
+            "datagrams": sum(r["datagrams"] for r in rates) / len(rates),
+            "syncswitch": sum(r["syncswitch"] for r in rates) / len(rates),
+            "syncswitch_total": len(sink.received("airflow.syncswitch.")),
         }
     finally:
         airflow.stop()
@@ -159,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=1, help="samples while BSP trains (their mean is shown)")
     p.add_argument("--first-segment-steps", type=int, default=6000, help="the BSP segment sampled in")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="measure the chosen settings this many times")
     p.add_argument(
         "--only",
         default="",
@@ -168,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_line()
     results: dict[str, dict[str, Any]] = {}
     work_root = Path(tempfile.mkdtemp(prefix="bench-airflow-cpu-"))
+    chosen = [(n, s) for n, s in SETTINGS.items() if any(text.strip() in n for text in args.only.split(","))]
     try:
-        for index, (name, settings) in enumerate(SETTINGS.items()):
-            if any(text.strip() in name for text in args.only.split(",")):
-                results[name] = measure(name, settings, args, work_root / str(index))
+        for round_index in range(args.rounds):
+            for index, (name, settings) in enumerate(chosen):
+                label = f"{name}, round {round_index + 1}" if args.rounds > 1 else name
+                results[label] = measure(label, settings, args, work_root / f"{round_index}-{index}")
     except BenchError as exc:
         print(f"bench_airflow_cpu: {exc}", file=sys.stderr)
         return 1
@@ -218,6 +272,21 @@ def main(argv: list[str] | None = None) -> int:
                     fmt(r["start_up"], 1),
                     fmt(r["wind_down"], 1) if r["wind_down"] is not None else "-",
                 ]
+                for n, r in results.items()
+            ],
+        )
+    )
+    print()
+    print(
+        markdown_table(
+            [
+                "setting",
+                "StatsD datagrams/s while BSP trains",
+                "the pipeline's samples/s then",
+                "the pipeline's samples in the run",
+            ],
+            [
+                [n, fmt(r["datagrams"], 2), fmt(r["syncswitch"], 2), str(r["syncswitch_total"])]
                 for n, r in results.items()
             ],
         )

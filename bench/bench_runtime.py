@@ -144,6 +144,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
 
     from syncswitch.hparams import get_hparams, learning_rate_at
     from syncswitch.models import build_model, decayed_weights, example_loss
+    from syncswitch.optim import StepConfig
     from syncswitch.params import FlatModel
     from syncswitch.problems import get_problem
 
@@ -151,13 +152,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
     problem = get_problem(PROBLEM)
     model = build_model(hp, problem)
     # The training step of the clusters (flat weights, fused momentum update), in one process.
-    flat = FlatModel(
-        model,
-        groups=1,
-        nesterov=hp.optimizer_momentum_nesterov,
-        weight_decay=hp.weight_decay,
-        decayed=decayed_weights(model),
-    )
+    flat = FlatModel(model, groups=1, hp=hp, decayed=decayed_weights(model))
     dataset = problem.train_dataset("", batch_size=hp.batch_size, shard_index=0, num_shards=1, seed=0)
     iterator = iter(dataset)
     per_example_loss = example_loss(problem, model)
@@ -172,7 +167,7 @@ def baseline_child(steps: int, warmup: float, intra_op_threads: int) -> dict[str
             loss, grads, statistics = flat.loss_and_gradients(
                 x, y, lambda outputs, labels: tf.reduce_mean(per_example_loss(outputs, labels))
             )
-            flat.apply(grads, statistics, lrs[j], momentum)
+            flat.apply(grads, statistics, StepConfig(lrs[j], momentum))
         return loss
 
     # The same examples as the clusters: `steps` global batches of WORKERS x 32, here 32 at a time.

@@ -5,12 +5,16 @@
 #   iptables          the testbed's isolation rules
 #   postgresql        the distributed deployment's metadata database (testing/celery_deployment.py)
 #   redis-server      its Celery broker
+#   docker.io         the compose stack and the Python 3.13 install check (a Docker engine)
+#   debootstrap       their stand-in base images, where no image registry is reachable
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing system packages for the tests: ${missing[*]}" >&2
     # Keep the packages' services (a machine-wide sshd) from starting during the install.

@@ -36,6 +36,7 @@ import pytest  # noqa: E402
 import testbed as tb  # noqa: E402
 from gcs_emulator import GcsEmulator, free_port  # noqa: E402 - testing/ (the syncswitch-testing distribution)
 from proc_utils import assert_no_processes, find_processes  # noqa: E402
+from statsd_sink import StatsdSink  # noqa: E402
 from syncswitch import storage  # noqa: E402
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -166,9 +167,11 @@ EMBEDDED_AIRFLOW_TESTS = (
     "tests/test_airflow_faults.py::",
     "tests/test_embedded_airflow.py::",
     "tests/test_recurring_jobs.py::",
+    "tests/test_report_tab.py::",
     "tests/test_trigger_form.py::",
     "tests/test_hosts_backend.py::test_a_network_straggler_",
     "tests/test_sweep.py::test_a_sweep_started_again_",
+    "tests/test_metrics.py::test_a_run_on_the_embedded_airflow_",
 )
 # Queued first, longest first (the rest follow in the files' order), so that the two longest groups
 # start at once on different workers and the short files come last, filling whichever worker is free.
@@ -177,6 +180,7 @@ EMBEDDED_AIRFLOW_TESTS = (
 # the other still in a long file.
 LONGEST_GROUPS = (
     "embedded-airflow",
+    "docker",
     "tests/test_distributed.py",
     "tests/test_hosts_backend.py",
     "tests/test_runtime_cluster.py",
@@ -188,10 +192,18 @@ LONGEST_GROUPS = (
 )
 
 
+# The tests on a Docker engine, together: one engine (started once) and its image cache serve them.
+DOCKER_TESTS = ("tests/test_compose_stack.py::", "tests/test_install_python313.py::")
+
+
 def xdist_group_of(nodeid: str) -> str:
-    """A test's xdist group: the embedded Airflow's tests together, any other test with its file (its
-    module fixtures, a testbed or a Celery deployment, are built once)."""
-    return "embedded-airflow" if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS) else nodeid.split("::")[0]
+    """A test's xdist group: the embedded Airflow's tests together, the Docker ones together, any
+    other test with its file (its module fixtures, a testbed or a Celery deployment, are built once)."""
+    if nodeid.startswith(EMBEDDED_AIRFLOW_TESTS):
+        return "embedded-airflow"
+    if nodeid.startswith(DOCKER_TESTS):
+        return "docker"
+    return nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -221,6 +233,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:  # noqa
             return xdist_group_of(nodeid)
 
     return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[Any]:
+    """The machine's Docker engine (one started here if none runs, stopped at the end), with the
+    stand-ins of the official base images built where no registry is reachable; the test is skipped,
+    saying why, where no engine can run (testing/docker_stack.py)."""
+    from docker_stack import DockerEngine, DockerUnavailable
+
+    try:
+        engine = DockerEngine.ensure()
+    except DockerUnavailable as exc:
+        pytest.skip(f"no Docker engine: {exc}")
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="session")
@@ -332,6 +361,25 @@ class SessionAirflow:
         self.wait_for_dags = wait_for_dags
         self.replaced: list[str] = []
 
+    def with_its_settings(self) -> Any:  # noqa: ANN401 - EmbeddedAirflow
+        """``serving()``, started again with the session's settings where the instance runs without
+        them: one that ``syncswitch run`` started again after it had stopped (test_airflow_faults'
+        last test) has the CLI's, without the session's metrics and bucket connection."""
+        from proc_utils import environ
+        from syncswitch_airflow.embedded.supervisor import read_status
+
+        instance = self.serving()
+        status = read_status(Path(instance.home)) or {}
+        scheduler = status.get("components", {}).get("scheduler", {}).get("pid")
+        wanted = {f"AIRFLOW__{key}": value for key, value in instance.settings_overrides.items()}
+        running = environ(scheduler) if scheduler else {}
+        if all(running.get(key) == value for key, value in wanted.items()):
+            return instance
+        print("the session's embedded Airflow runs without its settings; starting it again", file=sys.stderr)
+        instance.stop()
+        self.start()
+        return instance
+
     def start(self) -> None:
         self.instance.start(wait_for_dags=self.wait_for_dags, timeout=600)
 
@@ -368,13 +416,57 @@ class SessionAirflow:
 
 
 @pytest.fixture(scope="session")
+def statsd_sink() -> Iterator[StatsdSink]:
+    """The session's StatsD sink: a UDP port of this machine, where the session's embedded Airflow
+    sends its metrics (Airflow's and the pipeline's) for as long as the session lasts."""
+    with StatsdSink() as sink:
+        yield sink
+
+
+def statsd_settings(sink: StatsdSink) -> dict[str, str]:
+    """Airflow settings (``SECTION__KEY``) that send its metrics to ``sink``, tags included."""
+    return {
+        "METRICS__STATSD_ON": "True",
+        "METRICS__STATSD_HOST": sink.host,
+        "METRICS__STATSD_PORT": str(sink.port),
+        "METRICS__STATSD_INFLUXDB_ENABLED": "True",
+    }
+
+
+@contextlib.contextmanager
+def statsd_in_this_process(sink: StatsdSink) -> Iterator[StatsdSink]:
+    """Airflow's ``Stats`` in this process send to ``sink`` until the block ends, as a task's or a
+    trigger's do under ``[metrics] statsd_on`` (dag.test() runs both in this process)."""
+    from airflow.sdk.observability import stats
+    from airflow.sdk.observability.metrics import stats_utils
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in statsd_settings(sink).items():
+            patch.setenv(f"AIRFLOW__{key}", value)
+        stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+        try:
+            yield sink
+        finally:
+            patch.setenv("AIRFLOW__METRICS__STATSD_ON", "False")
+            stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+
+
+@pytest.fixture
+def statsd_here() -> Iterator[StatsdSink]:
+    """A StatsD sink of its own that this process's Airflow ``Stats`` send to during the test."""
+    with StatsdSink() as sink, statsd_in_this_process(sink):
+        yield sink
+
+
+@pytest.fixture(scope="session")
 def session_airflow(
-    gcs_server: GcsEmulator, tmp_path_factory: pytest.TempPathFactory
+    gcs_server: GcsEmulator, statsd_sink: StatsdSink, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SessionAirflow]:
     """One real embedded Airflow (supervised scheduler, triggerer, dag-processor, api-server) for the
     whole session, with this project's dags/ and plugins/ and a private AIRFLOW_HOME; it reaches the
-    session's GCS emulator. Stopped at the end by ``syncswitch run --stop-ui`` (one instance serves
-    that check too: a second one costs a minute or two), and nothing of it may be left running."""
+    session's GCS emulator and sends its metrics to the session's StatsD sink. Stopped at the end by
+    ``syncswitch run --stop-ui`` (one instance serves that check too: a second one costs a minute or
+    two), and nothing of it may be left running."""
     from syncswitch import procs
     from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
     from syncswitch_airflow.embedded.supervisor import BOOT_SECONDS_ENV, HUNG_SECONDS_ENV
@@ -399,7 +491,7 @@ def session_airflow(
     for name, seconds in ((HUNG_SECONDS_ENV, "20"), (BOOT_SECONDS_ENV, "60")):
         saved[name] = os.environ.get(name)
         os.environ[name] = seconds
-    settings = {"SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID}
+    settings = {"SYNCSWITCH__GCP_CONN_ID": BUCKET_CONN_ID, **statsd_settings(statsd_sink)}
     # Any free port: 8080 is left to a demo or another test session on the same machine.
     instance = EmbeddedAirflow(
         PROJECT_DIR, home=tmp_path_factory.mktemp("airflow-home"), port=0, settings=settings
@@ -426,6 +518,13 @@ def session_airflow(
 def embedded_airflow(session_airflow: SessionAirflow):  # noqa: ANN201 - EmbeddedAirflow
     """The session's embedded Airflow, found serving before the test (or replaced: SessionAirflow)."""
     return session_airflow.serving()
+
+
+@pytest.fixture
+def metrics_airflow(embedded_airflow: Any, session_airflow: SessionAirflow):  # noqa: ANN201, ANN401
+    """The session's embedded Airflow sending its metrics to the session's StatsD sink (started again
+    with the session's settings where it runs without them: SessionAirflow.with_its_settings)."""
+    return session_airflow.with_its_settings()
 
 
 def stop_with_the_cli(home: Path) -> None:

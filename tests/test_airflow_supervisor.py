@@ -95,8 +95,14 @@ def test_a_migration_is_skipped_only_while_the_revision_packages_and_settings_ar
     assert not MigrationStamp(tmp_path, environ).is_current()  # never recorded
     MigrationStamp(tmp_path, environ).record()
     assert MigrationStamp(tmp_path, environ).is_current()
-    # A port the next start picks, our own section, or a variable that is not Airflow's: nothing.
-    same = {**environ, "AIRFLOW__API__PORT": "8081", "AIRFLOW__SYNCSWITCH__GCP_CONN_ID": "x", "PATH": "/bin"}
+    # A port the next start picks, a section without tables, or a variable that is not Airflow's: nothing.
+    same = {
+        **environ,
+        "AIRFLOW__API__PORT": "8081",
+        "AIRFLOW__SYNCSWITCH__GCP_CONN_ID": "x",
+        "AIRFLOW__METRICS__STATSD_ON": "True",
+        "PATH": "/bin",
+    }
     assert MigrationStamp(tmp_path, same).is_current()
     # Any other Airflow setting, or airflow.cfg, might (the log template, the auth manager's tables).
     assert not MigrationStamp(tmp_path, {**environ, "AIRFLOW__CORE__PARALLELISM": "8"}).is_current()

@@ -407,3 +407,38 @@ def test_clusters_claim_servers_forked_from_one_standby_and_their_teardowns_stop
         keeper.stop()
     assert forkserver_client.status(backend.standby_dir) == forkserver_client.ABSENT
     assert not keeper.started
+
+
+def test_teardown_brings_home_the_logs_the_run_folder_lacks(backend: LocalBackend, handle: dict) -> None:
+    """Before the cluster folder goes, each node's and launcher's log that the run folder lacks, or
+    holds shorter (a launcher killed before its upload, a copy that stopped with a lost host), is
+    uploaded to logs/<segment>/; one already there whole is not sent again, a link delay's never."""
+    layout = RunLayout(handle["run_dir"])
+    launch = Path(handle["work_dir"], "segments", "seg-01")
+    scratch = launch / "scratch"
+    scratch.mkdir(parents=True)
+    spec = json.dumps({"run_dir": layout.root, "index": 1, "protocol": "asp"})
+    (launch / "spec.json").write_text(spec)
+    (scratch / "segment.json").write_text(spec)
+    (launch / "launcher.log").write_text("launcher: started\nlauncher: done\n")
+    for name in ("chief-0", "worker-0", "worker-1", "ps-0", "linkdelay-1"):
+        (scratch / f"{name}.log").write_text(f"{name}: line 1\n{name}: line 2\n")
+    home = Path(layout.segment_logs(1, "asp"))
+    home.mkdir(parents=True)
+    (home / "worker-0.log").write_text("worker-0: line 1\nworker-0: line 2\n")  # whole: kept as it is
+    os.utime(home / "worker-0.log", (1, 1))
+    (home / "worker-1.log").write_text("worker-1: line 1\n")  # a copy that stopped short
+
+    backend.teardown(handle)
+
+    assert sorted(p.name for p in home.iterdir()) == [
+        "chief-0.log",
+        "launcher-0.log",
+        "ps-0.log",
+        "worker-0.log",
+        "worker-1.log",
+    ]
+    assert (home / "worker-1.log").read_text() == "worker-1: line 1\nworker-1: line 2\n"
+    assert (home / "launcher-0.log").read_text() == "launcher: started\nlauncher: done\n"
+    assert (home / "worker-0.log").stat().st_mtime == 1, "a log already home was sent again"
+    assert not Path(handle["work_dir"]).exists()

@@ -139,6 +139,26 @@ def test_no_flags_is_the_default_job_with_an_absolute_local_bucket(
     assert options.airflow_home is None
 
 
+def test_a_user_models_run_is_named_after_its_model_and_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--usr-dir or --model without --job-name: the run folder is runs/<model>-<problem>/, never the
+    demo's runs/digits-demo/ (and its history); the conf carries the name, so the DAG agrees."""
+    monkeypatch.chdir(tmp_path)
+    example = Path(__file__).resolve().parents[1] / "examples" / "mnist1d" / "mnist1d_example"
+    names = ["--model", "mnist1d_cnn", "--problem", "mnist1d", "--hparam-set", "mnist1d_cnn"]
+    spec, _options, _notes = parse(["--usr-dir", str(example), *names])
+    assert spec.job_name == "mnist1d-cnn-mnist1d"
+    conf = dag_conf(spec)
+    assert conf["job_name"] == "mnist1d-cnn-mnist1d" == JobSpec.from_params(conf).job_name
+    resnet, _options, _notes = parse(
+        ["--model", "resnet", "--problem", "synthetic_cifar", "--hparam-set", "resnet_cifar_20"]
+    )
+    assert resnet.job_name == "resnet-synthetic-cifar"
+    named, _options, _notes = parse(["--usr-dir", str(example), *names, "--job-name", "mine"])
+    assert named.job_name == "mine"
+
+
 @pytest.mark.parametrize(
     ("args", "field"),
     [

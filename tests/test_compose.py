@@ -234,6 +234,8 @@ def test_the_default_params_are_a_valid_job_on_the_trainers(
 
     bucket_dir = config["services"]["scheduler"]["environment"]["AIRFLOW__SYNCSWITCH__BUCKET_DIR"]
     monkeypatch.setenv("AIRFLOW__SYNCSWITCH__BUCKET_DIR", bucket_dir)
+    # The older name wins over Airflow's; the session's embedded Airflow sets it in this process.
+    monkeypatch.delenv("SYNCSWITCH_BUCKET_DIR", raising=False)
 
     params = deployment_defaults(str(REPO / "config" / "default-params.yaml"))
     assert params["cluster_backend"] == "hosts"

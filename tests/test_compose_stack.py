@@ -24,32 +24,23 @@ DAG_ID = "sync_switch"
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator:
-    from docker_stack import ComposeStack, DockerEngine, DockerUnavailable, build_stand_ins
+def stack(docker_engine) -> Iterator:  # noqa: ANN001 - docker_stack.DockerEngine
+    from docker_stack import ComposeStack, build_stand_ins
 
-    try:
-        engine = DockerEngine.ensure()
-    except DockerUnavailable as exc:
-        pytest.skip(f"no Docker engine: {exc}")
-    project = f"syncswitch-test-{os.getpid()}"
-    try:
-        timings = {}
-        started = time.monotonic()
-        build_stand_ins()
-        timings["stand-in bases"] = time.monotonic() - started
-        with ComposeStack(project) as running:
-            timings["build"] = running.build()
-            try:
-                timings["up"] = running.up()
-            except Exception:
-                print(running.logs(), flush=True)
-                raise
-            running.timings = timings
-            yield running
-            left_running = running
-        assert left_running.leftovers() == {"containers": [], "networks": [], "volumes": []}
-    finally:
-        engine.stop()
+    timings = {}
+    started = time.monotonic()
+    build_stand_ins()
+    timings["stand-in bases"] = time.monotonic() - started
+    with ComposeStack(f"syncswitch-test-{os.getpid()}") as running:
+        timings["build"] = running.build()
+        try:
+            timings["up"] = running.up()
+        except Exception:
+            print(running.logs(), flush=True)
+            raise
+        running.timings = timings
+        yield running
+    assert running.leftovers() == {"containers": [], "networks": [], "volumes": []}
 
 
 def segment_task_worker(stack, api, run_id: str) -> dict:  # noqa: ANN001

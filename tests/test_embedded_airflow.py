@@ -226,17 +226,22 @@ def test_syncswitch_run_end_to_end(airflow: EmbeddedAirflow, tmp_path: Path) -> 
     assert any(line.startswith("final accuracy") for line in lines)
     assert "triggered sync_switch run" in result.stderr and "triggered" not in result.stdout
     assert "--cluster-name is accepted" in result.stderr
-    # The report task links to the run's report, bucket folder and TensorBoard logs, as the UI shows.
+    # The report task links to the run's report, bucket folder and TensorBoard logs, as the UI shows:
+    # the plugin's pages of the run on the api-server, which serve the local run folder.
     status, links = airflow.api.request(
         "GET", f"/api/v2/dags/sync_switch/dagRuns/{quote(summary['run_id'])}/taskInstances/report/links"
     )
     assert status == 200, links
-    run_url = "file://" + quote(summary["run_dir"])
+    run_path = f"/syncswitch/runs/sync_switch/{quote(summary['run_id'], safe='')}"
     assert links["extra_links"] == {
-        "Run bucket folder": f"{run_url}/",
-        "Run report": f"{run_url}/report/index.html",
-        "TensorBoard logs": f"{run_url}/tensorboard/",
+        "Run bucket folder": f"{airflow.url}{run_path}/folder",
+        "Run report": f"{airflow.url}{run_path}/report/",
+        "TensorBoard logs": f"{airflow.url}{run_path}/folder#tensorboard",
     }
+    status, page = airflow.api.request("GET", f"{run_path}/report/")
+    assert status == 200 and "syncswitch report: cli-e2e" in page, page
+    status, page = airflow.api.request("GET", f"{run_path}/folder")
+    assert status == 200 and f"tensorboard --logdir {summary['run_dir']}/tensorboard" in page, page
     # --keep-ui: Airflow is still up and the URL and login were printed.
     assert airflow.is_running() and summary["airflow_url"] == airflow.url
     assert any(airflow.url in line and "password" in line for line in lines)

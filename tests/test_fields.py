@@ -32,6 +32,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "hparam_set": ("resnet_cifar_32", ["resnet_cifar_32"], {"model": "resnet", "problem": "synthetic_cifar"}),
     "problem": ("synthetic_cifar", ["synthetic_cifar"], {"model": "resnet", "hparam_set": "resnet_cifar_20"}),
     "usr_dir": ("examples.mnist1d", ["examples.mnist1d"], {}),
+    "hooks": (["notify", "copy"], ["notify", "copy"], {"usr_dir": "examples.mnist1d"}),
     "data_dir": ("gs://data/digits", ["gs://data/digits"], {}),
     "bucket_dir": ("gs://bucket/runs", ["gs://bucket/runs"], {}),
     "cluster_backend": ("hosts", ["hosts"], {"hosts": HOSTS, "bucket_dir": "gs://b/r"}),
@@ -172,3 +173,52 @@ def test_syncswitch_train_takes_its_job_fields_by_the_tables_flags(tmp_path: Any
         parser.parse_args([*base, "--num_workers", "3", "--num-ps", "2", "--evaluate-checkpoints"])
     )
     assert short == long and (short.num_workers, short.num_ps, short.evaluate_checkpoints) == (3, 2, True)
+
+
+MNIST1D = {
+    "usr_dir": "examples.mnist1d",
+    "model": "mnist1d_cnn",
+    "problem": "mnist1d",
+    "hparam_set": "mnist1d_cnn",
+}
+RESNET = {"model": "resnet", "problem": "synthetic_cifar", "hparam_set": "resnet_cifar_20"}
+
+
+@pytest.mark.parametrize(
+    ("params", "job_name"),
+    [
+        ({}, "digits-demo"),
+        (RESNET, "resnet-synthetic-cifar"),
+        (MNIST1D, "mnist1d-cnn-mnist1d"),
+        ({"usr_dir": "examples.mnist1d"}, "cnn-digits"),  # user code: never the demo's folder
+        ({**MNIST1D, "job_name": "nightly-7"}, "nightly-7"),
+    ],
+)
+def test_a_job_without_a_name_is_named_alike_by_conf_form_and_flags(params: dict, job_name: str) -> None:
+    """No job_name (absent, null or empty) means <model>-<problem>, the demo's name for the demo alone:
+    REST conf, the Trigger form (whose job_name is empty unless a name was chosen) and `syncswitch run`
+    name the run alike, so a user's runs never land in the demo's folder and history."""
+    assert JobSpec.from_params(params).job_name == job_name
+    for empty in (None, ""):
+        if "job_name" not in params:
+            assert JobSpec.from_params({**params, "job_name": empty}).job_name == job_name
+    # The form: an empty job_name by default, which its schema and JobSpec accept, as REST conf's "".
+    param = build_params("/bucket")["job_name"]
+    assert param.value is None
+    param.resolve(None)
+    param.resolve("")
+    # syncswitch run: no --job-name.
+    argv = _companion_argv(params)
+    spec, _options, _notes = parse(argv)
+    assert spec.job_name == job_name
+
+
+def test_the_form_shows_a_chosen_job_name_and_leaves_a_derived_one_empty() -> None:
+    """A recurring job's (or a deployment's) own name is the form's default; a name that is only the
+    model and problem's is left empty, so that changing the model in the form renames the run."""
+    chosen = build_params("/bucket", JobSpec.from_params({**RESNET, "job_name": "res20-nightly"}))
+    assert chosen["job_name"].value == "res20-nightly"
+    derived = build_params("/bucket", JobSpec.from_params(RESNET))
+    assert derived["job_name"].value is None
+    with pytest.raises(ParamValidationError):
+        derived["job_name"].resolve("Bad_Name")

@@ -157,6 +157,7 @@ def test_a_node_lives_as_long_as_its_lease(server: Path, tmp_path: Path) -> None
     second, _ = fork_ps(server, tmp_path, name="ps-1")
     second.terminate()
     assert second.wait(timeout=30) == -signal.SIGTERM
+    assert not second.lost
 
 
 def test_a_node_that_fails_reports_its_exit_code(server: Path, tmp_path: Path) -> None:
@@ -170,6 +171,14 @@ def test_a_node_that_fails_reports_its_exit_code(server: Path, tmp_path: Path) -
     )
     assert node.wait(timeout=60) == 1
     assert "missing.json" in log.read_text()
+    # Its log, read through the server as a launcher on another host copies it, byte for byte; a file
+    # no node of the server logs to is refused.
+    ref = forkserver_client.ServerRef(server_dir=str(server))
+    data, offset = forkserver_client.read_log(ref, str(log), 0)
+    assert data == log.read_bytes() and offset == len(data)
+    assert forkserver_client.read_log(ref, str(log), offset) == (b"", offset)
+    with pytest.raises(forkserver_client.ForkServerUnavailable, match="not the log of a node forked here"):
+        forkserver_client.read_log(ref, str(tmp_path / "missing.json"), 0)
     # A malformed request gets an error back, and the server carries on serving.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10)
@@ -190,6 +199,7 @@ def test_nodes_die_with_their_server(tmp_path: Path, no_leftover_processes) -> N
         process.wait(timeout=30)
         wait_for(lambda: not pid_alive(node.pid), what="the node to die with its server", timeout=30)
         assert node.wait(timeout=10) == -signal.SIGKILL
+        assert node.lost, "a node whose server went without a word counts as lost"
     finally:
         if process.poll() is None:
             process.kill()

@@ -409,17 +409,20 @@ def test_101_on_spot_vms_survives_a_preemption_in_bsp_and_in_asp_and_bills_every
 
 
 def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_the_checkpoint(
-    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path
+    fake: FakeComputeEngine, bed: tb.Testbed, bucket: str, work_root: Path, statsd_here: Any
 ) -> None:
     """The chief VM (launcher, BSP worker 0 and the only checkpointer; on-demand, so never preempted)
     deleted out of band mid-segment: the next status poll records it revoked, requests its
     replacement and reports the segment ended without a result at once (its launcher went with the
     VM: the segment trigger fails the task without waiting out an unknown status); the
     retry waits for the replacement, pins its host key, starts a fork server there with the token
-    from the bucket and resumes from the last checkpoint."""
+    from the bucket and resumes from the last checkpoint. The revocation and the replacement are
+    metrics; the teardown brings the VMs' logs home before it deletes them (the launcher's, which
+    only the teardown uploads)."""
     backend = GceBackend()
     job = JobSpec.from_params(
-        conf(bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50], gce=gce_param(gpus="none"))
+        # 750 steps past the checkpoint the chief's VM goes at: room for the deletion, however fast.
+        conf(bucket, switch_order="1", train_steps=[800], ckpt_frequency=[50], gce=gce_param(gpus="none"))
     )
     layout = RunLayout.for_run(bucket, "gce", "chief-gone")
     handle = backend.provision(job, layout)
@@ -431,7 +434,7 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
         assert "went with the chief's VM" in backend.segment_log_tail(handle, 0)
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
-        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+        assert result["end_step"] == 800 and result["start_step"] >= 50, result
         vms = read_state(layout)["vms"]
         assert vms[chief]["state"] == "revoked" and not vms[chief]["preempted"]
         replacement = vms[f"{chief}-r1"]
@@ -440,6 +443,13 @@ def test_a_chief_vm_gone_for_good_is_replaced_and_the_retry_resumes_on_it_from_t
     finally:
         backend.teardown(handle)
     assert_nothing_left(fake, bed)
+    samples = statsd_here.received("airflow.syncswitch.cluster.")
+    revoked = [s.tags for s in samples if s.name.endswith(".revocations")]
+    assert revoked == [{"job_name": "gce", "backend": "gce", "role": "chief", "preempted": "false"}]
+    replaced = [s.tags["outcome"] for s in samples if s.name.endswith(".replacements")]
+    assert replaced == ["requested", "running"]
+    logs = {uri.rsplit("/", 1)[1] for uri in storage.list_files(layout.segment_logs(0, "bsp"))}
+    assert {"launcher-0.log", "worker-0.log", "worker-1.log"} <= logs, logs
 
 
 def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_its_replacement(
@@ -450,7 +460,8 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
     last checkpoint, with the variables restored onto the new parameter server."""
     backend = GceBackend()
     job = JobSpec.from_params(
-        conf(bucket, switch_order="0", train_steps=[900], ckpt_frequency=[300], gce=gce_param(gpus="none"))
+        # 1,200 steps past the checkpoint the parameter server's VM goes at: room for the deletion.
+        conf(bucket, switch_order="0", train_steps=[1500], ckpt_frequency=[300], gce=gce_param(gpus="none"))
     )
     layout = RunLayout.for_run(bucket, "gce", "ps-gone")
     handle = backend.provision(job, layout)
@@ -462,7 +473,7 @@ def test_a_parameter_server_vm_gone_for_good_fails_asp_and_the_retry_resumes_on_
         assert ended.exit_code != 0, ended
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
-        assert result["end_step"] == 900 and result["start_step"] >= 300, result
+        assert result["end_step"] == 1500 and result["start_step"] >= 300, result
         vms = read_state(layout)["vms"]
         assert vms[ps]["state"] == "revoked" and vms[f"{ps}-r1"]["state"] == "running"
     finally:
@@ -514,7 +525,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
         conf(
             bucket,
             switch_order="1",
-            train_steps=[400],
+            train_steps=[800],  # 750 steps past the preemption's checkpoint
             ckpt_frequency=[50],
             gce=gce_param(on_revocation="shrink"),
         )
@@ -533,7 +544,7 @@ def test_with_shrink_a_bsp_retry_runs_on_the_survivors_with_the_global_batch_kep
 
         result = relaunch_to_the_end(backend, handle, segment, layout)
         state = read_state(layout)
-        assert result["end_step"] == 400 and result["start_step"] >= 50
+        assert result["end_step"] == 800 and result["start_step"] >= 50
         (shrunk,) = [e for e in state["cluster_events"] if e["kind"] == "shrunk"]
         assert shrunk["workers"] == 1 and shrunk["planned_workers"] == 2
         assert shrunk["hparams"] == f"batch_size={2 * segment.resolved_hparams().batch_size}"

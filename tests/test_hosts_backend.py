@@ -30,6 +30,7 @@ import testbed as tb
 from airflow_runs import (
     DuringRun,
     checkpoint_step,
+    first_event,
     job_checkpoint_step,
     segment_starts,
     wait_until_segment_ended,
@@ -43,7 +44,7 @@ from conftest import (
     storage_on_gateway,
 )
 from proc_utils import wait_for
-from syncswitch import forkserver, peers, storage
+from syncswitch import forkserver, nodelogs, peers, storage
 from syncswitch.errors import SpecError
 from syncswitch.events import read_events
 from syncswitch.hosts import DEFAULT_WORK_ROOT, HostSpec
@@ -58,7 +59,7 @@ from syncswitch_airflow.backends.hosts import HostsBackend, host_record
 from syncswitch_airflow.backends.node_runtime import MARKER, RuntimeBundle
 from syncswitch_airflow.backends.user_requirements import node_requirements
 from syncswitch_airflow.hooks.ssh import SshSession
-from syncswitch_airflow.triggers.segment import launch_entry
+from syncswitch_airflow.triggers.segment import SegmentTrigger, launch_entry
 
 pytestmark = [pytest.mark.testbed, pytest.mark.cluster]
 
@@ -508,7 +509,7 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     """ "101" through the DAG (dag.test), each node on its own host, each segment resuming from the
     previous one's checkpoint in the bucket. Worker 1's host is lost just past ASP's checkpoint at
     ~1000 (of 30..3030): the segment finishes with the survivors. It is back by the last BSP
-    segment, whose worker 2's host is lost past its checkpoint at 3050 (of 3030..3330): that attempt
+    segment, whose worker 2's host is lost past its checkpoint at 3050 (of 3030..3630): that attempt
     fails cleanly, the host comes back while the task waits for its retry, and Airflow's retry
     resumes from the last checkpoint and ends exactly on target. The launcher names each lost node
     (node_lost events, kept for both attempts on gs://)."""
@@ -520,7 +521,8 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
         "switch_order": "101",
         # The ASP segment is long enough (~1 min on an idle machine) for the launcher to see the lost
         # host's lease time out (~17 s) before the segment ends.
-        "train_steps": [30, 3000, 300],
+        # The last BSP runs 550 steps past the checkpoint its host is lost at: room for the loss.
+        "train_steps": [30, 3000, 600],
         "ckpt_frequency": [30, 1000, 50],
         "stall_seconds": 180,
         "num_workers": 3,
@@ -554,7 +556,7 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     layout = RunLayout.for_run(bucket, "hosts", dag_run.run_id)
     state = read_state(layout)
     assert [e["protocol"] for e in state["plan"]] == ["bsp", "asp", "bsp"]
-    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [30, 3030, 3330]
+    assert [state["segments"][str(i)]["end_step"] for i in range(3)] == [30, 3030, 3630]
     assert state["segments"]["1"]["start_step"] == 30  # from segment 0's checkpoint in the bucket
     assert state["segments"]["2"]["start_step"] >= 3050  # the retry resumed from a checkpoint
     assert segment_starts(layout) == {0: 1, 1: 1, 2: 2}, "ASP went on; the last BSP ran twice"
@@ -636,7 +638,8 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
     exited without a code once it is back (a restarted VM keeps its disk, not its processes). The
     retry starts a fork server there again and resumes from the last checkpoint in the bucket."""
     backend = HostsBackend()
-    spec_job = job(bed, bucket, switch_order="1", train_steps=[400], ckpt_frequency=[50])
+    # 750 steps past the checkpoint the chief is lost at: room for the refused second launch first.
+    spec_job = job(bed, bucket, switch_order="1", train_steps=[800], ckpt_frequency=[50])
     layout = RunLayout.for_run(bucket, "hosts", "chief-lost")
     handle = backend.provision(spec_job, layout)
     chief = bed.hosts[0]
@@ -662,10 +665,73 @@ def test_a_lost_chief_host_fails_its_segment_and_the_retry_resumes_there_from_th
         wait_until_segment_ended(backend, handle, 0, timeout=300)
         assert backend.segment_status(handle, 0).exit_code == 0, backend.segment_log_tail(handle, 0, 40)
         result = read_state_result(layout, 0, "bsp")
-        assert result["end_step"] == 400 and result["start_step"] >= 50, result
+        assert result["end_step"] == 800 and result["start_step"] >= 50, result
     finally:
         backend.teardown(handle)
     assert_hosts_clean(bed)
+
+
+def test_a_lost_worker_host_fails_its_segment_naming_the_node_with_every_log_in_the_bucket(
+    bed: tb.Testbed, bucket: str, work_root: Path, capfd: pytest.CaptureFixture, statsd_here: Any
+) -> None:
+    """BSP worker 2's host is lost mid-segment (every process killed, link down). The segment fails, and
+    the failed try's task log (the segment trigger's) names worker 2 on that host as the node that
+    failed first, lost with its host rather than the chief its loss aborted, with its last lines: the
+    launcher's copy of its log, pulled through its host's fork server while it lived, which is also
+    in the bucket beside the survivors' logs. Back again, the host's own whole log comes home with
+    the teardown, and so does the launcher's."""
+    backend = HostsBackend()
+    spec_job = job(bed, bucket, switch_order="1", train_steps=[3000], ckpt_frequency=[50], stall_seconds=180)
+    layout = RunLayout.for_run(bucket, "hosts", "host-lost")
+    lost = bed.hosts[3]  # BSP worker 2
+    logs = layout.segment_logs(0, "bsp")
+    handle = backend.provision(spec_job, layout)
+    try:
+        record_cluster(layout, handle)
+        create_run(layout, "host-lost", spec_job.to_params(), spec_job.plan_entries())
+        (entry,) = spec_job.plan_entries()
+        launch_entry(layout.root, read_state(layout), entry, logging.getLogger("test"))
+        wait_for(lambda: checkpoint_step(layout) >= 50, timeout=300, what="a checkpoint at step 50", poll=0.2)
+        time.sleep(nodelogs.PULL_SECONDS + 1)  # the launcher's copy of worker 2's log has its first lines
+        watcher = SegmentTrigger(
+            run_dir=layout.root, index=0, protocol="bsp", until_step=3000, stall_seconds=180, log_seconds=5
+        )
+        bed.kill_host(lost)
+        try:
+            assert first_event(watcher, timeout=300) == "failed"
+        finally:
+            bed.revive_host(lost)
+        out = capfd.readouterr()
+        text = out.out + out.err
+        assert (
+            f"the node that failed first: worker-2 on host {lost.name} (its host or fork server stopped "
+            "answering) at step "
+        ) in text, text[-4000:]
+        assert f"its log: {logs}/worker-2.log; every node's log: {logs}/" in text
+        home = {uri.rsplit("/", 1)[1]: storage.read_text(uri) for uri in storage.list_files(logs)}
+        assert {"worker-0.log", "worker-1.log", "worker-2.log"} <= set(home), sorted(home)
+        assert home["worker-2.log"].startswith("worker 2 of segment 0 (bsp), pid ")
+        assert home["worker-0.log"].startswith("worker 0 of segment 0 (bsp), pid ")
+        shown = re.search(r"its last (\d+) lines?:\n((?:  \| .*\n)*)", text)
+        assert shown and int(shown.group(1)) >= 1, text[-4000:]
+        last_lines = [line.removeprefix("  | ") for line in shown.group(2).splitlines()]
+        assert last_lines == home["worker-2.log"].splitlines()[-len(last_lines) :]
+        failed = wait_for_metric(statsd_here, "syncswitch.segment.failed")
+        assert failed.tags["node"] == "worker-2" and failed.tags["segment"] == "0"
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+    # The teardown brought home the launcher's log, which names the same node, and the host's own
+    # copy of worker 2's log, which goes at least as far as the launcher's.
+    launcher_log = storage.read_text(f"{logs}/launcher-0.log")
+    assert f"the node that failed first: worker-2 on host {lost.name}" in launcher_log
+    assert storage.read_text(f"{logs}/worker-2.log").startswith(home["worker-2.log"])
+
+
+def wait_for_metric(sink: Any, name: str) -> Any:  # noqa: ANN401 - statsd_sink.Sample
+    """The first sample of ``name`` (under Airflow's default prefix) that ``sink`` received."""
+    wait_for(lambda: sink.received(f"airflow.{name}"), timeout=10, what=name)
+    return sink.received(f"airflow.{name}")[0]
 
 
 def test_a_fork_server_gone_before_a_launch_is_started_again_by_that_launch(

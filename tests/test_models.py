@@ -15,7 +15,7 @@ from syncswitch.models import (
     build_model,
     decayed_weights,
 )
-from syncswitch.optim import MomentumSGD
+from syncswitch.optim import Adam, MomentumSGD, StepConfig
 from syncswitch.params import FlatModel
 from syncswitch.problems import get_problem
 
@@ -88,7 +88,7 @@ def test_weight_decay_is_applied_to_kernels_only_by_the_optimizer() -> None:
     masks = [1.0 if w.value.ref() in kernel_refs else 0.0 for w in model.trainable_variables]
     optimizer = MomentumSGD(model.trainable_variables, nesterov=False, weight_decay=1e-2, decay_masks=masks)
     zeros = [tf.zeros_like(w) for w in model.trainable_variables]
-    optimizer.apply(zeros, model.trainable_variables, tf.constant(0.5), tf.constant(0.0))
+    optimizer.apply(zeros, model.trainable_variables, StepConfig(tf.constant(0.5), tf.constant(0.0)))
     kernel_paths = {k.path for k in kernels}
     for weight in model.trainable_variables:
         if weight.path in kernel_paths:
@@ -107,12 +107,69 @@ def test_the_optimizer_is_keras_nesterov_momentum_sgd() -> None:
     rng = np.random.default_rng(0)
     for _ in range(2):
         grads = [rng.normal(size=w.shape).astype(np.float32) for w in model.trainable_variables]
-        ours.apply(
-            [tf.constant(g) for g in grads], model.trainable_variables, tf.constant(0.05), tf.constant(0.9)
-        )
+        ours.apply([tf.constant(g) for g in grads], model.trainable_variables, StepConfig(0.05, 0.9))
         keras_sgd.apply_gradients(zip([tf.constant(g) for g in grads], twin.trainable_variables, strict=True))
     for mine, theirs in zip(model.trainable_variables, twin.trainable_variables, strict=True):
         np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def _twin_models() -> tuple[keras.Model, keras.Model]:
+    model = build_model(get_hparams("cnn_digits"), DIGITS)
+    twin = build_model(get_hparams("cnn_digits"), DIGITS)
+    twin.set_weights(model.get_weights())
+    return model, twin
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_and_adamw_are_keras_adam_and_adamw(decoupled: bool) -> None:
+    """Three steps of our Adam (AdamW) equal three of Keras' Adam (AdamW, every weight decayed), the
+    step's number given as the update count: the bias correction counts the job's updates, not a
+    Keras ``iterations`` variable. Slots are per variable, named as checkpoints hold them."""
+    model, twin = _twin_models()
+    variables = model.trainable_variables
+    weight_decay = 0.05 if decoupled else 0.0
+    ours = Adam(variables, decoupled=decoupled, weight_decay=weight_decay, decay_masks=[1.0] * len(variables))
+    keras_class = keras.optimizers.AdamW if decoupled else keras.optimizers.Adam
+    kwargs = {"weight_decay": weight_decay} if decoupled else {}
+    theirs = keras_class(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6, **kwargs)
+    rng = np.random.default_rng(0)
+    for update in (1, 2, 3):
+        grads = [rng.normal(size=w.shape).astype(np.float32) for w in variables]
+        ours.apply([tf.constant(g) for g in grads], variables, StepConfig(0.01, 0.8, 0.99, 1e-6, update))
+        theirs.apply_gradients(zip([tf.constant(g) for g in grads], twin.trainable_variables, strict=True))
+    for mine, keras_weight in zip(variables, twin.trainable_variables, strict=True):
+        np.testing.assert_allclose(mine.numpy(), keras_weight.numpy(), rtol=1e-5, atol=1e-6)
+    assert list(ours.slots) == ["first_moments", "second_moments"]
+    assert all(len(slot) == len(variables) for slot in ours.slots.values())
+
+
+def test_adamw_decays_kernels_only_by_the_scheduled_learning_rate() -> None:
+    """Decoupled decay: with no gradient Adam moves nothing, and each masked kernel shrinks by
+    learning_rate x weight_decay; biases and batch-norm weights stay."""
+    model = build_model(get_hparams("cnn_digits"), DIGITS)
+    kernel_refs = {k.value.ref() for k in decayed_weights(model)}
+    masks = [1.0 if w.value.ref() in kernel_refs else 0.0 for w in model.trainable_variables]
+    before = [w.numpy().copy() for w in model.trainable_variables]
+    ours = Adam(model.trainable_variables, decoupled=True, weight_decay=0.1, decay_masks=masks)
+    zeros = [tf.zeros_like(w) for w in model.trainable_variables]
+    ours.apply(zeros, model.trainable_variables, StepConfig(0.2, 0.9, 0.999, 1e-7, 1))
+    for weight, old, mask in zip(model.trainable_variables, before, masks, strict=True):
+        np.testing.assert_allclose(weight.numpy(), old * (1 - 0.2 * 0.1 * mask), rtol=1e-6)
+
+
+def test_adam_weight_decay_is_the_l2_term_on_the_gradient() -> None:
+    """``adam`` with weight_decay: t2t's L2 term, Keras' Adam on gradient + weight_decay * kernel."""
+    model, twin = _twin_models()
+    variables = model.trainable_variables
+    masks = [1.0 if len(w.shape) > 1 else 0.0 for w in variables]
+    ours = Adam(variables, weight_decay=0.1, decay_masks=masks)
+    theirs = keras.optimizers.Adam(0.01)
+    grads = [tf.constant(np.full(w.shape, 0.5, np.float32)) for w in variables]
+    ours.apply(grads, variables, StepConfig(0.01, 0.9, 0.999, 1e-7, 1))
+    l2 = [g + 0.1 * m * w for g, m, w in zip(grads, masks, twin.trainable_variables, strict=True)]
+    theirs.apply_gradients(zip(l2, twin.trainable_variables, strict=True))
+    for mine, keras_weight in zip(variables, twin.trainable_variables, strict=True):
+        np.testing.assert_allclose(mine.numpy(), keras_weight.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_checkpoint_signature_round_trips_and_names_differences() -> None:
@@ -124,6 +181,7 @@ def test_checkpoint_signature_round_trips_and_names_differences() -> None:
         "filters": 16,
         "input_shape": [32, 32, 3],
         "num_classes": 10,
+        "optimizer": "momentum",
     }
     manifest = {"uri": "runs/x/checkpoints/ckpt-000000000000", "signature": json.loads(json.dumps(signature))}
     checkpoints.check_compatible(manifest, signature)  # JSON round trip: still equal
@@ -143,9 +201,7 @@ def test_digits_cnn_reaches_95_percent_in_200_steps() -> None:
     keras.utils.set_random_seed(0)
     hp = get_hparams("cnn_digits")
     model = build_model(hp, DIGITS)
-    flat = FlatModel(
-        model, groups=2, nesterov=True, weight_decay=hp.weight_decay, decayed=decayed_weights(model)
-    )
+    flat = FlatModel(model, groups=2, hp=hp, decayed=decayed_weights(model))
 
     def mean_loss(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
@@ -153,7 +209,7 @@ def test_digits_cnn_reaches_95_percent_in_200_steps() -> None:
     @tf.function
     def train_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
         loss, grads, statistics = flat.loss_and_gradients(images, labels, mean_loss)
-        flat.apply(grads, statistics, tf.constant(0.1), tf.constant(0.9))
+        flat.apply(grads, statistics, StepConfig(tf.constant(0.1), tf.constant(0.9)))
         return loss
 
     train = DIGITS.train_dataset("", batch_size=64, shard_index=0, num_shards=1, seed=0)

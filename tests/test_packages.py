@@ -124,6 +124,8 @@ def test_the_wheels_carry_their_parts(wheels: dict[str, Path]) -> None:
     entry_points = next(n for n in provider if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheels[PROVIDER]).read(entry_points).decode()
     assert "[apache_airflow_provider]" in text and "get_provider_info" in text
+    # The Airflow plugin (the run's Report tab), which every Airflow component finds through this group.
+    assert "[airflow.plugins]" in text and "syncswitch_airflow.ui.plugin:SyncSwitchPlugin" in text
 
 
 def test_the_runtime_wheel_trains_a_segment_without_airflow(

@@ -209,6 +209,14 @@ def test_bsp_then_asp_on_a_local_bucket(dag, tmp_path: Path, work_root: Path) ->
     assert state["cluster"]["backend"] == "local" and state["cluster"]["work_dir"].startswith(str(work_root))
     summary = json.loads(storage.read_text(layout.report + "/summary.json"))
     assert summary["final_accuracy"] >= 0.95
+    # Every node's log is home, uploaded by its launcher and linked from the report; the teardown
+    # added the launchers' own.
+    linked = {entry["segment"]: set(entry["logs"]) for entry in summary["node_logs"]}
+    assert linked["seg-00-bsp"] >= {"worker-0", "worker-1"}, linked
+    assert linked["seg-01-asp"] >= {"chief-0", "worker-0", "worker-1", "ps-0"}, linked
+    for index, protocol in ((0, "bsp"), (1, "asp")):
+        home = {Path(uri).name for uri in storage.list_files(layout.segment_logs(index, protocol))}
+        assert {"launcher-0.log", "worker-0.log"} <= home, home
     assert_cluster_gone(work_root)
     assert_evaluate_task_agrees_with_the_chief(layout, state)
 

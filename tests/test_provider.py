@@ -58,6 +58,30 @@ def test_airflow_providers_list_shows_it(tmp_path: Path) -> None:
     assert config_value("gce_clusters", AIRFLOW__SYNCSWITCH__GCE_CLUSTERS="7") == "7"
 
 
+def test_airflow_plugins_shows_the_report_tab_and_its_app(tmp_path: Path) -> None:
+    """Airflow finds the plugin through the distribution's airflow.plugins entry point, as any
+    component does where the provider is installed: a Report tab on DAG runs, its app under /syncswitch."""
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    done = subprocess.run(
+        [str(AIRFLOW), "plugins", "--output", "json"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plugins = {p["name"]: p for p in json.loads(done.stdout[done.stdout.index("[") :])}
+    plugin = plugins["syncswitch"]
+    assert plugin["source"].startswith(f"{PACKAGE_NAME}==")
+    assert plugin["external_views"] == [
+        {
+            "name": "Report",
+            "href": "syncswitch/runs/{DAG_ID}/{RUN_ID}/report/",
+            "destination": "dag_run",
+            "url_route": "syncswitch-report",
+        }
+    ]
+    assert [(a["url_prefix"], a["app"]) for a in plugin["fastapi_apps"]] == [
+        ("/syncswitch", "fastapi.applications.FastAPI")
+    ]
+
+
 def test_a_setting_comes_from_its_old_variable_then_the_config_section_then_its_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -88,24 +112,31 @@ def test_the_docs_list_every_setting() -> None:
     assert rows == {s.key for s in settings.SETTINGS}
 
 
-def test_run_links_point_at_the_report_the_folder_and_the_tensorboard_logs() -> None:
-    """The tasks' extra links (the embedded Airflow end-to-end test reads them through the REST API)."""
+def test_run_links_point_at_the_plugins_pages_on_the_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tasks' extra links (the embedded Airflow end-to-end test reads them through the REST API): the
+    plugin's pages of the run under ``[api] base_url``, whatever and wherever the bucket is."""
     from types import SimpleNamespace
 
     from syncswitch_airflow.links import RUN_LINKS
 
-    def links(run_dir: object) -> dict[str, str]:
-        return {link.name: link.get_link(SimpleNamespace(run_dir=run_dir), ti_key=None) for link in RUN_LINKS}
+    run = SimpleNamespace(dag_id="sync_switch", run_id="manual__2026-11-25T10:00:00+00:00")
 
-    assert links("gs://my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00") == {
-        "Run report": "https://storage.cloud.google.com/my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00"
-        "/report/index.html",
-        "Run bucket folder": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
-        "manual__2026-11-25T10_00_00_00_00/",
-        "TensorBoard logs": "https://console.cloud.google.com/storage/browser/my-bucket/runs/job/"
-        "manual__2026-11-25T10_00_00_00_00/tensorboard/",
+    def links(run_dir: object) -> dict[str, str]:
+        return {link.name: link.get_link(SimpleNamespace(run_dir=run_dir), ti_key=run) for link in RUN_LINKS}
+
+    server = "https://airflow.example.com/team"
+    run_path = "/syncswitch/runs/sync_switch/manual__2026-11-25T10%3A00%3A00%2B00%3A00"
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", f"{server}/")
+    remote = links("gs://my-bucket/runs/job/manual__2026-11-25T10_00_00_00_00")
+    assert remote == {
+        "Run report": f"{server}{run_path}/report/",
+        "Run bucket folder": f"{server}{run_path}/folder",
+        "TensorBoard logs": f"{server}{run_path}/folder#tensorboard",
     }
-    assert links("/data/runs/job/a run")["Run report"] == "file:///data/runs/job/a%20run/report/index.html"
+    assert links("/data/runs/job/a run") == remote
+    # Without a base_url, a path from the api-server's root: the UI opens it on its own origin.
+    monkeypatch.delenv("AIRFLOW__API__BASE_URL")
+    assert links("/data/runs/job/a run")["Run report"] == f"{run_path}/report/"
     # Before the plan task has made the run folder, the template renders to nothing: no link.
     assert set(links("None").values()) == set(links(None).values()) == {""}
     info = get_provider_info()

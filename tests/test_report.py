@@ -201,6 +201,18 @@ LOST_PS = {
 }
 
 
+# The launcher's account of segment 1's failure: the parameter server went first, with its host.
+FAILED_FIRST = {
+    "reason": "parameter server 0 exited with -9",
+    "node": "ps-0",
+    "host": "h4",
+    "exit_code": -9,
+    "lost": True,
+    "global_step": 170.0,
+    "log": "logs/seg-01-asp/ps-0.log",
+}
+
+
 def write_run(root: str, *, second_segment_fails: bool = False, announce_straggler: bool = True) -> RunLayout:
     """A "10" run folder; optionally segment 1 dies at T0+70 and a third planned segment never starts.
 
@@ -239,6 +251,9 @@ def write_run(root: str, *, second_segment_fails: bool = False, announce_straggl
             task=0,
         ) as launcher:
             launcher.emit("node_lost", wall_time=T0 + 70.5, **LOST_PS)
+            launcher.emit("segment_failed", wall_time=T0 + 71.0, **FAILED_FIRST)
+        for name in ("chief-0", "ps-0"):
+            storage.write_text(layout.node_log(1, "asp", name), f"{name}: its lines\n")
         state["plan"].append({"index": 2, "protocol": "bsp", "until_step": 450, "origin": "online"})
         state["status"] = "failed"
     else:
@@ -353,6 +368,13 @@ def test_report_marks_a_failed_segment_incomplete(tmp_path) -> None:
     page = (tmp_path / "run" / "report" / "index.html").read_text()
     assert '<tr class="incomplete">' in page and '<tr class="not_started">' in page
     assert '<td>ps-0</td><td>h4</td><td class="num">-9</td>' in page and "the segment fails" in page
+    # Every node's log, linked from the page (the run folder's logs/), and the node that failed first.
+    links = {"chief-0": "../logs/seg-01-asp/chief-0.log", "ps-0": "../logs/seg-01-asp/ps-0.log"}
+    assert summary["node_logs"] == [{"segment": "seg-01-asp", "logs": links}]
+    assert '<a href="../logs/seg-01-asp/ps-0.log">ps-0</a>' in page
+    (failure,) = summary["segment_failures"]
+    assert (failure["segment"], failure["node"], failure["lost"]) == (1, "ps-0", True)
+    assert "<td>ps-0</td><td>h4</td><td>lost</td>" in page
     assert any("[incomplete]" in line for line in format_summary_lines(summary))
 
 

@@ -133,6 +133,55 @@ def test_bsp_asp_bsp_handoff_is_exact_on_gcs(gcs_bucket: str, no_leftover_proces
     assert len(storage.list_files(layout.tensorboard)) == 3
 
 
+def test_adam_bsp_asp_bsp_handoff_is_exact_and_its_moments_are_checkpointed(tmp_path: Path) -> None:
+    """Adam through BSP -> ASP -> BSP, checkpoints inside segments: every restore is bit-identical
+    (the digest covers the weights and both moments), the checkpoint holds both moments of every
+    variable, and a momentum-SGD segment is refused on that run folder before any process starts."""
+    import tensorflow as tf
+
+    run_dir = str(tmp_path / "run")
+    common = ["--run-dir", run_dir, "--workers", "2", "--total-steps", "60", "--ckpt-frequency", "10"]
+    hparams = "optimizer=adam,learning_rate=0.003,steps_per_execution=4"
+    results = []
+    for index, (protocol, until) in enumerate((("bsp", 24), ("asp", 48), ("bsp", 60))):
+        rc, result, stderr = train(
+            *("--protocol", protocol, "--until-step", str(until), "--segment-index", str(index)),
+            *(*common, "--hparams", hparams),
+        )
+        assert rc == 0, stderr[-4000:]
+        assert result["global_step"] == until, "a segment must stop exactly at its target"
+        results.append(result)
+    assert results[-1]["updates"] == 24 + 2 * 24 + 12
+
+    # The digest is of the state as restored; then the second moment follows the update batch (digits:
+    # 2 workers x 32 under BSP, 32 under ASP).
+    for index, (protocol, previous, scale) in enumerate(
+        (("asp", results[0], 2.0), ("bsp", results[1], 0.5)), 1
+    ):
+        (start,) = segment_events(run_dir, index, protocol, "segment_start")
+        assert start["optimizer"] == "adam"
+        assert start["restored_from"] == previous["checkpoint"]
+        assert start["checkpoint_digest"] == start["restored_digest"], "restored weights or moments differ"
+        assert start["second_moment_scale"] == scale
+
+    manifest = checkpoints.latest(RunLayout(run_dir))
+    assert manifest["signature"]["optimizer"] == "adam" and manifest["update_batch"] == 64
+    saved = dict(tf.train.list_variables(os.path.join(manifest["uri"], checkpoints.CKPT_PREFIX)))
+    from syncswitch.hparams import get_hparams
+    from syncswitch.models import build_model
+    from syncswitch.problems import get_problem
+
+    weights = len(build_model(get_hparams("cnn_digits"), get_problem("digits")).trainable_variables)
+    for slot in ("first_moments", "second_moments"):
+        keys = [k for k in saved if k.startswith(f"optimizer/{slot}/")]
+        assert len(keys) == weights, (slot, keys)
+    assert not any(k.startswith("optimizer/velocities/") for k in saved)
+
+    rc, _result, stderr = train("--protocol", "bsp", "--until-step", "70", "--segment-index", "3", *common)
+    assert rc != 0
+    assert "optimizer: checkpoint has 'adam', requested 'momentum'" in stderr, stderr[-2000:]
+
+
 @pytest.mark.parametrize(("protocol", "workers"), [("asp", 1), ("bsp", 2)])
 def test_one_execution_of_k_steps_equals_k_executions_of_one_step(
     protocol: str, workers: int, tmp_path: Path
@@ -232,7 +281,9 @@ def test_asp_survives_a_killed_worker_and_stops_gracefully(tmp_path: Path, no_le
 
 def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_leftover_processes) -> None:
     """A dead BSP worker aborts the segment; the last checkpoint is intact and a rerun resumes from it.
-    The rerun also injects a straggler, which must show in that worker's compute time."""
+    The failure names the worker that died first (not the chief its death aborted) with its last
+    lines, and every node's log is in the run folder. The rerun also injects a straggler, which must
+    show in that worker's compute time."""
     run_dir, work_dir = tmp_path / "run", tmp_path / "work"
     no_leftover_processes(re.escape(str(tmp_path)))
     args = [
@@ -264,6 +315,16 @@ def test_bsp_worker_loss_fails_cleanly_and_rerun_resumes(tmp_path: Path, no_left
     assert proc.returncode == 1, err[-3000:]
     assert "segment failed" in err
     assert "worker-1" in {e["node"] for e in segment_events(str(run_dir), 0, "bsp", "node_lost")}
+    logs = RunLayout(str(run_dir)).segment_logs(0, "bsp")
+    assert "the node that failed first: worker-1 (killed by signal 9); its last lines:" in err, err[-3000:]
+    assert f"every node's log: {logs}/" in err
+    (failed,) = segment_events(str(run_dir), 0, "bsp", "segment_failed")
+    assert (failed["node"], failed["exit_code"], failed["lost"]) == ("worker-1", -9, False), failed
+    assert failed["log"] == f"{logs}/worker-1.log" and failed["reason"].startswith("the chief exited with")
+    worker_1 = Path(logs, "worker-1.log").read_text().splitlines()
+    assert worker_1[0].startswith("worker 1 of segment 0 (bsp), pid ")
+    assert failed["last_lines"] == worker_1[-20:]
+    assert sorted(p.name for p in Path(logs).iterdir()) == ["worker-0.log", "worker-1.log"]
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
     assert manifest is not None and manifest["global_step"] >= 40
     resumed_from = manifest["global_step"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from airflow.triggers.base import TaskFailedEvent, TaskSuccessEvent, TriggerEvent
+from proc_utils import wait_for
 from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
@@ -250,3 +251,43 @@ def _looks(base: float, seconds: float) -> Iterator[float]:
     while age < seconds:
         yield age
         age += status_interval(base, age, "running")
+
+
+# A launcher that fails as syncswitch.launcher does: its segment_failed event, then exit 1.
+FAILING_LAUNCHER = """
+import sys
+from syncswitch.events import EventWriter
+with EventWriter(sys.argv[1], run_id="r", segment=0, protocol="bsp", role="launcher", task=0) as events:
+    events.emit(
+        "segment_failed", reason="the chief exited with 1", node="worker-2", host="h3", exit_code=-9,
+        lost=True, global_step=3100.0, last_lines=["worker 2 of segment 0 (bsp), pid 7", "step 3099"],
+        log=sys.argv[2] + "/worker-2.log", logs=sys.argv[2],
+    )
+sys.exit(1)
+"""
+
+
+def test_a_failed_try_names_the_node_that_failed_first_with_its_last_lines(
+    layout: RunLayout, tmp_path: Path, capfd: pytest.CaptureFixture, statsd_here: Any
+) -> None:
+    """The task log of a failed try says which node failed first, where and how, shows its last lines
+    and where every node's log is (the launcher's ``segment_failed`` event), beside the launcher's log
+    tail; the failure is a metric naming that node."""
+    backend = LocalBackend(str(tmp_path / "work"))
+    handle = {"backend": "local", "run": "r", "work_dir": str(tmp_path / "work" / "r")}
+    logs = layout.segment_logs(0, "bsp")
+    stream = layout.segment_events(0, "bsp", "launcher", 0)
+    backend.launch_command(handle, 0, [sys.executable, "-c", FAILING_LAUNCHER, stream, logs])
+    event = first_event(trigger(layout, "bsp", handle, stall_seconds=60.0))
+    assert isinstance(event, TaskFailedEvent)
+    logged = capfd.readouterr()
+    text = logged.out + logged.err
+    assert "failed: the launcher exited with code 1 before writing result.json" in text
+    assert (
+        "the node that failed first: worker-2 on host h3 (its host or fork server stopped answering) at step "
+        "3,100; its last 2 lines:\n  | worker 2 of segment 0 (bsp), pid 7\n  | step 3099\n"
+        f"its log: {logs}/worker-2.log; every node's log: {logs}/"
+    ) in text, text[-3000:]
+    wait_for(lambda: statsd_here.received("airflow.syncswitch.segment.failed"), what="the failure's metric")
+    (failed,) = statsd_here.received("airflow.syncswitch.segment.failed")
+    assert failed.tags == {"job_name": "digits-demo", "protocol": "bsp", "segment": "0", "node": "worker-2"}

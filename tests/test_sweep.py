@@ -19,7 +19,9 @@ from syncswitch_airflow.tools.sweep import (
     SweepProgress,
     conf_digest,
     earlier_run,
+    in_bucket_of,
     read_sweep,
+    report_dir,
     run_sweep,
 )
 
@@ -49,6 +51,11 @@ def test_a_sweep_file_becomes_validated_jobs_one_per_config(tmp_path: Path) -> N
         "hybrid": "tiny-hybrid",
     }
     assert sweep.configs["hybrid"].segment_steps() == [30, 30]
+    # The report goes beside the first config's runs, where the Airflow plugin looks for it.
+    out = report_dir(sweep, None)
+    assert out == str((Path.cwd() / "runs" / "_sweeps" / "tiny").resolve())
+    assert in_bucket_of(out, str(Path.cwd().resolve() / "runs" / "tiny-asp" / "manual__1"))
+    assert not in_bucket_of(out, "gs://elsewhere/runs/tiny-asp/manual__1")
 
 
 @pytest.mark.parametrize(

@@ -1,51 +1,25 @@
 """The Trigger form of the sync_switch DAG, driven as a new user would: the real Airflow UI in a real
-browser (Debian's Chromium, driven by Playwright pointed at the system browser), on the session's
-embedded Airflow. It triggers with the defaults and the run succeeds; a bad value is refused with a
-message naming the field, and no run is created.
+browser (tests/browser.py), on the session's embedded Airflow. It triggers with the defaults and the
+run succeeds; a bad value is refused with a message naming the field, and no run is created.
 """
 
 from __future__ import annotations
 
-import shutil
-import time
 from collections.abc import Iterator
 
 import pytest
 from airflow_runs import DAG_ID, wait_run
+from browser import logged_in_page, needs_chromium
 from proc_utils import wait_for
 from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
-from syncswitch_airflow.embedded.boot import wait_healthy
-from syncswitch_airflow.embedded.instance import ADMIN_PASSWORD, ADMIN_USER
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-pytestmark = [
-    pytest.mark.airflow,
-    pytest.mark.cluster,
-    pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (scripts/test.sh installs it as root)"),
-]
+pytestmark = [pytest.mark.airflow, pytest.mark.cluster, needs_chromium]
 
 
 @pytest.fixture
 def page(embedded_airflow: EmbeddedAirflow) -> Iterator:  # noqa: ANN201 - playwright Page
-    from playwright.sync_api import sync_playwright
-
-    # The supervisor may be restarting the api-server (after an earlier test's kill, or its own kill
-    # of one that hung): the browser's first page load would be refused while uvicorn is not
-    # listening yet (it was, once, 8 s after such a restart).
-    wait_healthy(embedded_airflow, time.monotonic() + 180)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(embedded_airflow.url + "/")
-            page.get_by_label("Username").fill(ADMIN_USER)
-            page.get_by_label("Password").fill(ADMIN_PASSWORD)
-            page.get_by_role("button", name="Sign in").click()
-            page.wait_for_url("**/")
-            yield page
-        finally:
-            browser.close()
+    with logged_in_page(embedded_airflow) as page:
+        yield page
 
 
 def open_trigger_form(page, airflow: EmbeddedAirflow):  # noqa: ANN001, ANN201 - playwright types

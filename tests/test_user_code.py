@@ -526,3 +526,125 @@ def test_the_user_codes_digest_is_part_of_the_fingerprint() -> None:
     assert job_fingerprint(params) == job_fingerprint(params, "")
     assert job_fingerprint(params, "0123456789abcdef") != job_fingerprint(params, "fedcba9876543210")
     assert usercode.identity({"digest": "ab", "packages": {"pkg": "1.0"}}) == "ab;pkg==1.0"
+
+
+# ---- hooks ----------------------------------------------------------------------------------------
+
+HOOKS = """
+import json
+import os
+
+from syncswitch.hooks import Hooks
+from syncswitch.registry import register_hooks
+
+
+def _record(**fields):
+    task = json.loads(os.environ.get("TF_CONFIG", "{{}}")).get("task", {{}})
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{**fields, "node": f"{{task.get('type')}}-{{task.get('index')}}"}}) + "\\n")
+
+
+@register_hooks("{name}_record")
+class Record(Hooks):
+    def on_checkpoint(self, step, path):
+        _record(method="on_checkpoint", step=step, path=path, written=os.path.exists(path + "/manifest.json"))
+
+    def on_evaluate(self, step, metrics):
+        _record(method="on_evaluate", step=step, metrics=metrics)
+
+
+@register_hooks("{name}_broken")
+class Broken:
+    def on_checkpoint(self, step, path):
+        raise RuntimeError(f"no network at step {{step}}")
+
+
+@register_hooks("{name}_empty")
+class Empty:
+    pass
+"""
+
+
+def write_hooks(package: Path, log: Path) -> None:
+    (package / "hooks.py").write_text(HOOKS.format(name=package.name, log=str(log)))
+    with (package / "__init__.py").open("a") as f:
+        f.write(f"from {package.name} import hooks  # noqa: F401\n")
+
+
+@pytest.mark.cluster
+def test_hooks_run_on_the_chief_at_each_checkpoint_and_evaluation_and_a_failing_one_does_not_stop_training(
+    tmp_path: Path,
+) -> None:
+    """A usr_dir's hooks, named by the job: on_checkpoint(step, path) once per checkpoint, after it is
+    complete, and on_evaluate(step, metrics) once per evaluated step (the segment's final evaluation
+    repeats its last checkpoint's: one call), on BSP's worker 0 and ASP's coordinator alone; a hook
+    that raises is a hook_error event (and a line in the chief's log), and both segments train to
+    their targets."""
+    package = write_package(tmp_path, "hooks_pkg")
+    log = tmp_path / "hooks.jsonl"
+    write_hooks(package, log)
+    run_dir = tmp_path / "run"
+    common = [
+        *("--usr-dir", str(package), "--model", "hooks_pkg_model", "--problem", "hooks_pkg_problem"),
+        *("--hparam-set", "hooks_pkg_hparams", "--run-dir", str(run_dir), "--workers", "2"),
+        *("--total-steps", "40", "--ckpt-frequency", "10", "--eval-checkpoints", "--eval"),
+        *("--hook", "hooks_pkg_broken", "--hook", "hooks_pkg_record"),
+    ]
+    for index, (protocol, until) in enumerate((("bsp", 20), ("asp", 40))):
+        proc = subprocess.run(
+            [sys.executable, "-m", "syncswitch.cli", "train", "--quiet", "--protocol", protocol]
+            + ["--until-step", str(until), "--segment-index", str(index), *common],
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    checkpoints_seen = [(c["step"], c["node"]) for c in calls if c["method"] == "on_checkpoint"]
+    assert checkpoints_seen == [(10, "worker-0"), (20, "worker-0"), (30, "chief-0"), (40, "chief-0")]
+    assert all(
+        c["written"] and c["path"].endswith(f"ckpt-{c['step'] * 16:012d}") for c in calls if "path" in c
+    )
+    evaluations = [c for c in calls if c["method"] == "on_evaluate"]
+    assert [c["step"] for c in evaluations] == [10, 20, 30, 40]
+    assert all(set(c["metrics"]) == {"test_accuracy", "test_loss"} for c in evaluations)
+
+    layout = RunLayout(str(run_dir))
+    errors = [
+        json.loads(line)
+        for index, protocol, node in ((0, "bsp", "worker-0"), (1, "asp", "chief-0"))
+        for line in storage.read_text(f"{layout.segment_metrics(index, protocol)}/{node}.jsonl").splitlines()
+        if '"hook_error"' in line
+    ]
+    assert [(e["hook"], e["method"], e["step"]) for e in errors] == [
+        ("hooks_pkg_broken", "on_checkpoint", step) for step in (10, 20, 30, 40)
+    ]
+    assert errors[0]["error"] == "RuntimeError: no network at step 10"
+    raising = (
+        (package / "hooks.py")
+        .read_text()
+        .splitlines()
+        .index('        raise RuntimeError(f"no network at step {step}")')
+    )
+    assert errors[0]["where"] == f"{package / 'hooks.py'}:{raising + 1}"
+
+
+def test_the_check_refuses_unknown_hooks_and_hooks_without_a_hook_method(tmp_path: Path) -> None:
+    package = write_package(tmp_path, "hookcheck_pkg")
+    write_hooks(package, tmp_path / "unused.jsonl")
+    summary = check_job(job_of(package, hooks=["hookcheck_pkg_record"]), str(tmp_path / "cache"))
+    assert summary["model"] == "hookcheck_pkg_model"
+    with pytest.raises(
+        SpecError, match=r"^hooks: unknown 'hookcheck_pkg_recrod'; accepted: .*hookcheck_pkg_record"
+    ):
+        check_job(job_of(package, hooks="hookcheck_pkg_recrod"), str(tmp_path / "cache"))
+    with pytest.raises(
+        SpecError,
+        match=r"^hooks: 'hookcheck_pkg_empty' \(.*hooks\.py\): Empty has neither on_checkpoint nor "
+        r"on_evaluate$",
+    ):
+        check_job(job_of(package, hooks=["hookcheck_pkg_empty"]), str(tmp_path / "cache"))
+    # Without a usr_dir, validation itself checks the names (this process has the package's imported).
+    with pytest.raises(SpecError, match=r"^hooks: unknown 'notify'; accepted: hookcheck_pkg_broken, "):
+        JobSpec.from_params({"hooks": ["notify"]})

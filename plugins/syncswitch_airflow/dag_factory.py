@@ -42,9 +42,11 @@ from syncswitch_airflow.operators import (
     ValidateJobOperator,
 )
 from syncswitch_airflow.sensors.straggler import StragglerSensor
+from syncswitch_airflow.ui import PLAN_TASK_ID
 
-# A template rather than plan.output: an XComArg would wire plan directly to every task below.
-RUN_DIR = "{{ ti.xcom_pull(task_ids='plan') }}"
+# A template rather than plan.output: an XComArg would wire plan directly to every task below. The
+# plugin's pages find a DAG run's folder in the same XCom (syncswitch_airflow.ui).
+RUN_DIR = f"{{{{ ti.xcom_pull(task_ids='{PLAN_TASK_ID}') }}}}"
 
 
 def build_sync_switch_dag(
@@ -79,7 +81,7 @@ def build_sync_switch_dag(
         validate = ValidateJobOperator(task_id="validate")
         timing = TimingPolicyOperator(task_id="timing_policy")
         provision = ProvisionClusterOperator(task_id="provision_cluster").as_setup()
-        plan = PlanRunOperator(task_id="plan", timing=timing.output)
+        plan = PlanRunOperator(task_id=PLAN_TASK_ID, timing=timing.output)
         validate >> timing >> plan
         validate >> provision
         last_slot = _segment_slots([plan, provision])

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param
-from syncswitch.fields import FIELDS, Field
+from syncswitch.fields import FIELDS, Field, default_job_name
 from syncswitch.registry import REGISTRY
 from syncswitch.spec import JobSpec
 
@@ -74,6 +74,9 @@ def build_params(bucket_dir: str, defaults: JobSpec | None = None) -> dict[str, 
     if defaults is not None and defaults.bucket_dir != JobSpec().bucket_dir:
         values = {}
     values = {**(defaults or JobSpec()).to_params(), **values}
+    if values["job_name"] == default_job_name(values["model"], values["problem"], values["usr_dir"]):
+        # Shown empty: the run names itself after the model and problem the form ends up with.
+        values["job_name"] = ""
     return {field.name: field_param(field, values[field.name]) for field in FIELDS}
 
 
@@ -97,12 +100,13 @@ def field_param(field: Field, default: Any) -> Param:
     else:
         schema.update(_bounds(field))
         if field.pattern:
-            schema["pattern"] = field.pattern
+            # A field that may be left empty takes "" as REST conf sends it: its default applies.
+            schema["pattern"] = f"^$|{field.pattern}" if field.nullable else field.pattern
     if field.choices:
         schema["enum"] = list(field.choices)
     elif field.registry == "backend":
         schema["enum"] = REGISTRY.names("backend")  # a closed set: the backends installed here
-    elif field.registry:
+    elif field.registry and field.type == "string":
         schema.update(_registered(field.registry, default))
     elif field.type == "string" and not field.nullable and not field.pattern:
         schema["minLength"] = 1

@@ -1,43 +1,33 @@
-"""Extra links on a run's tasks: its report, its bucket folder and its TensorBoard logs.
+"""Extra links on a run's tasks: its report, its bucket folder and its TensorBoard logs, as pages of the
+provider's Airflow plugin on the api-server (``syncswitch_airflow.ui``).
 
-In Airflow 3 a link is computed on the worker when the task ends (the task runner calls ``get_link``
-and stores the URL in the task's XCom under ``xcom_key``); the UI only reads that XCom. So a link
-needs only the operator's rendered ``run_dir``: tasks that run before the plan has a run folder
-(validate, timing_policy, provision_cluster) carry none.
-
-A ``gs://`` folder links to the Cloud console's bucket browser and the report to its authenticated
-object URL; a local folder links as a ``file://`` URL (browsers open it from the same machine only).
+In Airflow 3 a link is computed on the worker when the task ends (the task runner calls ``get_link`` and
+stores the URL in the task's XCom under ``xcom_key``); the UI only reads that XCom. A link is the page's
+URL under ``[api] base_url`` (without one, a path from the server's root, which the UI opens on its own
+origin), whatever and wherever the bucket is: a gs:// URI is no address a browser opens, and a local
+folder may be on another machine. Tasks that run before the plan (validate, timing_policy,
+provision_cluster) have no run folder yet, their rendered ``run_dir`` is empty: no link.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar
-from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
-from syncswitch import storage
-from syncswitch.layout import RunLayout, join
 
-CONSOLE_BROWSER = "https://console.cloud.google.com/storage/browser/"
-AUTHENTICATED_OBJECT = "https://storage.cloud.google.com/"
-REPORT_PAGE = "index.html"
+from syncswitch_airflow.ui import FOLDER_PAGE, REPORT_PAGE, TENSORBOARD_PAGE, run_path
 
 
-def folder_url(uri: str) -> str:
-    """Where a person looks at the folder ``uri``."""
-    if storage.is_remote(uri):
-        bucket, key = storage.split_gs(uri)
-        return CONSOLE_BROWSER + quote(f"{bucket}/{key}".rstrip("/") + "/")
-    return "file://" + quote(os.path.abspath(uri) + "/")
+def base_url() -> str:
+    """``[api] base_url`` without its trailing slash ("" where unset)."""
+    from airflow.sdk.configuration import conf
+
+    return (conf.get("api", "base_url", fallback="") or "").rstrip("/")
 
 
-def file_url(uri: str) -> str:
-    """Where a browser opens the file ``uri`` (an HTML page renders as a page)."""
-    if storage.is_remote(uri):
-        bucket, key = storage.split_gs(uri)
-        return AUTHENTICATED_OBJECT + quote(f"{bucket}/{key}")
-    return "file://" + quote(os.path.abspath(uri))
+def run_url(dag_id: str, run_id: str, page: str = "") -> str:
+    """A run's page as a browser reaches it: ``[api] base_url`` + :func:`run_path`."""
+    return base_url() + run_path(dag_id, run_id, page)
 
 
 def rendered_run_dir(operator: Any) -> str | None:
@@ -49,37 +39,30 @@ def rendered_run_dir(operator: Any) -> str | None:
 
 
 class RunLink(BaseOperatorLink):
-    """A link to one place of the task's run folder."""
+    """A link to one page of the task's run."""
 
     name: ClassVar[str]
-
-    def target(self, layout: RunLayout) -> str:
-        raise NotImplementedError
+    page: ClassVar[str]
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
-        run_dir = rendered_run_dir(operator)
-        return self.target(RunLayout(run_dir)) if run_dir else ""
+        if not rendered_run_dir(operator):
+            return ""
+        return run_url(ti_key.dag_id, ti_key.run_id, self.page)
 
 
 class RunReportLink(RunLink):
     name = "Run report"
-
-    def target(self, layout: RunLayout) -> str:
-        return file_url(join(layout.report, REPORT_PAGE))
+    page = REPORT_PAGE
 
 
 class RunFolderLink(RunLink):
     name = "Run bucket folder"
-
-    def target(self, layout: RunLayout) -> str:
-        return folder_url(layout.root)
+    page = FOLDER_PAGE
 
 
 class RunTensorBoardLink(RunLink):
     name = "TensorBoard logs"
-
-    def target(self, layout: RunLayout) -> str:
-        return folder_url(layout.tensorboard)
+    page = TENSORBOARD_PAGE
 
 
 RUN_LINKS = (RunReportLink(), RunFolderLink(), RunTensorBoardLink())

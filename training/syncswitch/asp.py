@@ -12,7 +12,8 @@ coordinator's dispatch and fetch round trips once instead of k times. An SSP clo
 steps than it was given (its worker reached the staleness bound); the rest is scheduled again.
 
 Book-keeping (AspLoop) is in optimizer updates: an update is one worker's batch, 1/N of a BSP-equivalent
-step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP).
+step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP),
+and so does each step's update number, Adam's bias-correction count (``Schedule``).
 A closure is never scheduled past the segment target or the next checkpoint boundary, so segments end
 exactly on target and checkpoints capture a drained state; an early stop rounds up to a whole step.
 """
@@ -78,7 +79,13 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
             gate = ClockGate(spec.num_workers, protocol.staleness)
         tally = LeadTally(protocol.staleness)
     loop = AspLoop(spec, batch, spec.num_workers * batch, restored["samples"], restored["updates"])
-    schedule = Schedule(spec, ctx.hp, restored["samples"] / loop.global_batch)
+    schedule = Schedule(
+        spec,
+        ctx.hp,
+        restored["samples"] / loop.global_batch,
+        start_updates=restored["updates"],
+        updates_per_step=loop.global_batch // batch,
+    )
     iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, restored["samples"])))
     worker_steps = _compile_worker_steps(
         strategy,
@@ -186,8 +193,8 @@ def _compile_worker_steps(
     after_update = gate.after_update if gate is not None else None
     replica_step = replica_step_fn(state["flat"], mean_loss, exchange, after_update)
 
-    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own, sent, lead = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+    def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
+        loss, own, sent, lead = strategy.run(replica_step, args=(x, y, config, started))
         return tf.stack([loss, tf.cast(own, tf.float32), sent]), lead
 
     @tf.function(autograph=False)  # see timed_steps

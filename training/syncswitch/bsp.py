@@ -49,7 +49,7 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     training = build_and_restore(ctx, strategy, problem)
     state, restored, _signature = training
     loop = BspLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
-    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch)
+    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch, start_updates=loop.updates)
     iterator = iter(strategy.distribute_datasets_from_function(_dataset_fn(ctx, problem, loop.samples)))
     exchange = gradient_exchange(ctx.spec.segment_protocol, state["flat"])
     train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch, exchange)
@@ -124,8 +124,8 @@ def _compile_train_steps(
 
     replica_step = replica_step_fn(state["flat"], average_loss, exchange)
 
-    def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-        loss, own, sent, _ = strategy.run(replica_step, args=(x, y, lr, momentum, started))
+    def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
+        loss, own, sent, _ = strategy.run(replica_step, args=(x, y, config, started))
         local = [strategy.experimental_local_results(value)[0] for value in (loss, own, sent)]
         return tf.stack([tf.cast(value, tf.float32) for value in local]), tf.constant(0.0)
 

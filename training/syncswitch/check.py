@@ -47,16 +47,18 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
     """Check ``job`` (a syncswitch.spec.JobSpec); returns what was checked, with timings."""
     started = time.monotonic()
     usercode.load(job.usr_dir)
-    from syncswitch.hparams import HParamsError, get_hparams
+    from syncswitch.hparams import HParamsError, check_one_optimizer, get_hparams
     from syncswitch.registry import FIELDS, REGISTRY
 
     model_what, problem_what = f"model {job.model!r}", f"problem {job.problem!r}"
     for kind, name in (("model", job.model), ("problem", job.problem), ("hparams", job.hparam_set)):
         with _blame(f"{FIELDS[kind]} {name!r}", "loading it", job.usr_dir):
             REGISTRY.entry(kind, name).load()
+    _check_hooks(job)
     try:
         base = get_hparams(job.hparam_set, job.model)
         hparams = [base.override(overrides) for overrides in job.hparams]
+        check_one_optimizer(hparams)
     except HParamsError as err:
         field, _, message = str(err).partition(": ")
         raise SpecError(field, message) from None
@@ -77,13 +79,7 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
         from syncswitch.params import FlatModel
 
         model = build_model(hp, problem)
-        flat = FlatModel(
-            model,
-            groups=job.num_ps,
-            nesterov=hp.optimizer_momentum_nesterov,
-            weight_decay=hp.weight_decay,
-            decayed=decayed_weights(model),
-        )
+        flat = FlatModel(model, groups=job.num_ps, hp=hp, decayed=decayed_weights(model))
     loss = _forward_backward(flat, model, problem, features, labels, builder, job)
     test_metrics = _evaluation_batch(model, problem, local_data, job)
     return {
@@ -97,6 +93,15 @@ def check_job(job: Any, cache_dir: str) -> dict[str, Any]:
         "test_metrics": sorted(test_metrics),
         "seconds": round(time.monotonic() - started, 2),
     }
+
+
+def _check_hooks(job: Any) -> None:
+    """Each of the job's hooks is registered, made, and has a hook method."""
+    from syncswitch.hooks import load_hooks
+
+    for name in job.hooks:
+        with _blame(f"hooks {name!r}", "making it", job.usr_dir):
+            load_hooks((name,))
 
 
 def _first(dataset: Any, problem: str, which: str) -> tuple[Any, Any]:
@@ -174,8 +179,9 @@ def _evaluation_batch(model: Any, problem: Any, local_data: str, job: Any) -> di
 
 
 def needs_check(job: Any) -> bool:
-    """Whether a job uses code that is not the runtime's own: a usr_dir or an entry point's names."""
-    if job.usr_dir:
+    """Whether a job uses code that is not the runtime's own: a usr_dir, hooks (none is built in) or
+    an entry point's names."""
+    if job.usr_dir or job.hooks:
         return True
     from syncswitch.registry import BUILTIN_SOURCE, REGISTRY
 

@@ -39,10 +39,15 @@ def latest(layout: RunLayout) -> dict[str, Any] | None:
     return None
 
 
+# What a checkpoint whose signature lacks a key was written with: the key came later.
+SIGNATURE_DEFAULTS = {"optimizer": "momentum"}
+
+
 def signature(hp: Any, problem: Any) -> dict[str, Any]:
     """What a checkpoint must match to be restored: derived from the hparams and the problem alone,
-    so the launcher can check it before spawning anything (and without importing TensorFlow)."""
-    return {"model": hp.model, **hp.shape_signature(), **problem.signature()}
+    so the launcher can check it before spawning anything (and without importing TensorFlow). The
+    optimizer is part of it: another optimizer keeps other slots."""
+    return {"model": hp.model, **hp.shape_signature(), **problem.signature(), "optimizer": hp.optimizer}
 
 
 def structure(variables: list[Any]) -> list[list[Any]]:
@@ -83,13 +88,13 @@ def check_structure(manifest: dict[str, Any], variables: list[Any]) -> None:
 def check_compatible(manifest: dict[str, Any] | None, signature: dict[str, Any]) -> None:
     if manifest is None:
         return
-    theirs = manifest.get("signature", {})
+    theirs = {**SIGNATURE_DEFAULTS, **manifest.get("signature", {})}
     diffs = {k: (theirs.get(k), v) for k, v in signature.items() if theirs.get(k) != v}
     if diffs:
         detail = ", ".join(f"{k}: checkpoint has {a!r}, requested {b!r}" for k, (a, b) in diffs.items())
         raise CheckpointMismatchError(
             f"run_dir: the latest checkpoint {manifest['uri']} is from a different model ({detail}); "
-            "use a new run_dir or the same model, hparam_set and problem"
+            "use a new run_dir or the same model, hparam_set, problem and optimizer"
         )
 
 

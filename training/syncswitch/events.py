@@ -14,7 +14,9 @@ Per event type, the extra keys are:
 
     segment_start  protocol_args (the protocol's settings: syncswitch.protocols), start_step,
                    until_step, num_workers, batch_per_worker, learning_rate, momentum,
-                   momentum_rule, weight_decay, steps_per_execution (0 = automatic), restored_from
+                   momentum_rule, optimizer, second_moment_scale (Adam's v at the switch: spec),
+                   weight_decay,
+                   steps_per_execution (0 = automatic), restored_from
                    (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (the chief only: the ASP coordinator, BSP worker 0) global_step (BSP-equivalent
@@ -39,11 +41,17 @@ Per event type, the extra keys are:
     node_lost      node (e.g. worker-1), host (its host's name; null on the launcher's own), exit_code,
                    global_step (the chief's, when the launcher saw it), outcome (what followed: ASP
                    continues with the survivors, or the segment fails); written by the launcher
+    segment_failed reason, node (the node that failed first, or null: syncswitch.launcher.first_failed),
+                   host, exit_code, lost (its host or fork server stopped answering), global_step,
+                   last_lines (its log's), log (its log in the run folder), logs (every node's);
+                   written by the launcher as the segment fails
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)
     average        (local SGD's chief) global_step (where the replicas were averaged), steps (since
                    the average before), bytes (of the state vector each worker all-reduced)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
+    hook_error     (the chief) hook, method (on_checkpoint | on_evaluate), step, error, where (the
+                   file:line that raised): a user's hook failed, training went on (syncswitch.hooks)
 """
 
 from __future__ import annotations
@@ -71,9 +79,11 @@ EVENT_TYPES = (
     "straggler",
     "watchdog",
     "node_lost",
+    "segment_failed",
     "steps_per_execution",
     "average",
     "segment_end",
+    "hook_error",
 )
 
 

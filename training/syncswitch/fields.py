@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
 TIMING_POLICIES = ("fixed", "search")
 JOB_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+# The job name of the built-in demo (the digits CNN without user code) when a job names none.
+DEMO_JOB_NAME = "digits-demo"
 # The most retries a job may ask for per segment: the segment tasks' own ``retries`` (Airflow's
 # ceiling), of which a run uses its job's ``segment_retries``.
 MAX_SEGMENT_RETRIES = 20
@@ -97,8 +100,11 @@ FIELDS: tuple[Field, ...] = (
         "job_name",
         "string",
         "Job name",
-        "Names the run folder <bucket_dir>/<job_name>/<run_id>/: lowercase letters, digits and '-'.",
+        "Names the run folder <bucket_dir>/<job_name>/<run_id>/ and the job's history: lowercase "
+        f"letters, digits and '-'. Empty: <model>-<problem> ({DEMO_JOB_NAME} for the built-in demo), "
+        "so the runs of different models never share a folder or a history.",
         pattern=JOB_NAME_PATTERN,
+        nullable=True,
         original_flag="--job-name",
     ),
     Field(
@@ -206,6 +212,18 @@ FIELDS: tuple[Field, ...] = (
         "See docs/bring-your-own-model.md.",
         nullable=True,
         metavar="FOLDER|FILE.py|MODULE",
+    ),
+    Field(
+        "hooks",
+        "array",
+        "Hooks",
+        "Registered hooks (a usr_dir's @register_hooks, or entry points) whose on_checkpoint(step, path) "
+        "and on_evaluate(step, metrics) run on the chief at each checkpoint and evaluation; a hook's "
+        "error is logged and training goes on. See docs/bring-your-own-model.md.",
+        items="string",
+        registry="hooks",
+        repeat_flag="--hook",
+        metavar="NAME",
     ),
     Field(
         "data_dir",
@@ -404,6 +422,16 @@ FIELDS: tuple[Field, ...] = (
 FIELDS_BY_NAME = {field.name: field for field in FIELDS}
 
 
+def default_job_name(model: str, problem: str, usr_dir: str) -> str:
+    """The job name of a job that names none: the demo's for the built-in demo, else
+    ``<model>-<problem>`` made a valid job name (lowercase, ``-`` for anything else, 63 characters at
+    most), so that a user's runs and their history never land in the demo's folder."""
+    if not usr_dir and (model, problem) == ("cnn", "digits"):
+        return DEMO_JOB_NAME
+    name = re.sub(r"[^a-z0-9]+", "-", f"{model}-{problem}".lower()).strip("-")
+    return name[:63].rstrip("-") or DEMO_JOB_NAME
+
+
 # ---- flags -------------------------------------------------------------------------------------------
 
 
@@ -476,6 +504,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "model": (),
     "hparam_set": (),
     "usr_dir": ("--usr-dir", "--t2t-usr-dir"),
+    "hooks": (),
     "hparams": (),
     "data_dir": (),
     "total_steps": (),

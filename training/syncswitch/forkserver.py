@@ -33,6 +33,10 @@ host's cluster-internal address only. One connection per node, one JSON object p
 or, for a launcher placing a cluster on this host:
     client -> server  {"ports": 3, "token": T}
     server -> client  {"ports": [41011, 41012, 41013]}   free on the listening address
+or, for a launcher copying a node's log from this host (only a log a node forked here writes):
+    client -> server  {"read_log": PATH, "offset": N, "limit": M, "token": T}
+    server -> client  {"text": T, "offset": N2}  up to M bytes from N (T: UTF-8 decoded with
+                                                 surrogateescape, so the bytes come back exact)
 or, for a cluster claiming a standby server (Unix socket only):
     client -> server  {"claim": {"dir": NEW_DIR, "env": {VAR: VALUE}}}
     server -> client  {"claimed": 1234}          the server forked for NEW_DIR, where it listens
@@ -100,6 +104,7 @@ READY_FILE = "forkserver.json"
 IDLE_EXIT_S = 1800.0
 PID_FILE = "forkserver.pid"
 LOG_FILE = "forkserver.log"
+LOG_CHUNK = 256 * 1024  # the most of a node's log one read_log answers with (the JSON line stays small)
 
 
 # Keepalive on every lease over TCP: a peer that vanished (its host lost, no RST) ends its lease after
@@ -212,6 +217,7 @@ class ForkServer:
         self.tcp_host, self.tcp_port = host_port(listen) if ":" in listen else (listen, 0)
         self.selector = selectors.DefaultSelector()
         self.leases: dict[int, Lease] = {}  # by connection fd
+        self.logs: set[str] = set()  # the logs of the nodes forked here: the only files read_log reads
         self.listeners: list[socket.socket] = []
         self.stopping = False
 
@@ -320,10 +326,26 @@ class ForkServer:
             self._send(lease, {"ports": free_ports(self.tcp_host, int(request["ports"]))})
             self._release(lease, kill=False)
             return
+        if "read_log" in request:
+            self._send(lease, self._read_log(request))
+            self._release(lease, kill=False)
+            return
         if "claim" in request:
             self._claim(lease, request["claim"])
             return
         self._fork(lease, request)
+
+    def _read_log(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Part of a node's log: a launcher on another host keeps a copy as the node runs, so that
+        its last lines are known even after this host is lost."""
+        path = str(request["read_log"])
+        if path not in self.logs:
+            raise ValueError(f"{path} is not the log of a node forked here")
+        offset, limit = int(request.get("offset", 0)), min(int(request.get("limit", LOG_CHUNK)), LOG_CHUNK)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+        return {"text": data.decode("utf-8", "surrogateescape"), "offset": offset + len(data)}
 
     def _claim(self, lease: Lease, claim: dict[str, Any]) -> None:
         """Fork the server of the cluster whose folder is ``claim["dir"]``, found by its markers
@@ -400,6 +422,7 @@ class ForkServer:
             self._close_inherited()
             run_node(request, server_pid)  # never returns
         lease.pid, lease.name, lease.program = pid, str(request.get("name", "node")), request["program"]
+        self.logs.add(request["log"])
         self._send(lease, {"pid": pid})
         log(f"forked {lease.name} as pid {pid}")
 

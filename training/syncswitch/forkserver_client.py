@@ -5,6 +5,7 @@
     claim(STANDBY_DIR, DIR, env, timeout)                     a cluster's server forked by a standby
     fork_node(server, argv, ...) -> ForkedProcess             a node (or another of forkserver.PROGRAMS)
     reserve_ports(ServerRef, count)                           free ports on a server's host
+    read_log(ServerRef, path, offset)                         part of a node's log on a server's host
 
 A ``ServerRef`` names a server: a folder on this host, or ``tcp`` with the cluster's token on another.
 The protocol is in syncswitch.forkserver's docstring.
@@ -159,6 +160,8 @@ class ForkedProcess:
         self._lock = threading.Lock()  # the launcher polls from its main and straggler threads
         self.pid = pid
         self.returncode: int | None = None
+        # The lease ended without a word from the server: it died, or its host is lost (TCP keepalive).
+        self.lost = False
 
     def poll(self) -> int | None:
         with self._lock:
@@ -179,7 +182,7 @@ class ForkedProcess:
             self._parse()
             if not data and self.returncode is None:
                 # The server died without a word, and PR_SET_PDEATHSIG took the node with it.
-                self.returncode = -signal.SIGKILL
+                self.returncode, self.lost = -signal.SIGKILL, True
         if self.returncode is not None:
             self._conn.close()
         return self.returncode
@@ -256,13 +259,24 @@ def reserve_ports(server: ServerRef, count: int) -> list[int]:
     return [int(p) for p in answer["ports"]]
 
 
+def read_log(server: ServerRef, path: str, offset: int, timeout: float = 5.0) -> tuple[bytes, int]:
+    """Up to ``forkserver.LOG_CHUNK`` bytes of the log ``path`` of a node the server forked, from
+    ``offset``; and the offset after them. ForkServerUnavailable where the server does not answer
+    within ``timeout`` or refuses."""
+    conn, answer, _ = _request(server, {"read_log": path, "offset": offset}, "read a log", timeout=timeout)
+    conn.close()
+    if "text" not in answer:
+        raise ForkServerUnavailable(f"the fork server {server} refused to read {path}: {answer.get('error')}")
+    return str(answer["text"]).encode("utf-8", "surrogateescape"), int(answer["offset"])
+
+
 def _request(
-    ref: ServerRef, request: dict[str, Any], what: str
+    ref: ServerRef, request: dict[str, Any], what: str, timeout: float = 30.0
 ) -> tuple[socket.socket, dict[str, Any], bytes]:
     """Send one request and read the first answer line; the connection stays open for the caller."""
     conn: socket.socket | None = None
     try:
-        conn = ref.connect(timeout=30)
+        conn = ref.connect(timeout=timeout)
         conn.sendall((json.dumps(ref.stamp(request)) + "\n").encode())
         reply = b""
         while b"\n" not in reply:

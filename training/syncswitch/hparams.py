@@ -30,8 +30,17 @@ class HParams:
     # piecewise: at each boundary (fraction of the job's total steps) multiply by the multiple
     learning_rate_boundaries: tuple[float, ...] = (0.5, 0.75)
     learning_rate_multiples: tuple[float, ...] = (0.1, 0.01)
+    # momentum (SGD, the paper's) | adam | adamw (syncswitch.optim). Every segment of a job uses the
+    # same one: its slots are handed over at each switch.
+    optimizer: str = "momentum"
     optimizer_momentum_momentum: float = 0.9
     optimizer_momentum_nesterov: bool = True
+    # Keras' defaults. beta1 stays as set under every protocol (spec.switch_config says why).
+    optimizer_adam_beta1: float = 0.9
+    optimizer_adam_beta2: float = 0.999
+    optimizer_adam_epsilon: float = 1e-7
+    # momentum, adam: t2t's L2 term (weight_decay * variable added to the gradient); adamw: the
+    # decoupled decay, each update shrinking a decayed variable by learning_rate * weight_decay.
     weight_decay: float = 1e-4
     # Optimizer steps per tf.function execution (an ASP closure, a BSP call); 0 = automatic, about
     # 330 ms of steps (syncswitch.trainer.steps_per_execution). Numerics do not depend on it.
@@ -92,8 +101,15 @@ class HParams:
             raise HParamsError(
                 "hparams: learning_rate_boundaries and learning_rate_multiples need the same length"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise HParamsError(f"hparams: optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not 0 <= self.optimizer_momentum_momentum < 1:
             raise HParamsError("hparams: optimizer_momentum_momentum must be in [0, 1)")
+        for name in ("optimizer_adam_beta1", "optimizer_adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise HParamsError(f"hparams: {name} must be in [0, 1)")
+        if not self.optimizer_adam_epsilon > 0:
+            raise HParamsError("hparams: optimizer_adam_epsilon must be > 0")
         if self.weight_decay < 0:
             raise HParamsError("hparams: weight_decay must be >= 0")
         if not 0 <= self.steps_per_execution <= 1000:
@@ -111,6 +127,23 @@ class HParams:
 
 
 LR_SCHEMES = ("cosine", "piecewise", "constant")
+OPTIMIZERS = ("momentum", "adam", "adamw")
+
+
+def first_moment(hp: HParams) -> float:
+    """The optimizer's first-moment coefficient: momentum SGD's momentum, Adam's beta1."""
+    return hp.optimizer_momentum_momentum if hp.optimizer == "momentum" else hp.optimizer_adam_beta1
+
+
+def check_one_optimizer(segments: list[HParams]) -> None:
+    """HParamsError unless every segment's hparams name the same optimizer: each switch hands its slots
+    over, and another optimizer has other slots."""
+    names = sorted({hp.optimizer for hp in segments})
+    if len(names) > 1:
+        raise HParamsError(
+            f"hparams: optimizer must be the same in every segment (its slots are handed over at each "
+            f"switch); got {', '.join(names)}"
+        )
 
 
 def _resnet(depth: int) -> HParams:

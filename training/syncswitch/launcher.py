@@ -38,6 +38,7 @@ from syncswitch.errors import SegmentFailed
 from syncswitch.events import EventWriter
 from syncswitch.hosts import ClusterFile, chief_host, place_nodes
 from syncswitch.layout import RunLayout
+from syncswitch.nodelogs import NodeLogs
 from syncswitch.peers import host_port
 from syncswitch.plan import step_text
 from syncswitch.preflight import imports_user_code, preflight, warm_preflight
@@ -79,6 +80,8 @@ class Node:
     host_work_dir: str = ""  # that host's work folder
     process: forkserver_client.ForkedProcess | None = None
     log_path: str = ""
+    ended_at: float | None = None  # when the launcher first saw it ended (monotonic)
+    stopped_here: bool = False  # the launcher ended it (a stalled worker, the segment's stop)
 
     @property
     def name(self) -> str:
@@ -87,6 +90,47 @@ class Node:
     @property
     def remote(self) -> bool:
         return bool(self.host)
+
+    @property
+    def lost(self) -> bool:
+        """Its fork server went without a word: the server died, or its host is lost."""
+        return bool(self.process is not None and self.process.lost)
+
+    def poll(self) -> int | None:
+        """The node's exit code once it has ended (None while it runs), noting when that was seen."""
+        code = self.process.poll() if self.process is not None else None
+        if code is not None and self.ended_at is None:
+            self.ended_at = time.monotonic()
+        return code
+
+    def describe(self) -> str:
+        """Which node, where, and how it ended: ``worker-2 on host h3 (its host stopped answering)``."""
+        where = f" on host {self.host}" if self.host else ""
+        code = self.process.poll() if self.process is not None else None
+        if self.lost:
+            how = "its host or fork server stopped answering"
+        elif code is not None and code < 0:
+            how = f"killed by signal {-code}"
+        else:
+            how = f"exited with {code}"
+        return f"{self.name}{where} ({how})"
+
+
+def first_failed(nodes: list[Node], tolerated: set[str] | frozenset[str] = frozenset()) -> Node | None:
+    """The node whose failure came first, as far as the launcher can tell: a node lost with its host
+    or server, then one killed by a signal, then one that exited with an error, each kind in the
+    order the launcher saw them end. A peer's death makes the others fail in turn (BSP's collectives
+    abort; an aborted chief exits with an error), often before the lost one's lease times out, so
+    the kind of end counts before its time. Nodes the launcher stopped itself do not count, nor
+    ``tolerated`` ones (ASP workers the segment went on without) while another node failed."""
+    ended = [n for n in nodes if not n.stopped_here and n.poll() not in (None, 0)]
+    failed = [n for n in ended if n.name not in tolerated] or ended
+
+    def order(node: Node) -> tuple[int, float]:
+        kind = 0 if node.lost else 1 if (node.poll() or 0) < 0 else 2
+        return kind, node.ended_at or 0.0
+
+    return min(failed, key=order, default=None)
 
 
 # ---- where the nodes run ----------------------------------------------------------------------------
@@ -161,6 +205,7 @@ class SegmentCluster:
         self._lost_workers: set[int] = set()
         self._events: EventWriter | None = None
         self._events_lock = threading.Lock()
+        self.logs = NodeLogs(work_dir, nodes)
 
     @property
     def chief(self) -> Node:
@@ -214,6 +259,7 @@ class SegmentCluster:
                 files=files,
             )
         self._write_process_table()
+        self.logs.start()
         self._log(
             f"started {len(self.nodes)} processes in {time.time() - self.launched_at:.1f}s: "
             + ", ".join(f"{n.name}@{n.address} pid {n.process.pid}" for n in self.nodes)
@@ -235,14 +281,14 @@ class SegmentCluster:
         protocol = self.spec.segment_protocol
         allreduce = protocol.topology == ALLREDUCE
         while True:
-            chief_rc = self.chief.process.poll()
+            chief_rc = self.chief.poll()
             if chief_rc is not None:
                 if chief_rc != 0:
                     self._report_peers_of_failed_chief(chief_rc)
                 return chief_rc
             self._act_on_kill_requests()
             for node in self.nodes[1:]:
-                rc = node.process.poll()
+                rc = node.poll()
                 if rc is None or (rc == 0 and allreduce):
                     continue  # an all-reduce worker exits 0 once training is done and the chief is gone
                 if node.role == "ps":
@@ -276,9 +322,9 @@ class SegmentCluster:
         collectives, so the chief's own error says little about which host or process was lost."""
         deadline = time.monotonic() + PEER_FATE_SECONDS
         peers = self.nodes[1:]
-        while time.monotonic() < deadline and any(n.process.poll() is None for n in peers):
+        while time.monotonic() < deadline and any(n.poll() is None for n in peers):
             time.sleep(POLL_SECONDS)
-        failed = [n for n in peers if n.process.poll() not in (None, 0)]
+        failed = [n for n in peers if n.poll() not in (None, 0)]
         if failed:
             self._log(
                 f"the chief exited with {rc}; with it: "
@@ -316,10 +362,12 @@ class SegmentCluster:
         pending SIGTERM. CONT first all the same, so a stopped process is not left behind as stopped.
         """
         self._stop_injection.set()
+        self.logs.stop()
         for thread in self._injectors:
             thread.join(timeout=LINK_RESTORE_SECONDS + 1)
-        alive = [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+        alive = [n for n in self.nodes if n.process is not None and n.poll() is None]
         for node in alive:
+            node.stopped_here = True
             node.process.send_signal(signal.SIGCONT)
             node.process.kill()
         for node in alive:
@@ -340,8 +388,7 @@ class SegmentCluster:
         reason = self.stall.stalled()
         if reason:
             raise SegmentFailed(
-                f"{reason}; stopping the segment so that a rerun resumes from the last checkpoint\n"
-                f"{self.tail_logs()}"
+                f"{reason}; stopping the segment so that a rerun resumes from the last checkpoint"
             )
 
     def _act_on_kill_requests(self) -> None:
@@ -352,6 +399,7 @@ class SegmentCluster:
             with open(request, encoding="utf-8") as f:
                 reason = f.read().strip()
             self._log(f"watchdog: killing stalled worker {node.task} (pid {node.process.pid}): {reason}")
+            node.stopped_here = True
             node.process.send_signal(signal.SIGCONT)
             node.process.kill()
             os.unlink(request)
@@ -485,15 +533,51 @@ class SegmentCluster:
         )
 
     def tail_logs(self, lines: int = 15) -> str:
+        """Every node's last lines (another host's as far as the launcher's copy goes)."""
         out = []
         for node in self.nodes:
-            if node.remote:
-                out.append(f"--- {node.name}: its log is {node.log_path} on host {node.host} ---")
-            elif node.log_path and os.path.exists(node.log_path):
-                with open(node.log_path, encoding="utf-8", errors="replace") as f:
-                    tail = f.read().splitlines()[-lines:]
-                out.append(f"--- {node.name} ({node.log_path}) ---\n" + "\n".join(tail))
+            where = f" on host {node.host}" if node.remote else ""
+            tail = self.logs.tail(node, lines)
+            out.append(f"--- {node.name}{where} ({node.log_path}) ---\n" + "\n".join(tail))
         return "\n".join(out)
+
+    # -- failure and the logs' way home --
+
+    def failure_report(self, reason: str) -> str:
+        """What the segment's failure message adds to ``reason``: the node that failed first, with its
+        last lines, or every node's last lines where none failed (a stall); and where every log goes.
+        Also the launcher's ``segment_failed`` event, which the segment task's log shows."""
+        self.logs.pull_all(skip=[n.name for n in self.nodes if n.lost])
+        node = first_failed(self.nodes, {f"worker-{task}" for task in self._lost_workers})
+        logs = self.layout.segment_logs(self.spec.index, self.spec.protocol)
+        progress = self.progress.read() or {}
+        self._emit(
+            "segment_failed",
+            reason=reason,
+            node=node.name if node else None,
+            host=(node.host or None) if node else None,
+            exit_code=node.poll() if node else None,
+            lost=node.lost if node else False,
+            global_step=progress.get("global_step"),
+            last_lines=self.logs.tail(node) if node else [],
+            log=self.layout.node_log(self.spec.index, self.spec.protocol, node.name) if node else None,
+            logs=logs,
+        )
+        if node is None:
+            return f"no node failed; every node's last lines:\n{self.tail_logs()}\nevery node's log: {logs}/"
+        tail = "\n".join(f"  {line}" for line in self.logs.tail(node))
+        return (
+            f"the node that failed first: {node.describe()}; its last lines:\n{tail}\n"
+            f"every node's log: {logs}/"
+        )
+
+    def ship_logs(self) -> None:
+        """Every node's log into the run folder (after ``stop``: the nodes have ended, each log is
+        whole), another host's as far as the launcher's copy goes."""
+        self.logs.pull_all(skip=[n.name for n in self.nodes if n.lost])
+        written = self.logs.upload(self.layout, self.spec.index, self.spec.protocol)
+        where = self.layout.segment_logs(self.spec.index, self.spec.protocol)
+        self._log(f"{len(written)} node log(s) uploaded to {where}/")
 
 
 # ---- entry point ----------------------------------------------------------------------------------
@@ -545,20 +629,33 @@ def run_segment(
             spec, work_dir, data_dir, nodes=nodes, launched_at=launched_at, show_progress=show_progress
         )
         cluster.start()
-        rc = cluster.wait()
-        if rc != 0:
-            raise SegmentFailed(f"the chief exited with {rc}\n{cluster.tail_logs()}")
-        result = storage.read_json(result_uri, default=None)
-        if result is None:
-            raise SegmentFailed(f"the chief exited without writing {result_uri}\n{cluster.tail_logs()}")
-        return result
+        return _supervise(cluster, result_uri)
     finally:
         if cluster is not None:
             cluster.stop()
+            cluster.ship_logs()
         if private_server is not None:
             _stop_process(private_server)
         if own_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _supervise(cluster: SegmentCluster, result_uri: str) -> dict[str, Any]:
+    """Wait for the segment's end: its result, or SegmentFailed naming the node that failed first."""
+    try:
+        rc = cluster.wait()
+        if rc != 0:
+            raise SegmentFailed(f"the chief exited with {rc}")
+        result = storage.read_json(result_uri, default=None)
+        if result is None:
+            raise SegmentFailed(f"the chief exited without writing {result_uri}")
+        return result
+    except SegmentFailed as exc:
+        try:
+            report = cluster.failure_report(str(exc))
+        except Exception as error:  # noqa: BLE001 - the failure stands, named or not
+            report = f"(the node that failed first could not be named: {type(error).__name__}: {error})"
+        raise SegmentFailed(f"{exc}\n{report}") from None
 
 
 def _ready_forkserver(

@@ -11,6 +11,9 @@ One DAG run owns one folder, ``<bucket_dir>/<job_name>/<run_id>/``::
     metrics/seg-<ii>-<protocol>/result.json   SegmentResult written by the chief when the segment ends
     tensorboard/                        scalars of the whole logical run, keyed by global step
     control/stop-seg-<ii>               graceful-stop request for segment ii (any content: the reason)
+    logs/seg-<ii>-<protocol>/           every node's log, <role>-<task>.log, and its launcher's,
+        <role>-<task>.log               launcher-0.log: uploaded at the segment's end, at its failure
+                                        and at teardown (syncswitch.nodelogs)
     report/                             summary.json, index.html, *.png
     cluster/syncswitch-runtime.whl      gce clusters: the runtime's wheel the VMs' startup script installs
     cluster/usercode-<digest>.tar.gz    hosts and gce clusters: the job's usr_dir, as every node imports it
@@ -25,7 +28,14 @@ A recurring job's history lives beside its runs, in ``<bucket_dir>/_history/<job
     runs/<run_id>.json                  one immutable record per finished run (syncswitch_airflow.history)
     claims.json                         {run_id: claim}: the BSP fraction each started run took
 
-Job names are lowercase letters, digits and '-', so ``_history`` can never be a job's folder.
+and a sweep's comparison report (``syncswitch sweep``) in ``<bucket_dir>/_sweeps/<name>/``
+(:class:`SweepLayout`; its runs' jobs are ``<name>-<label>``)::
+
+    comparison.html, comparison.json, *.png   the report (syncswitch_airflow.tools.compare)
+    sweep-runs.json                     {runs: [{label, repeat, run_id, run_dir, state, ...}]}: its runs
+
+Job names are lowercase letters, digits and '-', so ``_history`` and ``_sweeps`` can never be a job's
+folder.
 
 ``bucket_dir`` is a local folder or a ``gs://bucket/prefix`` URI; all access goes through
 ``syncswitch.storage`` so the same paths work for both. Run ids become path segments through
@@ -69,6 +79,15 @@ class RunLayout:
         return cls(join(bucket_dir, job_name, safe_run_id(run_id)))
 
     @property
+    def bucket_dir(self) -> str:
+        """The bucket folder that holds the run's job folder."""
+        return self.root.rsplit("/", 2)[0]
+
+    @property
+    def job_name(self) -> str:
+        return self.root.rsplit("/", 2)[1]
+
+    @property
     def state(self) -> str:
         return join(self.root, "state.json")
 
@@ -97,6 +116,17 @@ class RunLayout:
 
     def segment_result(self, index: int, protocol: str) -> str:
         return join(self.segment_metrics(index, protocol), "result.json")
+
+    @property
+    def logs(self) -> str:
+        return join(self.root, "logs")
+
+    def segment_logs(self, index: int, protocol: str) -> str:
+        return join(self.logs, segment_name(index, protocol))
+
+    def node_log(self, index: int, protocol: str, node: str) -> str:
+        """``node`` is a node's name (``worker-1``) or ``launcher-0``."""
+        return join(self.segment_logs(index, protocol), f"{node}.log")
 
     @property
     def tensorboard(self) -> str:
@@ -169,6 +199,30 @@ class JobHistoryLayout:
     def claims(self) -> str:
         """One document for all claims: a run decides and claims in one atomic update of it."""
         return join(self.root, "claims.json")
+
+
+SWEEPS_DIR = "_sweeps"
+SWEEP_PROGRESS = "sweep-runs.json"
+
+
+@dataclass(frozen=True)
+class SweepLayout:
+    """Paths of one sweep's report. ``root`` is ``<bucket_dir>/_sweeps/<name>`` by default."""
+
+    root: str
+
+    @classmethod
+    def for_sweep(cls, bucket_dir: str, name: str) -> SweepLayout:
+        return cls(join(bucket_dir, SWEEPS_DIR, name))
+
+    @property
+    def page(self) -> str:
+        return join(self.root, "comparison.html")
+
+    @property
+    def progress(self) -> str:
+        """The sweep's runs as triggered and as ended: what a start that resumes it reads."""
+        return join(self.root, SWEEP_PROGRESS)
 
 
 def safe_run_id(run_id: str) -> str:

@@ -5,10 +5,13 @@ and restores the same checkpoint, so the replicas start equal. A call runs up to
 worker's replica in a graph loop (``trainer.timed_steps``, each update applied locally:
 syncswitch.exchange.LocalExchange) on this worker's shard of the data, at the global batch's learning
 rate (the configuration policy: spec.switch_config). Where the call ends an averaging period, one
-all-reduce (MultiWorkerMirroredStrategy, RING) averages the replica's whole state: the weights, their
-velocities and the batch-norm statistics. Velocities are averaged with the weights: averaged after
-every step (H=1), that is BSP's update (its gradient all-reduce and the momentum update are linear in
-the gradient), and a checkpoint holds one velocity per weight as every other protocol's does.
+all-reduce (MultiWorkerMirroredStrategy, RING) averages the replica's whole state: the weights, every
+optimizer slot (momentum SGD's velocities, Adam's first and second moments) and the batch-norm
+statistics. Slots are averaged with the weights so that a checkpoint holds one optimizer state per
+weight, as every other protocol's does: with momentum SGD, averaged after every step (H=1), that is
+BSP's update (its gradient all-reduce and the momentum update are linear in the gradient); Adam's
+update is not linear in the gradient, so local Adam at H=1 is close to BSP's, not equal. Every
+replica applies one update per step, so Adam's bias correction counts steps, as BSP's does.
 
 Periods count from the segment's start. A checkpoint, the segment's end and a graceful stop average
 too, whatever the period (a checkpoint holds one model); each average is an ``average`` event of the
@@ -57,7 +60,9 @@ def run_local_sgd_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | Non
     training = build_and_restore(ctx, None, problem)  # this worker's own replica
     state, restored, _signature = training
     loop = LocalSgdLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
-    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch)
+    # One update per replica per step, as BSP's: the update numbers (Adam's bias correction) follow
+    # the steps, the same on every replica.
+    schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch, start_updates=loop.updates)
     iterator = iter(
         problem.train_dataset(
             ctx.data_dir,
@@ -134,8 +139,8 @@ class LocalCalls:
 
         replica_step = replica_step_fn(flat, mean_loss, LocalExchange(flat))
 
-        def run_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> Any:
-            loss, own, sent, _ = replica_step(x, y, lr, momentum, started)
+        def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
+            loss, own, sent, _ = replica_step(x, y, config, started)
             return tf.stack([tf.cast(loss, tf.float32), tf.cast(own, tf.float32), sent]), tf.constant(0.0)
 
         def average() -> Any:

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.spec, encoding="utf-8") as f:
         spec = SegmentSpec.from_dict(json.load(f))
     use_segment_temp_dir(args.work_dir)
+    # The log's first line says whose it is: a log read far from its host (the run folder's
+    # logs/, a failure's last lines) names its node and segment.
+    print(f"{role} {task} of segment {spec.index} ({spec.protocol}), pid {os.getpid()}", flush=True)
 
     import tensorflow as tf
 

@@ -10,9 +10,9 @@ canonical form for checkpoints and evaluation. Under MultiWorkerMirroredStrategy
 means one gradient all-reduce per step instead of one per variable.
 
 Both loops use this same code, so BSP and ASP apply identical numerics, and checkpoints stay in the
-per-variable form (``tf.train.Checkpoint(model=template, optimizer=velocities)``): a checkpoint
-written under either strategy restores bit-identically under the other, and evaluation reads it
-into a plain model.
+per-variable form (``tf.train.Checkpoint(model=template, optimizer=<slots per variable>)``): a
+checkpoint written under either strategy restores bit-identically under the other, and evaluation
+reads it into a plain model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from syncswitch.optim import MomentumSGD
+from syncswitch.optim import StepConfig, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,15 @@ def _balanced_groups(sizes: tuple[int, ...], groups: int) -> tuple[int, ...]:
 
 
 class FlatModel(tf.Module):
-    """Flat weights, their velocities and the batch-norm statistics, placed by the strategy in scope.
+    """Flat weights, their optimizer's slots and the batch-norm statistics, placed by the strategy in
+    scope.
 
     ``template`` is the Keras model built outside any strategy (local variables): its structure is
-    the checkpoint's, its initial values start the flat variables.
+    the checkpoint's, its initial values start the flat variables. ``hp`` chooses the optimizer
+    (syncswitch.optim.build_optimizer).
     """
 
-    def __init__(
-        self, template: Any, *, groups: int, nesterov: bool, weight_decay: float, decayed: list[Any]
-    ):
+    def __init__(self, template: Any, *, groups: int, hp: Any, decayed: list[Any]):
         super().__init__(name="flat_model")
         self._template = template
         trainable, non_trainable = template.trainable_variables, template.non_trainable_variables
@@ -120,9 +120,7 @@ class FlatModel(tf.Module):
             [tf.fill(v.shape, 1.0 if v.value.ref() in decayed_refs else 0.0) for v in trainable]
         )
         masks = [m.numpy() for m in self.weights_layout.split_groups(mask)]
-        self.optimizer = MomentumSGD(
-            self.params, nesterov=nesterov, weight_decay=weight_decay, decay_masks=masks
-        )
+        self.optimizer = build_optimizer(hp, self.params, masks)
 
     def _non_trainable(self, statistics: list[Any], others: list[Any]) -> list[Any]:
         """The model's non-trainable values in its own order, from the flat statistics and the rest."""
@@ -165,45 +163,57 @@ class FlatModel(tf.Module):
         return loss, grads, (self.stats_layout.flatten(new_statistics), new_others)
 
     def apply(
-        self, grads: list[Any], new_state: Any, learning_rate: Any, momentum: Any, *, summed: bool = False
+        self, grads: list[Any], new_state: Any, config: StepConfig, *, summed: bool = False
     ) -> list[Any]:
-        """The update (``summed`` as MomentumSGD.apply's) and the new non-trainable state; returns
+        """The update (``summed`` as SlotOptimizer.apply's) and the new non-trainable state; returns
         the ops that write them."""
-        updates = self.optimizer.apply(grads, self.params, learning_rate, momentum, summed=summed)
+        updates = self.optimizer.apply(grads, self.params, config, summed=summed)
         new_statistics, new_others = new_state
         writes = [self.stats.assign(new_statistics)]
         for variable, value in zip(self.other_state, new_others, strict=True):
             writes.append(variable.assign(value))
         return [op for op in [*tf.nest.flatten(updates), *writes] if op is not None]
 
+    def _slot_variables(self) -> list[Any]:
+        """Every slot's weight groups, slot by slot in the optimizer's order (SLOTS)."""
+        return [v for slot in self.optimizer.SLOTS for v in self.optimizer.slots[slot]]
+
     def state_vector(self) -> Any:
-        """Weights, velocities and batch-norm statistics as one vector (what local SGD averages)."""
-        parts = [p.read_value() for p in self.params] + [v.read_value() for v in self.optimizer.velocities]
+        """Weights, every optimizer slot (a velocity, or Adam's two moments) and batch-norm statistics
+        as one vector (what local SGD averages): a replica's slots are part of its state, so the
+        average leaves every replica with the same optimizer too."""
+        parts = [p.read_value() for p in self.params] + [v.read_value() for v in self._slot_variables()]
         return tf.concat([*parts, self.stats.read_value()], 0)
 
     def assign_state_vector(self, vector: Any) -> Any:
         """Write a vector of :meth:`state_vector`'s layout back; returns the op."""
-        sizes = [*self.weights_layout.group_sizes, *self.weights_layout.group_sizes, self.stats_layout.total]
+        groups = self.weights_layout.group_sizes
+        sizes = [*groups * (1 + len(self.optimizer.SLOTS)), self.stats_layout.total]
         parts = tf.split(vector, sizes)
-        targets = [*self.params, *self.optimizer.velocities, self.stats]
+        targets = [*self.params, *self._slot_variables(), self.stats]
         return tf.group(*[t.assign(v) for t, v in zip(targets, parts, strict=True)])
 
     # ---- the canonical (per-variable) form, for checkpoints ---------------------------------------
 
-    def velocity_template(self) -> list[Any]:
-        """Local per-variable velocity variables, as a Keras optimizer's slots would be."""
-        if not hasattr(self, "_velocity_template"):
-            self._velocity_template = [
-                tf.Variable(tf.zeros(s), trainable=False) for s in self.weights_layout.shapes
-            ]
-        return self._velocity_template
+    def slot_templates(self) -> dict[str, list[Any]]:
+        """Local per-variable slot variables (a velocity, or Adam's two moments), as a Keras
+        optimizer's slots would be, by slot name in the optimizer's order."""
+        if not hasattr(self, "_slot_templates"):
+            self._slot_templates = {
+                slot: [tf.Variable(tf.zeros(s), trainable=False) for s in self.weights_layout.shapes]
+                for slot in self.optimizer.SLOTS
+            }
+        return self._slot_templates
+
+    def scale_slot(self, slot: str, factor: float) -> None:
+        """Multiply one slot of every weight group by ``factor`` (the configuration policy's, at a
+        switch)."""
+        for variable in self.optimizer.slots[slot]:
+            variable.assign(variable.read_value() * factor)
 
     def to_template(self) -> None:
-        """Copy the flat state into the template model and per-variable velocities."""
+        """Copy the flat state into the template model and per-variable slots."""
         weights = self.weights_layout.unflatten(tf.concat([p.read_value() for p in self.params], 0))
-        velocities = self.weights_layout.unflatten(
-            tf.concat([v.read_value() for v in self.optimizer.velocities], 0)
-        )
         for variable, value in zip(self._template.trainable_variables, weights, strict=True):
             variable.assign(value)
         non_trainable = self._non_trainable(
@@ -211,19 +221,22 @@ class FlatModel(tf.Module):
         )
         for variable, value in zip(self._template.non_trainable_variables, non_trainable, strict=True):
             variable.assign(value)
-        for variable, value in zip(self.velocity_template(), velocities, strict=True):
-            variable.assign(value)
+        for slot, templates in self.slot_templates().items():
+            values = self.weights_layout.unflatten(
+                tf.concat([v.read_value() for v in self.optimizer.slots[slot]], 0)
+            )
+            for variable, value in zip(templates, values, strict=True):
+                variable.assign(value)
 
     def from_template(self) -> None:
-        """Copy the template model and per-variable velocities (just restored) into the flat state."""
+        """Copy the template model and per-variable slots (just restored) into the flat state."""
         weights = self.weights_layout.flatten([v.value for v in self._template.trainable_variables])
-        velocities = self.weights_layout.flatten(self.velocity_template())
         for param, chunk in zip(self.params, self.weights_layout.split_groups(weights), strict=True):
             param.assign(chunk)
-        for slot, chunk in zip(
-            self.optimizer.velocities, self.weights_layout.split_groups(velocities), strict=True
-        ):
-            slot.assign(chunk)
+        for slot, templates in self.slot_templates().items():
+            chunks = self.weights_layout.split_groups(self.weights_layout.flatten(templates))
+            for variable, chunk in zip(self.optimizer.slots[slot], chunks, strict=True):
+                variable.assign(chunk)
         statistics, others = self._split_non_trainable(
             [v.value for v in self._template.non_trainable_variables]
         )

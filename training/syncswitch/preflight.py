@@ -25,9 +25,11 @@ def preflight(spec: SegmentSpec, cache_dir: str) -> str:
     SpecError, CheckpointMismatchError).
     """
     from syncswitch import usercode
+    from syncswitch.hooks import load_hooks
     from syncswitch.problems import get_problem
 
     usercode.activate(spec, cache_dir)
+    load_hooks(spec.hooks)  # each registered and a hook: SpecError naming the field, before any fork
     hp = spec.resolved_hparams()
     problem = get_problem(spec.problem)
     local_data = problem.prepare(spec.data_dir, cache_dir)
@@ -42,7 +44,7 @@ def imports_user_code(spec: SegmentSpec) -> bool:
     package's entry point). That code imports TensorFlow, which a launcher should not pay for at every
     segment where a fork server has it imported already (warm_preflight)."""
     builtin = registry.BUILTIN_ENTRIES
-    return bool(spec.usr_dir) or not (
+    return bool(spec.usr_dir or spec.hooks) or not (
         spec.model in builtin["model"]
         and spec.problem in builtin["problem"]
         and spec.hparam_set in builtin["hparams"]

@@ -7,7 +7,7 @@
               topk:<ratio>   largest ``ratio`` of the elements (values and indices all-gathered) with
                              error feedback (what was not sent is added to the next step's gradient)
     local     local:<H>      local SGD: every worker steps its own replica on its own batch; every H
-                             steps the replicas' weights, velocities and batch-norm statistics are
+                             steps the replicas' weights, optimizer slots and batch-norm statistics are
                              averaged by one all-reduce
     asp       0, asp         every worker's update applied at the parameter servers as it comes
                              (ParameterServerStrategy + ClusterCoordinator)

@@ -1,11 +1,12 @@
-"""One registry of models, problems and hparam sets, by name (tensor2tensor's vocabulary).
+"""One registry of models, problems, hparam sets and hooks, by name (tensor2tensor's vocabulary).
 
 Three sources feed it, and their names are used alike everywhere (``--model``, job files, the Trigger
 form, REST conf):
 
 - the runtime's own entries (``BUILTIN_ENTRIES``: ``resnet``, ``cnn``, ``digits``, ...);
 - installed packages that declare entry points in the groups ``syncswitch.models``,
-  ``syncswitch.problems`` and ``syncswitch.hparams`` (``name = "package.module:attribute"``);
+  ``syncswitch.problems``, ``syncswitch.hparams`` and ``syncswitch.hooks``
+  (``name = "package.module:attribute"``);
 - a job's ``usr_dir`` (syncswitch.usercode), whose modules call the decorators below when imported::
 
       from syncswitch import register_model, register_problem, register_hparams
@@ -18,7 +19,9 @@ names (the Trigger form, validation) imports no TensorFlow. What a name resolves
 
 - model: ``builder(hp, problem) -> keras.Model``;
 - problem: a ``syncswitch.problems.Problem`` subclass (instantiated without arguments) or instance;
-- hparams: ``factory() -> syncswitch.hparams.HParams`` (or an HParams instance).
+- hparams: ``factory() -> syncswitch.hparams.HParams`` (or an HParams instance);
+- hooks: a class (instantiated without arguments) or an object with ``on_checkpoint(step, path)``
+  and/or ``on_evaluate(step, metrics)``, called on the chief (syncswitch.hooks).
 
 The registry is this process's one table (``REGISTRY``), as Keras' serializable registry is: user
 code registers by importing a module, which has no other way to reach it.
@@ -35,15 +38,22 @@ from typing import Any
 
 from syncswitch.errors import SpecError
 
-KINDS = ("model", "problem", "hparams", "backend")
+KINDS = ("model", "problem", "hparams", "backend", "hooks")
 ENTRY_POINT_GROUPS = {
     "model": "syncswitch.models",
     "problem": "syncswitch.problems",
     "hparams": "syncswitch.hparams",
     "backend": "syncswitch.backends",
+    "hooks": "syncswitch.hooks",
 }
 # The field of a job that names an entry of each kind (for error messages).
-FIELDS = {"model": "model", "problem": "problem", "hparams": "hparam_set", "backend": "cluster_backend"}
+FIELDS = {
+    "model": "model",
+    "problem": "problem",
+    "hparams": "hparam_set",
+    "backend": "cluster_backend",
+    "hooks": "hooks",
+}
 
 BUILTIN_ENTRIES: dict[str, dict[str, str]] = {
     "model": {"resnet": "syncswitch.models:resnet", "cnn": "syncswitch.models:cnn"},
@@ -153,7 +163,8 @@ class Registry:
         return self._entries[kind][name]
 
     def get(self, kind: str, name: str) -> Any:
-        """The model builder, the problem instance (made once, ``name`` set) or the HParams."""
+        """The model builder, the problem instance (made once, ``name`` set), the HParams or the hooks
+        object (made once)."""
         key = (kind, name)
         if key not in self._instances:
             obj = self.entry(kind, name).load()
@@ -161,7 +172,7 @@ class Registry:
                 obj = obj() if inspect.isclass(obj) or inspect.isfunction(obj) else obj
                 if getattr(obj, "name", None) != name:
                     _set_name(obj, name)
-            elif kind == "hparams" and callable(obj):
+            elif kind == "hparams" and callable(obj) or kind == "hooks" and inspect.isclass(obj):
                 obj = obj()
             self._instances[key] = obj
         return self._instances[key]
@@ -214,3 +225,8 @@ def register_problem(name: str | None = None) -> Callable[[Any], Any]:
 def register_hparams(name: str | None = None) -> Callable[[Any], Any]:
     """Register ``factory() -> HParams`` under ``name`` (the hparam_set)."""
     return _register("hparams", name)
+
+
+def register_hooks(name: str | None = None) -> Callable[[Any], Any]:
+    """Register a hooks class (or object) under ``name``, which a job's ``hooks`` field names."""
+    return _register("hooks", name)

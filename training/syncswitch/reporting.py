@@ -145,6 +145,8 @@ class ChiefReporter:
             "reason": reason,
             "checkpoint": checkpoint_uri,
             "startup": self._startup_split(),
+            # This process's retries of bucket calls (the Airflow side reports them as a metric).
+            "bucket_retries": storage.retry_count(),
             **(extra or {}),
             **(evaluation or {}),
         }

@@ -30,10 +30,17 @@ from typing import Any
 from syncswitch import plan as plans
 from syncswitch import protocols as protocol_grammar
 from syncswitch.errors import SpecError
-from syncswitch.fields import FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES
+from syncswitch.fields import DEMO_JOB_NAME, FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES, default_job_name
 from syncswitch.gce import GceSpec
 from syncswitch.hosts import HostSpec, parse_hosts
-from syncswitch.hparams import HParams, HParamsError, PythonOps, get_hparams
+from syncswitch.hparams import (
+    HParams,
+    HParamsError,
+    PythonOps,
+    check_one_optimizer,
+    first_moment,
+    get_hparams,
+)
 from syncswitch.protocols import Protocol
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
@@ -151,6 +158,7 @@ class SegmentSpec:
     usr_dir: str = ""
     usr_code_uri: str = ""
     usr_code_digest: str = ""
+    hooks: tuple[str, ...] = ()  # registered hooks the chief calls (syncswitch.hooks)
     num_workers: int = 2
     num_ps: int = 1
     ckpt_frequency: int = 0  # steps between checkpoints; 0 = only at segment end
@@ -185,6 +193,7 @@ class SegmentSpec:
     def from_dict(cls, data: dict[str, Any]) -> SegmentSpec:
         data = dict(data)
         data["stragglers"] = tuple(StragglerSpec(**s) for s in data.get("stragglers", ()))
+        data["hooks"] = tuple(data.get("hooks", ()))
         return cls(**data)
 
     def replace(self, **changes: Any) -> SegmentSpec:
@@ -212,7 +221,7 @@ class SwitchConfig:
     """The configuration policy: effective LR factor and momentum of one protocol at a given point."""
 
     learning_rate_scale: float
-    momentum: float
+    momentum: float  # momentum SGD's momentum; Adam's beta1
 
 
 def switch_config(
@@ -228,14 +237,25 @@ def switch_config(
 
     - BSP, compressed BSP and local SGD: the base LR and momentum. Each of their updates is the
       global batch's (compressed BSP's is BSP's with a lossy all-reduce), and a local SGD replica
-      steps at that LR on its own batch: averaged every step, that is BSP's update exactly.
+      steps at that LR on its own batch: with momentum SGD, whose update is linear in the gradient,
+      averaged every step that is BSP's update exactly; with Adam, whose update is about the LR per
+      element whatever the batch, each replica steps as far as BSP would.
     - ASP and SSP: the LR divided by N (an update is one worker's batch b instead of N x b), and the
       momentum rule, as N updates in flight add momentum of their own: keep m, zero, scaled m/N, or
-      ramped (m/N rising linearly back to m over ``ramp_steps`` BSP-equivalent steps)."""
-    m = hp.optimizer_momentum_momentum
+      ramped (m/N rising linearly back to m over ``ramp_steps`` BSP-equivalent steps).
+
+    Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule
+    and protocol (their second moment is rescaled at the switch instead: second_moment_scale).
+    The rule exists because heavy-ball momentum multiplies the step (by 1/(1-m) at steady state) on top
+    of the momentum that stale asynchronous updates add; Adam's first moment is an average, which
+    does not multiply the step, and its update has a size of about the LR per element, so N updates
+    at LR/N move the weights as far per sample as one BSP step at the LR."""
+    m = first_moment(hp)
     if not protocol_grammar.family(protocol).per_worker_updates:
         return SwitchConfig(1.0, m)
     scale = 1.0 / num_workers
+    if hp.optimizer != "momentum":
+        return SwitchConfig(scale, m)
     if rule == "keep":
         momentum = m
     elif rule == "zero":
@@ -250,11 +270,35 @@ def switch_config(
     return SwitchConfig(scale, momentum)
 
 
+def examples_per_update(protocol: str, batch_size: int, num_workers: int) -> int:
+    """The examples behind one update's gradient: the global batch where every worker's gradient is
+    summed into it (BSP, compressed BSP), one worker's batch where an update is one worker's (ASP,
+    SSP) or one replica's (local SGD, between its averages)."""
+    if protocol_grammar.family(protocol).per_worker_updates or protocol == "local":
+        return batch_size
+    return batch_size * num_workers
+
+
+def second_moment_scale(hp: HParams, previous_update_batch: int | None, update_batch: int) -> float:
+    """Adam's second moment across a switch: multiplied by the previous update's batch over this
+    segment's (examples_per_update: BSP -> ASP, SSP or local SGD with N workers: N; back: 1/N;
+    between two of the per-worker or two of the global-batch protocols: 1), where the checkpoint
+    records it (else 1).
+
+    The second moment estimates E[g^2] of one update's gradient, which is mostly noise once training
+    is under way, and noise variance goes as 1/batch: carried over unchanged from BSP's N x b batch, it
+    is about N times too small for ASP's b, so ASP's first updates would be about sqrt(N) times too
+    large until it re-estimates (1/(1 - beta2) updates). Momentum SGD keeps no second moment."""
+    if hp.optimizer == "momentum" or not previous_update_batch:
+        return 1.0
+    return previous_update_batch / update_batch
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
 
-    job_name: str = "digits-demo"
+    job_name: str = DEMO_JOB_NAME  # none given: fields.default_job_name (parse_params)
     # One protocol per segment (syncswitch.protocols): digits "10", or "1,ssp:4,0"; canonical text.
     switch_order: str = "10"
     train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
@@ -269,6 +313,7 @@ class JobSpec:
     problem: str = "digits"
     data_dir: str = ""
     usr_dir: str = ""  # user code registering models, problems, hparam sets (syncswitch.usercode)
+    hooks: tuple[str, ...] = ()  # registered hooks called on the chief (syncswitch.hooks)
     bucket_dir: str = "runs"
     cluster_backend: str = "local"
     hosts: tuple[HostSpec, ...] = ()  # cluster_backend "hosts": the cluster's hosts (syncswitch.hosts)
@@ -321,13 +366,18 @@ class JobSpec:
         for name in known:
             raw = params.get(name)
             # Absent or empty means "use the default"; data_dir's default is itself empty.
-            values[name] = getattr(defaults, name) if raw is None or raw == "" or raw == [] else raw
+            values[name] = getattr(defaults, name) if _absent(raw) else raw
+        if _absent(params.get("job_name")):  # the job is named after its model and problem
+            values["job_name"] = default_job_name(
+                str(values["model"]), str(values["problem"]), str(values["usr_dir"])
+            )
         values["switch_order"] = protocol_grammar.switch_order_text(
             protocol_grammar.parse_switch_order(values["switch_order"])
         )
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
+        values["hooks"] = _name_list("hooks", values["hooks"])
         values["timing_protocols"] = tuple(
             protocol_grammar.parse_token(t, f"protocol {i}", "timing_protocols").token
             for i, t in enumerate(_seq(values["timing_protocols"]))
@@ -418,8 +468,7 @@ class JobSpec:
         """The built-in hparam set and the overrides apply."""
         try:
             hp = get_hparams(self.hparam_set, self.model)
-            for overrides in self.hparams:
-                hp.override(overrides)
+            check_one_optimizer([hp.override(overrides) for overrides in self.hparams])
         except HParamsError as exc:
             raise SpecError(
                 "hparams" if str(exc).startswith("hparams") else "hparam_set", str(exc).split(": ", 1)[1]
@@ -439,6 +488,8 @@ class JobSpec:
             return
         for kind, value in (("model", self.model), ("problem", self.problem)):
             REGISTRY.entry(kind, value)
+        for name in self.hooks:
+            REGISTRY.entry("hooks", name)
 
     def _validate_hosts(self) -> None:
         """hosts and gce describe the cluster of their own backend only; both share through a bucket."""
@@ -602,6 +653,7 @@ class JobSpec:
             data_dir=self.data_dir,
             hparams=self.per_segment(self.hparams, position),
             usr_dir=self.usr_dir,
+            hooks=self.hooks,
             num_workers=self.num_workers,
             num_ps=self.num_ps,
             ckpt_frequency=self.per_segment(self.ckpt_frequency, position),
@@ -628,7 +680,7 @@ class JobSpec:
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
         data["gce"] = self.gce.to_params() if self.gce else {}
-        for key in ("train_steps", "ckpt_frequency", "hparams", "timing_protocols"):
+        for key in ("train_steps", "ckpt_frequency", "hparams", "hooks", "timing_protocols"):
             data[key] = list(data[key])
         return data
 
@@ -643,6 +695,11 @@ def _even_split(total: int, count: int) -> list[int]:
 
 
 # ---- field parsers: each names its field in the error -------------------------------------------
+
+
+def _absent(raw: Any) -> bool:
+    """A param left out, or left empty (null, "", []): the field's default applies."""
+    return raw is None or raw == "" or raw == []
 
 
 def _seq(value: Any) -> list:
@@ -673,6 +730,14 @@ def _str_list(name: str, value: Any) -> tuple[str, ...]:
     if not all(isinstance(v, str) for v in items):
         raise SpecError(name, f"must be strings, got {value!r}")
     return tuple(items) or ("",)
+
+
+def _name_list(name: str, value: Any) -> tuple[str, ...]:
+    """Registered names: a list, or one string of comma-separated names."""
+    items = _seq(value)
+    if not all(isinstance(v, str) for v in items):
+        raise SpecError(name, f"must be names (strings), got {value!r}")
+    return tuple(n.strip() for item in items for n in item.split(",") if n.strip())
 
 
 def _int(name: str, value: Any) -> int:

@@ -24,8 +24,9 @@
 A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json`` when a segment ends:
 index, protocol, protocol_args, start_step, end_step, samples, updates, started_at, first_step_at,
 ended_at, seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss,
-startup, bytes_per_worker_step; SSP's ``staleness`` {bound, max_lead, steps_by_lead, cut_closures},
-local SGD's ``averaging`` {period, averages}.
+startup, bucket_retries (the chief process's retried bucket calls, syncswitch.storage.retry_count),
+bytes_per_worker_step; SSP's ``staleness`` {bound, max_lead, steps_by_lead, cut_closures}, local
+SGD's ``averaging`` {period, averages}.
 
 Every change to state.json is one of the named operations below (record_cluster,
 record_fork_servers, create_run, record_segment, straggler_reference_time, apply_switch,
@@ -129,13 +130,22 @@ def create_run(
 def record_segment(layout: RunLayout, index: int, result: dict[str, Any]) -> State:
     """Store segment ``index``'s SegmentResult; an early stop (an online switch) moves the entry's
     target to where it stopped. Raises PlanError for an impossible end step."""
+    return store_segment_result(layout, index, result)[0]
+
+
+def store_segment_result(layout: RunLayout, index: int, result: dict[str, Any]) -> tuple[State, bool]:
+    """``record_segment``, and whether this call changed the stored result (False where a restarted
+    trigger or the task records it again): what happens once per segment end keys on it."""
+    changed: list[bool] = []
 
     def store(state: State) -> None:
-        state.setdefault("segments", {})[str(index)] = result
+        segments = state.setdefault("segments", {})
+        changed[:] = [segments.get(str(index)) != result]
+        segments[str(index)] = result
         if result.get("stopped_early"):
             state["plan"] = plans.truncate(state["plan"], index, result["end_step"])
 
-    return update_state(layout, store)
+    return update_state(layout, store), bool(changed and changed[0])
 
 
 def straggler_reference_time(layout: RunLayout, protocol: str, now: float) -> float | None:

@@ -16,7 +16,9 @@ becomes unreachable and one when it answers again. Past the limit, :class:`Bucke
 raised: a segment then fails, and its retry resumes from the last complete checkpoint (a checkpoint
 is complete only once its manifest, uploaded last, exists, so an outage never leaves a half-written
 "latest"). Callers that must not block training on the bucket (event and TensorBoard uploads) pass
-``retry_seconds=0`` and try again later themselves.
+``retry_seconds=0`` and try again later themselves. Every retry is counted in the process
+(:func:`retry_count`: a segment's chief reports its own in its result) and told to the listeners
+of :func:`on_retry` (the Airflow side counts its own as a metric).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
@@ -54,6 +57,35 @@ T = TypeVar("T")
 _client_source: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
     "syncswitch_gcs_client_source", default=None
 )
+
+
+# Retries of this process (every retrying() call, every thread) and who hears of each one.
+_retries = 0
+_retries_lock = threading.Lock()
+_retry_listeners: list[Callable[[str], None]] = []
+
+
+def retry_count() -> int:
+    """How many bucket calls this process has retried so far (each retry of each call counts)."""
+    return _retries
+
+
+def on_retry(listener: Callable[[str], None]) -> None:
+    """Call ``listener(what)`` at every retry of a bucket call from now on (once per listener: a
+    module imported twice registers once). A listener's error is logged, never the call's."""
+    if listener not in _retry_listeners:
+        _retry_listeners.append(listener)
+
+
+def _count_retry(what: str) -> None:
+    global _retries
+    with _retries_lock:
+        _retries += 1
+    for listener in list(_retry_listeners):
+        try:
+            listener(what)
+        except Exception:  # noqa: BLE001 - a metric must not fail the bucket call it counts
+            log.exception("bucket retry listener %r failed", listener)
 
 
 class BucketUnavailable(RuntimeError):
@@ -204,6 +236,7 @@ def retrying(what: str, call: Callable[[], T], *, retry_seconds: float | None = 
                     limit,
                 )
             failures += 1
+            _count_retry(what)
             time.sleep(delay)
             delay = min(delay * 2, _MAX_BACKOFF_SECONDS)
             continue

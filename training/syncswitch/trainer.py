@@ -22,9 +22,10 @@ from typing import Any
 from syncswitch import checkpoints, storage
 from syncswitch.context import NodeContext
 from syncswitch.events import EventWriter
+from syncswitch.hooks import HookRunner
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
 from syncswitch.reporting import ChiefReporter, StepBook, WorkerTimer
-from syncswitch.spec import SegmentSpec, switch_config
+from syncswitch.spec import SegmentSpec, examples_per_update, second_moment_scale, switch_config
 
 STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
@@ -98,10 +99,23 @@ class TensorOps:
 class Schedule:
     """LR and momentum as pure functions of progress (configuration policy + LR schedule): ``at`` in
     Python (for logs), ``tensors`` in a step graph (per optimizer step, inside a multi-step execution).
-    Both evaluate the one formula of syncswitch.hparams / syncswitch.spec."""
+    Both evaluate the one formula of syncswitch.hparams / syncswitch.spec.
 
-    def __init__(self, spec: SegmentSpec, hp: HParams, start_step: float) -> None:
+    The segment starts at ``start_step`` with ``start_updates`` optimizer updates done in the job (the
+    checkpoint's counters) and applies ``updates_per_step`` updates per BSP-equivalent step (BSP 1,
+    ASP N): each step's update number, Adam's bias-correction count, follows from its progress."""
+
+    def __init__(
+        self,
+        spec: SegmentSpec,
+        hp: HParams,
+        start_step: float,
+        *,
+        start_updates: int = 0,
+        updates_per_step: int = 1,
+    ) -> None:
         self.spec, self.hp, self.start_step = spec, hp, start_step
+        self.start_updates, self.updates_per_step = start_updates, updates_per_step
 
     def _evaluate(self, step: Any, ops: Any) -> tuple[Any, Any]:
         cfg = switch_config(
@@ -119,12 +133,23 @@ class Schedule:
     def at(self, step: float) -> tuple[float, float]:
         return self._evaluate(float(step), PythonOps)
 
-    def tensors(self, step: Any) -> tuple[Any, Any]:
-        """(lr, momentum) as float32 tensors at a float64 ``step`` tensor."""
+    def tensors(self, step: Any) -> Any:
+        """The optimizer's StepConfig (syncswitch.optim) as float32 tensors at a float64 ``step``
+        tensor: LR and momentum (Adam's beta1), beta2 and epsilon, and the step's update number in
+        the job, counted from 1."""
         import tensorflow as tf
 
+        from syncswitch.optim import StepConfig
+
         lr, momentum = self._evaluate(step, TensorOps)
-        return tf.cast(lr, tf.float32), tf.cast(momentum, tf.float32)
+        done = tf.round((step - self.start_step) * self.updates_per_step)  # exact: progress is in samples
+        return StepConfig(
+            learning_rate=tf.cast(lr, tf.float32),
+            momentum=tf.cast(momentum, tf.float32),
+            beta2=tf.constant(self.hp.optimizer_adam_beta2, tf.float32),
+            epsilon=tf.constant(self.hp.optimizer_adam_epsilon, tf.float32),
+            update=tf.cast(self.start_updates + done + 1.0, tf.float32),
+        )
 
 
 def replica_step_fn(flat: Any, loss_fn: Any, exchange: Any, after_update: Any = None) -> Any:
@@ -135,12 +160,12 @@ def replica_step_fn(flat: Any, loss_fn: Any, exchange: Any, after_update: Any = 
     ops)`` returns once the update is applied (SSP's clock; 0 without it)."""
     import tensorflow as tf
 
-    def replica_step(x: Any, y: Any, lr: Any, momentum: Any, started: Any) -> tuple[Any, Any, Any, Any]:
+    def replica_step(x: Any, y: Any, config: Any, started: Any) -> tuple[Any, Any, Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, loss_fn)
         with tf.control_dependencies(grads):
             computed = tf.timestamp()
         grads, sent = exchange.reduce(grads)
-        updates = flat.apply(grads, statistics, lr, momentum, summed=exchange.summed)
+        updates = flat.apply(grads, statistics, config, summed=exchange.summed)
         after = after_update(updates) if after_update is not None else tf.constant(0.0)
         return loss, computed - started, tf.constant(float(sent)), after
 
@@ -152,11 +177,12 @@ def timed_steps(
 ) -> Any:
     """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
     timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
-    (float64); ``run_step(x, y, lr, momentum, started)``: its [loss, own seconds, bytes sent] as
-    float32, and the gate's value for the next step (SSP's clock lead; 0 without a gate). With a
-    ``gate`` (syncswitch.ssp), a step starts only while ``gate.allows(lead)``; the loop ends at the
-    first that may not, so it may run fewer than ``count`` steps. Returns one record per step run
-    (RECORD_COLUMNS), shape [steps run, RECORD_WIDTH].
+    (float64); ``run_step(x, y, config, started)``: its [loss, own seconds, bytes sent] as float32,
+    and the gate's value for the next step (SSP's clock lead; 0 without a gate); ``config`` is the
+    optimizer's StepConfig of that step (``Schedule.tensors``). With a ``gate`` (syncswitch.ssp), a
+    step starts only while ``gate.allows(lead)``; the loop ends at the first that may not, so it may
+    run fewer than ``count`` steps. Returns one record per step run (RECORD_COLUMNS), shape [steps
+    run, RECORD_WIDTH].
 
     A step lasts until the next one starts (the last one until the loop has ended): an iteration
     begins only once every stateful op of the one before has run (automatic control dependencies),
@@ -177,8 +203,8 @@ def timed_steps(
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             x, y = next(iterator)
-        lr, momentum = schedule.tensors(step_at(j))
-        row, next_lead = run_step(x, y, lr, momentum, started)
+        config = schedule.tensors(step_at(j))
+        row, next_lead = run_step(x, y, config, started)
         row = tf.concat([row, tf.reshape(lead, [1])], 0)
         return j + 1, next_lead, records.write(j, row), starts.write(j, started)
 
@@ -220,10 +246,11 @@ def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
 
 
 def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[str, Any]:
-    """The flat model (syncswitch.params: weights, velocities and batch-norm statistics placed by
+    """The flat model (syncswitch.params: weights, optimizer slots and batch-norm statistics placed by
     ``strategy``, or this process's own without one: a local SGD replica; every variable exists
     before PSS's first schedule) and the checkpoint, which holds the canonical per-variable form: a
-    local template model, its velocities, and the progress."""
+    local template model, its optimizer's slots (a velocity, or Adam's two moments, per variable),
+    and the progress."""
     import contextlib
 
     import keras
@@ -241,22 +268,22 @@ def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[
         flat = FlatModel(
             template,
             groups=ctx.spec.num_ps if on_servers else 1,
-            nesterov=ctx.hp.optimizer_momentum_nesterov,
-            weight_decay=ctx.hp.weight_decay,
+            hp=ctx.hp,
             decayed=decayed_weights(template),
         )
-    velocities = tf.Module(name="optimizer")
-    velocities.velocities = flat.velocity_template()
+    slots = tf.Module(name="optimizer")
+    for name, variables in flat.slot_templates().items():  # momentum: optimizer/velocities/<i>
+        setattr(slots, name, variables)
     checkpoint = tf.train.Checkpoint(
         model=template,
-        optimizer=velocities,
+        optimizer=slots,
         samples=tf.Variable(0, dtype=tf.int64, trainable=False, name="samples"),
         updates=tf.Variable(0, dtype=tf.int64, trainable=False, name="updates"),
     )
     return {
         "flat": flat,
         "template": template,
-        "velocities": velocities.velocities,
+        "slots": [v for variables in flat.slot_templates().values() for v in variables],
         "checkpoint": checkpoint,
         "loss": example_loss(problem, template),
     }
@@ -274,20 +301,27 @@ def build_and_restore(ctx: NodeContext, strategy: Any, problem: Any) -> tuple[di
 
 
 def weights_digest(state: dict[str, Any]) -> str:
-    """SHA-256 over the template's weights (BN statistics included) and velocities, i.e. the
+    """SHA-256 over the template's weights (BN statistics included) and optimizer slots, i.e. the
     checkpoint's content: the proof that a handoff between protocols restored bit-identical state
     (taken after a round trip through the training form: ``restore_latest``)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for variable in [*state["template"].weights, *state["velocities"]]:
+    for variable in [*state["template"].weights, *state["slots"]]:
         digest.update(variable.numpy().tobytes())
     return digest.hexdigest()
 
 
+def update_batch(spec: SegmentSpec, hp: HParams) -> int:
+    """Examples in one optimizer update of the segment's protocol (spec.examples_per_update)."""
+    return examples_per_update(spec.protocol, hp.batch_size, spec.num_workers)
+
+
 def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str, Any]) -> dict[str, Any]:
     """Restore the newest complete checkpoint into the template, then into the flat model; returns
-    {samples, updates, uri, digests} (zeros if there is none)."""
+    {samples, updates, uri, digests, second_moment_scale} (zeros if there is none). The digest is of
+    the state as restored; the configuration policy's rescaling of Adam's second moment at a switch
+    (spec.second_moment_scale) follows it."""
     manifest = checkpoints.latest(ctx.layout)
     if manifest is None:
         return {"samples": 0, "updates": 0, "uri": None}
@@ -299,12 +333,17 @@ def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str,
     # Back from the variables training reads (on the parameter servers, mirrored, or local), so that
     # the digest proves what the protocol trains from, not only what the file held.
     state["flat"].to_template()
+    restored_digest = weights_digest(state)
+    scale = second_moment_scale(ctx.hp, manifest.get("update_batch"), update_batch(ctx.spec, ctx.hp))
+    if scale != 1.0:
+        state["flat"].scale_slot("second_moments", scale)
     return {
         "samples": int(manifest["samples"]),
         "updates": int(manifest["updates"]),
         "uri": manifest["uri"],
         "digest": manifest.get("digest"),
-        "restored_digest": weights_digest(state),
+        "restored_digest": restored_digest,
+        "second_moment_scale": scale,
     }
 
 
@@ -326,6 +365,7 @@ def save(
     extra = {
         "segment": ctx.spec.index,
         "protocol": ctx.spec.protocol,
+        "update_batch": update_batch(ctx.spec, ctx.hp),
         "digest": weights_digest(state),
         "structure": checkpoints.structure(state["template"].weights),
     }
@@ -343,7 +383,6 @@ def save(
         events.emit(
             "checkpoint", global_step=samples / global_batch, samples=samples, uri=uri, seconds=seconds
         )
-        evaluate_checkpointed(ctx, state, events, samples, global_batch)
     return uri
 
 
@@ -368,16 +407,21 @@ def segment_start_event(
         learning_rate=lr,
         momentum=momentum,
         momentum_rule=ctx.spec.momentum_rule,
+        optimizer=ctx.hp.optimizer,
+        second_moment_scale=restored.get("second_moment_scale", 1.0),
         weight_decay=ctx.hp.weight_decay,
         steps_per_execution=ctx.hp.steps_per_execution,
         **_user_code_fields(ctx),
     )
     k = ctx.hp.steps_per_execution or f"auto (about {TARGET_EXECUTION_SECONDS * 1000:.0f} ms per execution)"
+    # Adam's beta1 takes momentum's place, and the momentum rule does not apply to it (switch_config).
+    first = f"momentum={momentum:.4g}" if ctx.hp.optimizer == "momentum" else f"beta1={momentum:.4g}"
+    rule = ctx.spec.momentum_rule if ctx.hp.optimizer == "momentum" else "n/a"
     print(
         f"[{ctx.spec.run_id}] segment {ctx.spec.index} ({ctx.spec.protocol}) starts at step "
-        f"{start_step:g} -> {ctx.spec.until_step}: per optimizer step lr={lr:.5g} momentum={momentum:.4g} "
-        f"weight_decay={ctx.hp.weight_decay:g} batch/worker={ctx.hp.batch_size} "
-        f"workers={ctx.spec.num_workers} momentum_rule={ctx.spec.momentum_rule}; steps per execution: {k}",
+        f"{start_step:g} -> {ctx.spec.until_step}: optimizer {ctx.hp.optimizer}, per optimizer step "
+        f"lr={lr:.5g} {first} weight_decay={ctx.hp.weight_decay:g} batch/worker={ctx.hp.batch_size} "
+        f"workers={ctx.spec.num_workers} momentum_rule={rule}; steps per execution: {k}",
         flush=True,
     )
 
@@ -401,18 +445,19 @@ def steps_per_execution_event(ctx: NodeContext, events: EventWriter, k: int, ste
 
 def evaluate_checkpointed(
     ctx: NodeContext, state: dict[str, Any], events: EventWriter, samples: int, global_batch: int
-) -> None:
+) -> dict[str, float] | None:
     """With ``evaluate_checkpoints``: the test accuracy of what was just checkpointed (the template
     model holds it), as an ``eval`` event, so runs have an accuracy-over-time curve. Its seconds are
-    in the event: time-to-accuracy figures subtract them."""
+    in the event: time-to-accuracy figures subtract them. Returns the scores (None when not asked)."""
     if not ctx.spec.evaluate_checkpoints:
-        return
+        return None
     from syncswitch.evaluate import evaluate_model
     from syncswitch.problems import get_problem
 
     started = time.monotonic()
     scores = evaluate_model(state["template"], get_problem(ctx.spec.problem), ctx.data_dir)
     events.emit("eval", global_step=samples / global_batch, seconds=time.monotonic() - started, **scores)
+    return scores
 
 
 def evaluate_if_asked(ctx: NodeContext, checkpoint_uri: str) -> dict[str, Any] | None:
@@ -439,7 +484,8 @@ class SegmentSession:
     """What a segment's loop does besides stepping, the same under BSP and ASP: its events, the graceful
     stop request, the step book, checkpoints and the segment's result. Only the node that reports (the
     chief: BSP's worker 0, ASP's coordinator) watches for a stop request, writes checkpoints (they hold
-    local variables only) and returns a result; the others time their steps.
+    local variables only), calls the job's hooks (syncswitch.hooks) and returns a result; the others
+    time their steps.
 
     A context manager: leaving it closes the stop request's poller and the event writer."""
 
@@ -461,6 +507,7 @@ class SegmentSession:
         self.stop_signal = StopSignal(ctx.layout.stop_request(ctx.spec.index)) if reports else None
         self.reporter = ChiefReporter(ctx, self.events, global_batch, self.start_samples) if reports else None
         self.book = StepBook(schedule.at, global_batch, self.reporter)
+        self.hooks = HookRunner(ctx.spec.hooks if reports else (), self.events)
         if reports:
             segment_start_event(ctx, self.events, self.start_step, schedule, self.restored)
 
@@ -495,16 +542,24 @@ class SegmentSession:
             self.checkpoint(samples=samples, updates=updates)
 
     def checkpoint(self, *, samples: int, updates: int) -> None:
-        if self.reporter is not None:
-            self.checkpoint_uri = save(
-                self.ctx,
-                self.state,
-                self.signature,
-                samples=samples,
-                updates=updates,
-                global_batch=self.global_batch,
-                events=self.events,
-            )
+        """On the reporting node: the checkpoint, then the hooks told of it, then its evaluation
+        (with ``evaluate_checkpoints``) and the hooks told of that."""
+        if self.reporter is None:
+            return
+        self.checkpoint_uri = save(
+            self.ctx,
+            self.state,
+            self.signature,
+            samples=samples,
+            updates=updates,
+            global_batch=self.global_batch,
+            events=self.events,
+        )
+        step = samples // self.global_batch  # checkpoints are at whole steps
+        self.hooks.checkpoint(step, self.checkpoint_uri)
+        scores = evaluate_checkpointed(self.ctx, self.state, self.events, samples, self.global_batch)
+        if scores is not None:
+            self.hooks.evaluate(step, scores)
 
     def finish(
         self, *, samples: int, updates: int, stopped_early: bool, extra: dict[str, Any] | None = None
@@ -518,6 +573,9 @@ class SegmentSession:
         reason = "reached until_step"
         if stopped_early:
             reason = (self.stop_signal.reason if self.stop_signal else "") or "stop requested"
+        evaluation = evaluate_if_asked(self.ctx, self.checkpoint_uri)
+        if evaluation is not None:
+            self.hooks.evaluate(samples // self.global_batch, evaluation)
         return self.reporter.finish(
             samples=samples,
             updates=updates,
@@ -525,7 +583,7 @@ class SegmentSession:
             reason=reason,
             checkpoint_uri=self.checkpoint_uri,
             start_step=self.start_step,
-            evaluation=evaluate_if_asked(self.ctx, self.checkpoint_uri),
+            evaluation=evaluation,
             extra={
                 "protocol_args": self.ctx.spec.protocol_args,
                 "bytes_per_worker_step": self.book.bytes_per_step,

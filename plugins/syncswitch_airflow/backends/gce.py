@@ -57,7 +57,7 @@ from syncswitch.hosts import HOST_KEY_TYPES, HostSpec, check_host_key
 from syncswitch.layout import RunLayout, join
 from syncswitch.spec import JobSpec, SegmentSpec
 
-from syncswitch_airflow import settings
+from syncswitch_airflow import metrics, settings
 from syncswitch_airflow.backends.base import (
     EXITED,
     ClusterCapacity,
@@ -257,6 +257,7 @@ class GceBackend:
             state.record_cluster_event(
                 layout, "revoked", vm["name"], role=vm["role"], status=status, preempted=preempted
             )
+            _count(metrics.REVOCATIONS, cloud, vm, preempted=str(preempted).lower())
             log.warning(
                 "run %s: VM %s (%s %d) revoked: %s%s",
                 handle["run"],
@@ -296,9 +297,11 @@ class GceBackend:
             state.record_cluster_event(
                 layout, "replacement_failed", new.name, replaces=vm["name"], error=str(exc)[:300]
             )
+            _count(metrics.REPLACEMENTS, cloud, vm, outcome="refused")
             log.warning("run %s: replacement %s for %s refused: %s", handle["run"], new.name, vm["name"], exc)
             return
         state.record_vm(layout, new.name, operation=operation)
+        _count(metrics.REPLACEMENTS, cloud, vm, outcome="requested")
         log.info("run %s: replacement %s requested for %s", handle["run"], new.name, vm["name"])
 
     def _await_replacements(self, handle: Handle) -> None:
@@ -323,10 +326,12 @@ class GceBackend:
                 state.record_vm(
                     layout, vm["name"], state="failed", ended_at=time.time(), error=str(exc)[:300]
                 )
+                _count(metrics.REPLACEMENTS, cloud, vm, outcome="failed")
                 raise ClusterError(
                     f"replacement VM {vm['name']} for {vm['replaces']} did not start: {exc}"
                 ) from exc
             state.record_cluster_event(layout, "replaced", vm["replaces"], by=vm["name"])
+            _count(metrics.REPLACEMENTS, cloud, vm, outcome="running")
             log.info(
                 "run %s: replacement %s running in place of %s", handle["run"], vm["name"], vm["replaces"]
             )
@@ -388,8 +393,10 @@ class GceBackend:
     # ---- teardown --------------------------------------------------------------------------------
 
     def teardown(self, handle: Handle) -> dict[str, Any]:
-        """Delete every VM and the firewall rule of the run; verify by label that none is left."""
+        """Upload the VMs' logs the run folder lacks, then delete every VM and the firewall rule of
+        the run; verify by label that none is left."""
         layout, cloud = RunLayout(handle["run_dir"]), handle["gce"]
+        self._upload_logs(handle)
         deleted = self._delete_all(layout, cloud)
         left = [i.name for i in self.hook.instances_labelled(cloud["project"], cloud["labels"])]
         if left:
@@ -403,6 +410,14 @@ class GceBackend:
             cloud["firewall"],
         )
         return {"deleted": deleted, "firewall": cloud["firewall"]}
+
+    def _upload_logs(self, handle: Handle) -> None:
+        """The running VMs' logs, before their disks go with them (a VM that does not answer is
+        skipped: its logs came home with its launcher, or are lost with it)."""
+        try:
+            self.hosts.upload_logs(self.current(handle))
+        except Exception as exc:  # noqa: BLE001 - a log must not keep a VM billed
+            log.warning("run %s: the VMs' logs not uploaded: %s", handle.get("run"), exc)
 
     def _delete_all(self, layout: RunLayout, cloud: dict[str, Any]) -> list[str]:
         """Delete, in parallel, every instance the run recorded or labelled; gone counts as deleted."""
@@ -470,6 +485,13 @@ def _reap_reason(instance: compute_v1.Instance, labels: dict[str, str], now: flo
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _count(metric: metrics.Metric, cloud: dict[str, Any], vm: dict[str, Any], **tags: str) -> None:
+    """One VM's revocation or replacement step, as a metric of the job the run's labels name (known
+    from provisioning on, before the run's state is)."""
+    job = cloud.get("labels", {}).get(LABEL_JOB)
+    metrics.send(metric, 1, job_name=job, backend="gce", role=vm.get("role"), **tags)
 
 
 def _record_requested(layout: RunLayout, vm: VmPlan, **more: Any) -> None:

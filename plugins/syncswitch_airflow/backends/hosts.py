@@ -107,6 +107,7 @@ FORKSERVER_READY_S = 300.0
 READY_WAIT_CHUNK_S = 30.0
 INSTALL_TIMEOUT_S = 1800.0  # pip downloading TensorFlow on a slow link
 TEARDOWN_GRACE_S = 15.0
+LOG_UPLOAD_TIMEOUT_S = 120.0  # one host's logs into the bucket (each upload gives up after 10 s)
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +445,7 @@ class HostsBackend:
                     f"else rm -rf {shlex.quote(work)} && echo {shlex.quote(nothing)}; fi"
                 )
             with SshSession(host) as ssh:
+                self._upload_logs_with(ssh, handle, host)
                 return ssh.json(command, "teardown")
 
         results = on_hosts(handle["hosts"], stop)
@@ -458,6 +460,46 @@ class HostsBackend:
             else:
                 by_host[host["name"]] = result
         return by_host
+
+    def upload_logs(self, handle: Handle) -> dict[str, list[str]]:
+        """Every host's logs that the run folder lacks, uploaded from the host (in parallel): what a
+        launcher could not upload (killed first, its host lost and back) and the launchers' own. The
+        gce backend calls it before it deletes the VMs; the teardown here does it host by host."""
+
+        def upload(host: dict[str, Any]) -> list[str]:
+            with SshSession(host) as ssh:
+                return self._upload_logs_with(ssh, handle, host)
+
+        results = on_hosts(handle["hosts"], upload)
+        return {h["name"]: r for h, r in zip(handle["hosts"], results, strict=True) if isinstance(r, list)}
+
+    @staticmethod
+    def _upload_logs_with(ssh: SshSession, handle: Handle, host: dict[str, Any]) -> list[str]:
+        """One command on the host (``python -m syncswitch.nodelogs upload``, with the hosts' bucket
+        settings); the URIs written. A failure is logged, not raised: logs never hold up a teardown."""
+        upload = python_command(host, "syncswitch.nodelogs", "upload", host["work_dir"])
+        env = shlex.join(["env", *(f"{k}={v}" for k, v in handle["env"].items())])
+        command = f"cd / && {env} {upload}"
+        if host.get("install_from"):  # a runtime that failed to install has nothing to upload with
+            marker = posixpath.join(_runtime_venv(host), MARKER)
+            command = f"if [ -f {shlex.quote(marker)} ]; then {command}; else echo '{{\"uploaded\": []}}'; fi"
+        code, out, err = ssh.run(command, timeout=LOG_UPLOAD_TIMEOUT_S)
+        try:
+            uploaded = list(json.loads(out.strip().splitlines()[-1])["uploaded"]) if code == 0 else None
+        except (ValueError, IndexError, KeyError, TypeError):
+            uploaded = None
+        if uploaded is None:
+            log.warning(
+                "run %s: logs on %s not uploaded (exit %d): %s",
+                handle.get("run"),
+                host["name"],
+                code,
+                (err or out).strip()[-500:],
+            )
+            return []
+        if uploaded:
+            log.info("run %s: %d log(s) uploaded from %s", handle.get("run"), len(uploaded), host["name"])
+        return uploaded
 
     # ---- segments --------------------------------------------------------------------------------
 

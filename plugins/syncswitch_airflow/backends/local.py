@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from syncswitch import forkserver_client, supervise
+from syncswitch import forkserver_client, nodelogs, supervise
 from syncswitch.layout import RunLayout
 from syncswitch.procs import ENV_PLACEHOLDER, mem_available_gb, processes_with_env
 from syncswitch.spec import JobSpec, SegmentSpec
@@ -178,6 +178,7 @@ class LocalBackend:
         # A fork server started a moment ago may not show its environment to that scan yet.
         late_server = forkserver_client.kill_started(handle["forkserver_dir"])
         terminated = outcome["stopped"] + ([late_server] if late_server is not None else [])
+        upload_logs(handle.get("run"), work_dir)
         shutil.rmtree(work_dir, ignore_errors=True)
         self.capacity().release(handle.get("run", ""))
         log.info(
@@ -306,6 +307,20 @@ class StandbyForkServer:
 
     def _reap_ended(self) -> None:
         self.started = [p for p in self.started if p.poll() is None]
+
+
+def upload_logs(run: str | None, work_dir: str) -> list[str]:
+    """The logs of a cluster folder that the run folder lacks, uploaded before the folder goes (what
+    a launcher killed before its own upload left; the launchers' logs). Never raises: the teardown
+    goes on without them."""
+    try:
+        uploaded = nodelogs.upload_folder(work_dir)
+    except Exception as exc:  # noqa: BLE001 - a log must not keep a cluster alive
+        log.warning("run %s: node logs in %s not uploaded: %s", run, work_dir, exc)
+        return []
+    if uploaded:
+        log.info("run %s: teardown uploaded %d log(s) to the run folder", run, len(uploaded))
+    return uploaded
 
 
 def deployment_refusal(executors: str) -> str:

@@ -43,6 +43,7 @@ class Booting(Protocol):
 
     def command(self, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]: ...
 
+
 BOOT_TIMEOUT_ENV = "SYNCSWITCH_AIRFLOW_BOOT_TIMEOUT"
 DEFAULT_BOOT_TIMEOUT_S = 1800.0
 _PROGRESS_EVERY_S = 15.0
@@ -147,9 +148,7 @@ def reserialize(airflow: Booting, deadline: float) -> None:
         raise AirflowError(f"`airflow dags reserialize` failed:\n{(result.stderr or result.stdout)[-3000:]}")
 
 
-def wait_for_dag(
-    airflow: Booting, dag_id: str, deadline: float, parsed_after: float | None = None
-) -> None:
+def wait_for_dag(airflow: Booting, dag_id: str, deadline: float, parsed_after: float | None = None) -> None:
     """Until ``dag_id`` is serialized, active and free of import errors; with ``parsed_after`` (a
     time.time()), parsed since then, and only import errors recorded since then count: what a
     previous instance in the same home recorded is about files that may have changed."""

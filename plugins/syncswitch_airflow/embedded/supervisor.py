@@ -264,22 +264,20 @@ class Supervisor:
             component.process.wait()
 
     def _overdue(self, component: Component, checked: float) -> str | None:
-        """Why an unanswering component is to be killed now (and the kill counted), or None."""
-        if component.answered_at is None:
-            limit = grown_limit(self.limits.boot, component.boot_kills, checked)
-            waited = checked - component.started_monotonic
-            if waited < limit:
-                return None
-            component.boot_kills.append(checked)
-            return (
-                f"started at {clock(component.started_at)}, no answer since ({waited:.0f} s, boot limit "
-                f"{limit:.0f} s): killing it (no answer since its start)"
-            )
-        limit = grown_limit(self.limits.hung, component.hung_kills, checked)
-        silent = checked - component.answered_at
+        """Why an unanswering component is to be killed now (and the kill counted), or None: no
+        answer within the boot limit of its start, or within the hung limit of its last answer."""
+        booting = component.answered_at is None
+        kills = component.boot_kills if booting else component.hung_kills
+        limit = grown_limit(self.limits.boot if booting else self.limits.hung, kills, checked)
+        silent = checked - (component.started_monotonic if booting else component.answered_at)
         if silent < limit:
             return None
-        component.hung_kills.append(checked)
+        kills.append(checked)
+        if booting:
+            return (
+                f"started at {clock(component.started_at)}, no answer since ({silent:.0f} s, boot limit "
+                f"{limit:.0f} s): killing it (no answer since its start)"
+            )
         return (
             f"has not answered {self.health_url} since {clock(component.last_answer_at)} ({silent:.0f} s, "
             f"limit {limit:.0f} s): killing it (hung)"
@@ -408,7 +406,8 @@ class MigrationStamp:
     skipped only while all of them are unchanged; any other database (PostgreSQL) is always migrated."""
 
     FILE = "migrated.json"
-    OURS = "AIRFLOW__SYNCSWITCH__"  # this provider's section: it has no tables
+    # Sections with no tables (this provider's; where metrics are sent): no migration depends on them.
+    WITHOUT_TABLES = ("AIRFLOW__SYNCSWITCH__", "AIRFLOW__METRICS__")
     # Ports an instance picks as it starts: no migration depends on them.
     PER_START = frozenset(
         f"AIRFLOW__{key}"
@@ -466,7 +465,7 @@ class MigrationStamp:
         settings = sorted(
             f"{k}={v}"
             for k, v in self.environ.items()
-            if k.startswith("AIRFLOW__") and k not in self.PER_START and not k.startswith(self.OURS)
+            if k.startswith("AIRFLOW__") and k not in self.PER_START and not k.startswith(self.WITHOUT_TABLES)
         )
         try:
             config = (self.home / "airflow.cfg").read_text()

@@ -21,7 +21,10 @@ from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 from syncswitch import storage
 
-from syncswitch_airflow import settings
+from syncswitch_airflow import metrics, settings
+
+# Every Airflow process that reaches the bucket counts its retries (metrics.BUCKET_RETRIES).
+metrics.count_bucket_retries()
 
 CONN_SETTING = "gcp_conn_id"
 DEFAULT_CONN_ID = "google_cloud_default"

@@ -28,7 +28,7 @@ from syncswitch.plan import PROTOCOLS
 from syncswitch.spec import JobSpec
 from syncswitch.state import finish_run, read_state
 
-from syncswitch_airflow import history
+from syncswitch_airflow import history, metrics
 from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.operators.common import absolute_bucket_dir, job_from_params, run_key, run_layout
 
@@ -73,6 +73,10 @@ class FinalizeRunOperator(BaseOperator):
         decision = context["ti"].xcom_pull(task_ids=self.timing_task_id) or {}
         record = history_record(job, run_id, context, outcome, state, decision)
         written = history.write_record(absolute_bucket_dir(job.bucket_dir), job.job_name, record)
+        if written:  # once per outcome: a retried finalize finds its record there
+            metrics.run_finished(
+                outcome, context["ti"].dag_id, job.job_name, record["final_accuracy"], record["total_seconds"]
+            )
         self.log.info(
             "run %s: %s; history record %s (BSP fraction %s, accuracy %s, %s s)",
             run_id,

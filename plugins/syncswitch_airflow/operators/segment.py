@@ -114,7 +114,7 @@ class SegmentOperator(BaseOperator):
                 self.log.info(
                     "run %s: segment %d already ended; not launching it again", state["run_id"], self.slot
                 )
-                return self._record(result)
+                return self._record(result, context)
             if retried > job.segment_retries:  # a try that ended without handing its failure back
                 raise AirflowFailException(self._out_of_retries(retried, job))
             if retried:
@@ -167,7 +167,7 @@ class SegmentOperator(BaseOperator):
         of the try with no retry left."""
         if event == "success":
             result = read_result(self.run_dir, self.slot, self.protocol)
-            return self._record(result)
+            return self._record(result, context)
         failed = f"segment {self.slot} ({self.protocol}) failed; see the log above"
         job = JobSpec.from_params(require_state(self.run_dir)["job"])
         retried = retries_so_far(context["ti"], self.retries)
@@ -181,9 +181,9 @@ class SegmentOperator(BaseOperator):
             f"{job.segment_retries}: the run fails. Clear the task to resume it from its last checkpoint."
         )
 
-    def _record(self, result: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, result: dict[str, Any], context: Context) -> dict[str, Any]:
         try:
-            summary = record_result(self.run_dir, self.slot, result, self.log)
+            summary = record_result(self.run_dir, self.slot, result, self.log, context["ti"].dag_id)
         except plans.PlanError as err:
             raise AirflowException(f"segment {self.slot} ended at an impossible step: {err}") from None
         # As the trigger does: a short segment may end before its trigger starts (the triggerer's

@@ -190,6 +190,7 @@ class RunData:
     segments: list[SegmentView]
     events: list[dict[str, Any]]
     straggler_windows: list[dict[str, Any]]
+    node_logs: list[str] = field(default_factory=list)  # every log under the run's logs/ folder
 
     @property
     def started_segments(self) -> list[SegmentView]:
@@ -249,7 +250,7 @@ def load_run(run_dir: str) -> RunData:
     events = read_events(layout.metrics)
     segments = _collect_segments(layout, state, events)
     windows = _straggler_windows(state, events)
-    return RunData(layout, state, segments, events, windows)
+    return RunData(layout, state, segments, events, windows, storage.list_files(layout.logs, suffix=".log"))
 
 
 def _collect_segments(
@@ -343,6 +344,8 @@ def summarize(data: RunData) -> dict[str, Any]:
         "online_switches": data.decisions,
         "straggler_windows": data.straggler_windows,
         "lost_nodes": _lost_nodes(data),
+        "node_logs": _node_logs(data),
+        "segment_failures": _segment_failures(data),
         # What was trained and where it went: the user code's digest, the exported model.
         "model": {k: data.state.get("job", {}).get(k) for k in ("model", "problem", "hparam_set")},
         "user_code": data.state.get("user_code") or {},
@@ -355,6 +358,28 @@ def _lost_nodes(data: RunData) -> list[dict[str, Any]]:
     """The nodes that ended before their segment (the launcher's ``node_lost`` events)."""
     keys = ("segment", "protocol", "node", "host", "exit_code", "global_step", "outcome")
     return [{"time": e.get("wall_time"), **{k: e.get(k) for k in keys}} for e in data.of_kind("node_lost")]
+
+
+def _node_logs(data: RunData) -> list[dict[str, Any]]:
+    """Each segment's logs (``logs/<segment>/<node>.log``), as links relative to the report's page."""
+    by_segment: dict[str, dict[str, str]] = {}
+    root = data.layout.logs.rstrip("/") + "/"
+    for uri in data.node_logs:
+        segment, _, name = uri.removeprefix(root).partition("/")
+        if name and "/" not in name:
+            by_segment.setdefault(segment, {})[name.removesuffix(".log")] = f"../logs/{segment}/{name}"
+    return [
+        {"segment": segment, "logs": dict(sorted(logs.items()))}
+        for segment, logs in sorted(by_segment.items())
+    ]
+
+
+def _segment_failures(data: RunData) -> list[dict[str, Any]]:
+    """The failed tries of segments, each with the node that failed first (``segment_failed``)."""
+    keys = ("segment", "protocol", "reason", "node", "host", "exit_code", "lost", "global_step", "log")
+    return [
+        {"time": e.get("wall_time"), **{k: e.get(k) for k in keys}} for e in data.of_kind("segment_failed")
+    ]
 
 
 def cluster_summary(run_state: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def render_html(summary: dict[str, Any]) -> str:
         "Switch gaps": _gap_table(summary["switch_gaps_seconds"]),
         "Online decisions": _decision_table(summary["online_switches"], summary.get("run_start")),
         "Cluster events": _cluster_event_tables(summary, summary.get("run_start")),
+        "Node logs": _node_log_tables(summary, summary.get("run_start")),
         "Cost": _cost_tables(summary.get("cost")),
         "Plots": _figures(summary["images"], summary["images_skipped"]),
     }
@@ -228,6 +229,42 @@ def _cluster_event_tables(summary: dict[str, Any], run_start: float | None) -> s
         headers = ["time since run start (s)", "segment", "node lost", "host", "exit code", "at step", "then"]
         parts.append(html_table(headers, rows))
     return "\n".join(parts)
+
+
+def _node_log_tables(summary: dict[str, Any], run_start: float | None) -> str:
+    """A link to every node's log, by segment, and each failed try with the node that failed first."""
+    logs, failures = summary.get("node_logs") or [], summary.get("segment_failures") or []
+    if not logs and not failures:
+        return '<p class="note">No node log in the run folder yet (logs/).</p>'
+    parts = []
+    if logs:
+        rows = "".join(
+            f"<tr><td>{html.escape(entry['segment'])}</td><td>{_links(entry['logs'])}</td></tr>"
+            for entry in logs
+        )
+        parts.append(f"<table><tr><th>segment</th><th>logs</th></tr>{rows}</table>")
+    if failures:
+        rows = [
+            [
+                _since_run_start(f["time"], run_start),
+                f"{f['segment']} ({f['protocol']})",
+                f["node"] or "-",
+                f["host"] or "-",
+                "lost" if f["lost"] else f["exit_code"],
+                f["global_step"],
+                f["reason"],
+            ]
+            for f in failures
+        ]
+        headers = ["time since run start (s)", "segment", "failed first", "host", "exit", "at step", "reason"]
+        parts.append(html_table(headers, rows))
+    return "\n".join(parts)
+
+
+def _links(targets: dict[str, str]) -> str:
+    return " ".join(
+        f'<a href="{html.escape(href)}">{html.escape(name)}</a>' for name, href in targets.items()
+    )
 
 
 def _cost_tables(cost: dict[str, Any] | None) -> str:

@@ -32,6 +32,7 @@ from syncswitch.protocols import family
 from syncswitch.state import State, read_state, record_decision, segment_recorded
 from syncswitch.state import apply_switch as switch_plan
 
+from syncswitch_airflow import metrics
 from syncswitch_airflow.detector import DetectorConfig, Verdict
 from syncswitch_airflow.hooks.bucket import with_bucket_credentials
 from syncswitch_airflow.links import RUN_LINKS
@@ -225,10 +226,13 @@ class StragglerSensor(BaseSensorOperator):
             decision.action,
             decision.reason,
         )
+        dag_id = context["ti"].dag_id
         if decision.action in SWITCH_ACTIONS:
-            apply_switch(layout, item, record)
+            switched = apply_switch(layout, item, record) is not None
+            metrics.decision(record, dag_id, state.get("job_name"), switched=switched)
             return record
         state = record_decision(layout, record)
+        metrics.decision(record, dag_id, state.get("job_name"), switched=False)
         if decision.reason == SEGMENT_ENDED:
             return self._watch_over(state, item, WatchStatus.SEGMENT_ENDED)
         self._defer(

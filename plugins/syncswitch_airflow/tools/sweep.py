@@ -21,7 +21,9 @@ sync_switch DAG runs on the embedded Airflow, then one comparison report (syncsw
 Every config is validated (naming the config and the field) before anything runs. Runs interleave the
 configs (repeat 1 of each, then repeat 2, ...) so that a slow patch of a shared machine does not fall
 on one config, and repeat r runs with seed = base seed + r. Each run has its own job_name
-``<name>-<label>`` and run folder; the report goes to ``<bucket_dir>/_sweeps/<name>/`` (or --out).
+``<name>-<label>`` and run folder; the report goes to ``<bucket_dir>/_sweeps/<name>/`` (or --out). The
+Airflow plugin serves it from there on the api-server, as the page ``sweep/`` of any of its runs
+(syncswitch_airflow.ui), which ``--keep-ui`` prints.
 The last stdout line is one JSON object: the comparison's numbers and where the report is.
 
 A sweep takes hours. It records its runs in the report folder (``sweep-runs.json``) as it goes, so
@@ -44,7 +46,7 @@ from typing import Any
 
 import yaml
 from syncswitch import storage, usercode
-from syncswitch.layout import RunLayout, join
+from syncswitch.layout import SWEEP_PROGRESS, RunLayout, SweepLayout, join
 from syncswitch.spec import JobSpec, SpecError
 
 from syncswitch_airflow.embedded.airflow import EmbeddedAirflow
@@ -57,13 +59,14 @@ from syncswitch_airflow.tools.cli import (
     interrupt_on_sigterm,
     stop_airflow,
 )
+from syncswitch_airflow.ui import SWEEP_PAGE, run_path
 
 PROG = "syncswitch sweep"
 KEYS = ("name", "repeats", "baseline", "target_accuracy", "base", "configs", "references")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 RUN_TIMEOUT_SECONDS = 24 * 3600.0
 # In the report folder: every run of the sweep as triggered and as ended, for a start that resumes it.
-PROGRESS_FILE = "sweep-runs.json"
+PROGRESS_FILE = SWEEP_PROGRESS
 
 
 class SweepError(ValueError):
@@ -238,7 +241,12 @@ def report_dir(sweep: Sweep, out: str | None) -> str:
         return out
     bucket = next(iter(sweep.configs.values())).bucket_dir
     bucket = bucket if storage.is_remote(bucket) else str(Path(bucket).resolve())
-    return join(bucket, "_sweeps", sweep.name)
+    return SweepLayout.for_sweep(bucket, sweep.name).root
+
+
+def in_bucket_of(sweep_dir: str, run_dir: str) -> bool:
+    """Whether the run's folder is in the bucket folder of ``<bucket_dir>/_sweeps/<name>``."""
+    return RunLayout(run_dir).bucket_dir == sweep_dir.rsplit("/", 2)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         f"comparison report: {join(out, 'comparison.html')}"
         + (f"; {len(failed)} run(s) failed" if failed else "")
     )
+    # The plugin serves the report as a page of any of its runs that ran in the bucket that holds it.
+    shown = next((r for r in runs if r["state"] == "success" and in_bucket_of(out, r["run_dir"])), None)
+    if args.keep_ui and shown and not args.out:
+        say(f"in the Airflow UI: {airflow.url}{run_path(DAG_ID, shown['run_id'], SWEEP_PAGE)}")
     print(
         json.dumps({"sweep": sweep.name, "runs": runs, "report": out, "comparison": comparison}, default=str)
     )

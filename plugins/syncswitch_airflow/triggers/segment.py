@@ -46,8 +46,15 @@ from syncswitch.events import EventTail, read_stream
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
 from syncswitch.stall import DEFAULT_STALL_SECONDS, TRIGGER_GRACE_SECONDS, StallWatch
-from syncswitch.state import State, read_state, record_fork_servers, record_segment, straggler_reference_time
+from syncswitch.state import (
+    State,
+    read_state,
+    record_fork_servers,
+    store_segment_result,
+    straggler_reference_time,
+)
 
+from syncswitch_airflow import metrics
 from syncswitch_airflow.backends import get_backend
 from syncswitch_airflow.backends.base import EXITED, UNKNOWN, Handle
 from syncswitch_airflow.hooks.bucket import BucketHook
@@ -88,6 +95,37 @@ class Progress:
         )
 
 
+@dataclass
+class SegmentEvents:
+    """What the trigger follows in a try's events: the chief's newest step (progress), its first step
+    and newest checkpoint (the checkpoint's age), the launcher's lost nodes and its account of a
+    failure (``segment_failed``)."""
+
+    progress: Progress | None = None
+    first_step_at: float | None = None
+    checkpoint_at: float | None = None
+    failure: dict[str, Any] | None = None
+
+    def follow(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Take in new events (in wall-time order); returns the ``node_lost`` ones among them."""
+        for event in events:
+            kind = event.get("event")
+            if kind == "step":
+                self.progress = Progress.from_event(event)
+                self.first_step_at = self.first_step_at or self.progress.wall_time
+            elif kind == "checkpoint":
+                self.checkpoint_at = float(event.get("wall_time", 0.0)) or self.checkpoint_at
+            elif kind == "segment_failed":
+                self.failure = event
+        return [event for event in events if event.get("event") == "node_lost"]
+
+    def checkpoint_age(self, now: float) -> float | None:
+        """Seconds since the newest checkpoint, or since the first step before the segment wrote one
+        (it restored the checkpoint the segment before it wrote at its end); None before any step."""
+        since = self.checkpoint_at or self.first_step_at
+        return None if since is None else now - since
+
+
 def read_result(run_dir: str, index: int, protocol: str) -> dict[str, Any] | None:
     """The segment's result.json, or None while it has not been written."""
     return storage.read_json(RunLayout(run_dir).segment_result(index, protocol), default={}) or None
@@ -99,10 +137,16 @@ def is_finished(result: dict[str, Any], entry: dict[str, Any]) -> bool:
     return reached or bool(result.get("stopped_early"))
 
 
-def record_result(run_dir: str, index: int, result: dict[str, Any], log: Any) -> dict[str, Any]:
+def record_result(
+    run_dir: str, index: int, result: dict[str, Any], log: Any, dag_id: str = ""
+) -> dict[str, Any]:
     """Store a segment's result in state.json (an early stop moves its plan entry's target), log it,
-    and return the segment task's XCom. Idempotent: a restarted trigger may call it again."""
-    run_id = record_segment(RunLayout(run_dir), index, result).get("run_id")
+    send its metrics (the first time only), and return the segment task's XCom. Idempotent: a
+    restarted trigger may call it again."""
+    state, first = store_segment_result(RunLayout(run_dir), index, result)
+    if first:
+        metrics.segment_recorded(state, index, result, dag_id)
+    run_id = state.get("run_id")
     protocol = result.get("protocol")
     rate = result.get("examples_per_sec")
     log.info(
@@ -185,6 +229,33 @@ def _launch_next(run_dir: str, index: int, protocol: str, log: Any) -> None:
         launch_entry(run_dir, state, entry, log)
 
 
+def describe_failure(event: dict[str, Any] | None) -> str:
+    """A failed try's ``segment_failed`` event, for the task log: the node that failed first, where,
+    how, and its last lines; where every node's log is."""
+    if event is None:
+        return "the launcher named no failed node (it did not get that far, or went with its host)"
+    logs = f"every node's log: {event.get('logs')}/"
+    if not event.get("node"):
+        return f"no node failed; {logs}"
+    where = f" on host {event['host']}" if event.get("host") else ""
+    code = event.get("exit_code")
+    if event.get("lost"):
+        how = "its host or fork server stopped answering"
+    elif isinstance(code, int) and code < 0:
+        how = f"killed by signal {-code}"
+    else:
+        how = f"exited with {code}"
+    step = event.get("global_step")
+    at = f" at step {plans.step_text(step)}" if step is not None else ""
+    lines = [str(line) for line in event.get("last_lines") or []]
+    tail = "\n".join(f"  | {line}" for line in lines) or "  (its log is empty)"
+    return (
+        f"the node that failed first: {event['node']}{where} ({how}){at}; "
+        f"its last {len(lines)} line{'' if len(lines) == 1 else 's'}:\n"
+        f"{tail}\nits log: {event.get('log')}; {logs}"
+    )
+
+
 class SegmentTrigger(FieldsTrigger):
     """Fires when segment ``index`` of the run in ``run_dir`` ends, fails, or stalls."""
 
@@ -211,6 +282,9 @@ class SegmentTrigger(FieldsTrigger):
         # The cluster's handle, read from state.json when the trigger runs: an identifier in its
         # kwargs (run_dir), not a snapshot that a later launch (a moved fork server) would outdate.
         self.handle: Handle = {}
+        self.tags: dict[str, Any] = {}  # the metrics' (dag, job, segment), known once it runs
+        self._tail: EventTail | None = None  # this try's events, read as it runs
+        self._seen = SegmentEvents()
         self.stall_seconds = stall_seconds
         self.stall_grace_seconds = stall_grace_seconds
         self.poll_seconds = poll_seconds
@@ -226,12 +300,14 @@ class SegmentTrigger(FieldsTrigger):
         return f"run {posixpath.basename(self.run_dir)} segment {self.index} ({self.protocol})"
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        self.handle = await self._cluster()
+        state = await self._state()
+        self.handle = state["cluster"]
+        self.tags = self._metric_tags(state)
         backend = get_backend(self.handle["backend"])
-        metrics = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
-        tail = EventTail(metrics, self.event_offsets)
+        folder = RunLayout(self.run_dir).segment_metrics(self.index, self.protocol)
+        self._tail = tail = EventTail(folder, self.event_offsets)
         stall = StallWatch(self.stall_seconds)
-        progress: Progress | None = None
+        seen = self._seen
         started = time.monotonic()
         next_look = next_log = next_status = started
         unknown_since: float | None = None
@@ -256,21 +332,39 @@ class SegmentTrigger(FieldsTrigger):
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + self.progress_seconds
-                steps = await self._from_bucket(tail.read_new, "step") or []
-                if steps:
-                    progress = Progress.from_event(steps[-1])
-                stall.observe(progress.global_step if progress else None)
+                events = await self._from_bucket(tail.read_new) or []
+                # In a thread: a process's first metric has Airflow's Stats read its table of metric names.
+                await asyncio.to_thread(self._follow, seen, events)
+                stall.observe(seen.progress.global_step if seen.progress else None)
                 if now >= next_log:
                     next_log = now + self.log_seconds
-                    self._log_progress(progress, now - started)
+                    self._log_progress(seen.progress, now - started)
                 reason = stall.stalled(grace=self.stall_grace_seconds)
                 if reason:
                     yield await self._failed(backend, reason)
                     return
             await asyncio.sleep(self.poll_seconds)
 
-    async def _cluster(self) -> Handle:
-        """The run's cluster handle from state.json, waiting out a bucket outage."""
+    def _follow(self, seen: SegmentEvents, events: list[dict[str, Any]]) -> None:
+        """Take in a look's new events: each lost node and the checkpoint's age go out as metrics."""
+        for lost in seen.follow(events):
+            metrics.node_lost(lost, **self.tags)
+        age = seen.checkpoint_age(time.time())
+        if age is not None:
+            metrics.checkpoint_age(age, **self.tags)
+
+    def _metric_tags(self, state: State) -> dict[str, Any]:
+        ti = getattr(self, "task_instance", None)
+        return {
+            "dag_id": getattr(ti, "dag_id", None),
+            "job_name": state.get("job_name"),
+            "protocol": self.protocol,
+            "segment": self.index,
+            "backend": state.get("cluster", {}).get("backend"),
+        }
+
+    async def _state(self) -> State:
+        """The run's state.json, waiting out a bucket outage."""
         waited = False
         while (state := await self._from_bucket(read_state, RunLayout(self.run_dir))) is None:
             if not waited:
@@ -279,7 +373,7 @@ class SegmentTrigger(FieldsTrigger):
                 )
                 waited = True
             await asyncio.sleep(max(self.poll_seconds, 1.0))
-        return state["cluster"]
+        return state
 
     async def _from_bucket(self, read: Any, *args: Any) -> Any:
         """``read(*args)`` in a thread; None while the bucket stays unreachable past its retry limit
@@ -292,7 +386,9 @@ class SegmentTrigger(FieldsTrigger):
 
     async def _succeeded(self, result: dict[str, Any]) -> TriggerEvent:
         try:
-            summary = await self.bucket.in_thread(record_result, self.run_dir, self.index, result, self.log)
+            summary = await self.bucket.in_thread(
+                record_result, self.run_dir, self.index, result, self.log, self.tags.get("dag_id") or ""
+            )
         except Exception as exc:  # noqa: BLE001 - the task must end either way, with the reason logged
             self.log.error("%s: cannot record its result: %s", self.label, exc)
             return self._failure()
@@ -309,7 +405,13 @@ class SegmentTrigger(FieldsTrigger):
 
     async def _failed(self, backend: Any, reason: str) -> TriggerEvent:
         log_tail = await self.bucket.in_thread(backend.segment_log_tail, self.handle, self.index)
-        self.log.error("%s failed: %s\nlauncher log tail:\n%s", self.label, reason, log_tail)
+        if self._tail is not None:  # the launcher's last events: its lost nodes, its account
+            events = await self._from_bucket(self._tail.read_new) or []
+            await asyncio.to_thread(self._follow, self._seen, events)
+        failure = self._seen.failure
+        described = describe_failure(failure)
+        self.log.error("%s failed: %s\n%s\nlauncher log tail:\n%s", self.label, reason, described, log_tail)
+        await asyncio.to_thread(metrics.segment_failed, (failure or {}).get("node"), **self.tags)
         # Leave nothing running, so that a retry starts cleanly from the latest checkpoint.
         try:
             await self.bucket.in_thread(backend.stop_segment, self.handle, self.index)
