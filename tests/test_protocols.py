@@ -32,12 +32,18 @@ def _switch_orders_in(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", sorted([*ROOT.glob("jobs/*.yaml"), *ROOT.glob("experiments/*.yaml")]))
 def test_every_job_and_experiment_file_keeps_its_plan(path: Path) -> None:
     """Digits mean what they meant: one segment per digit, 1 BSP and 0 ASP, and the canonical text
-    is the digits themselves (history records and fingerprints compare it)."""
+    is the digits themselves (history records and fingerprints compare it). A file that names other
+    protocols spells them canonically, and its plan holds them with their settings."""
     for order in _switch_orders_in(path) or ["10"]:
         job = JobSpec.from_params({"switch_order": order, "max_online_switches": 0})
         assert job.switch_order == order
-        assert [e["protocol"] for e in job.plan_entries()] == [{"1": "bsp", "0": "asp"}[d] for d in order]
-        assert all("protocol_args" not in e for e in job.plan_entries())
+        entries = job.plan_entries()
+        if order.isdigit():
+            assert [e["protocol"] for e in entries] == [{"1": "bsp", "0": "asp"}[d] for d in order]
+            assert all("protocol_args" not in e for e in entries)
+        else:
+            planned = [Protocol.of(e["protocol"], e.get("protocol_args")) for e in entries]
+            assert planned == list(parse_switch_order(order))
 
 
 @pytest.mark.parametrize(
