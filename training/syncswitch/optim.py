@@ -35,9 +35,11 @@ Why not Keras' optimizers:
   decay (1) and which do not (0): the flat weight groups of syncswitch.params hold kernels, batch-norm
   scales and biases side by side.
 
-The same code runs under both strategies, so BSP and ASP apply identical numerics, and the slots are
-checkpointed with the weights (syncswitch.params' per-variable templates): a checkpoint restores
-bit-identically in either protocol.
+The same code runs under every protocol (both strategies, and a local SGD replica's own variables), so
+they apply identical numerics, and the slots are checkpointed with the weights (syncswitch.params'
+per-variable templates): a checkpoint restores bit-identically in any protocol. ``apply`` returns the
+update ops, for what must follow them (SSP's clock, local SGD's average), and takes ``summed`` where
+the caller did the all-reduce (compressed BSP) or has none to do (a local SGD replica).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ slices of them through ``stateless_call``; its own variables are a local *templa
 canonical form for checkpoints and evaluation. Under MultiWorkerMirroredStrategy the same layout
 means one gradient all-reduce per step instead of one per variable.
 
-Both loops use this same code, so BSP and ASP apply identical numerics, and checkpoints stay in the
+Every protocol's loop uses this same code, so they apply identical numerics, and checkpoints stay in the
 per-variable form (``tf.train.Checkpoint(model=template, optimizer=<slots per variable>)``): a
-checkpoint written under either strategy restores bit-identically under the other, and evaluation
-reads it into a plain model.
+checkpoint written under any protocol restores bit-identically under any other, and evaluation reads
+it into a plain model.
 """
 
 from __future__ import annotations
