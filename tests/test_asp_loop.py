@@ -1,5 +1,6 @@
 """AspLoop's bookkeeping: exact targets, drained checkpoints, early stops on whole BSP steps, closures
-of several updates sized to the boundaries, and lost closures rescheduled with their own updates.
+of several updates sized to the boundaries, lost closures rescheduled with their own updates, and
+SSP's closures cut short at the staleness bound (the rest scheduled again, held while nothing moved).
 
 The loop only calls ``fetch()`` on what ClusterCoordinator.schedule returns, so a finished value
 stands in for TF's RemoteValue here; the real thing runs in test_runtime_cluster.py.
@@ -17,13 +18,15 @@ from syncswitch.spec import SegmentSpec
 
 
 class FinishedValue:
-    """A closure's packed output: worker 0, then [loss, own, step seconds] per update."""
+    """A closure's packed output: worker 0, the steps it ran (all, or ``ran``), then one record per
+    step (trainer.RECORD_COLUMNS)."""
 
-    def __init__(self, closure: Closure) -> None:
+    def __init__(self, closure: Closure, ran: int | None = None) -> None:
         self.closure = closure
+        self.ran = closure.count if ran is None else ran
 
     def fetch(self) -> np.ndarray:
-        return np.array([0.0] + [0.1, 0.01, 0.02] * self.closure.count, np.float32)
+        return np.array([0.0, self.ran] + [0.1, 0.01, 0.02, 1000.0, 0.0] * self.ran, np.float32)
 
 
 def drive(loop: AspLoop, stop_after: int | None, size: int = 1, sizes: list[int] | None = None) -> list[int]:
@@ -156,3 +159,33 @@ def test_a_broken_step_is_not_mistaken_for_a_lost_worker() -> None:
         loop.add(LostValue(error), Closure(0, 1))
         with pytest.raises(type(error)):
             loop.collect()
+
+
+def test_an_ssp_closure_cut_at_the_bound_hands_back_the_rest_of_its_updates() -> None:
+    loop = AspLoop(spec(2, 60, 0), 32, 64, 0)
+    closure = loop.next_closure(8)
+    loop.add(FinishedValue(closure, 3), closure)
+    _worker, records, cut = loop.collect()
+    assert cut and records.shape == (3, 5)
+    assert loop.next_closure(8) == Closure(3, 5), "the rest keeps its update numbers (the LR schedule's)"
+    assert loop.done == 3
+
+
+def test_a_closure_that_ran_no_step_waits_until_a_clock_moved() -> None:
+    """Its worker was at the bound: handed out again at once, it would most likely come back empty
+    again. It goes out after another closure has run a step, or once nothing else is in flight."""
+    loop = AspLoop(spec(2, 60, 0), 32, 64, 0)
+    blocked, running = loop.next_closure(8), loop.next_closure(8)
+    loop.add(FinishedValue(blocked, 0), blocked)
+    loop.add(FinishedValue(running), running)
+    _worker, records, cut = loop.collect()
+    assert cut and not len(records)
+    assert loop.next_closure(8) == Closure(16, 8), "held while the other closure may still move a clock"
+    loop.collect()  # the running one: 8 steps
+    assert loop.next_closure(8) == blocked
+
+    alone = AspLoop(spec(2, 60, 0), 32, 64, 0)
+    closure = alone.next_closure(8)
+    alone.add(FinishedValue(closure, 0), closure)
+    alone.collect()
+    assert alone.next_closure(8) == closure, "nothing in flight can move a clock: out again at once"

@@ -402,7 +402,7 @@ def test_ledger_mixed_gpus_and_regions(catalog: Catalog) -> None:
         ([{**vm("x", "leader", "n1-standard-4", 0, 10)}], [], "role must be one of chief, worker, ps"),
         ([vm("x", "ps", "n1-standard-4", 10, 5)], [], "vm x: ended_at is before started_at"),
         ([{**vm("x", "ps", "n1-standard-4", 0, 10), "spot": "yes"}], [], "spot must be true or false"),
-        ([], [seg(0, "ssp", 0, 10)], "protocol must be one of bsp, asp"),
+        ([], [seg(0, "sync", 0, 10)], "protocol must be one of bsp, asp, ssp, local, cbsp"),
         ([{**vm("x", "ps", "n1-standard-4", 0, 10), "started_at": None}], [], "started_at is missing"),
     ],
 )

@@ -305,6 +305,18 @@ def test_config_rejects_bad_values(bad: dict) -> None:
         DetectorConfig(**bad)
 
 
-def test_protocol_must_be_bsp_or_asp() -> None:
+def test_the_signal_follows_the_protocols_topology() -> None:
+    """All-reduce protocols wait in lockstep (their own share singles a straggler out); the
+    parameter-server ones close their own steps."""
+    signals = {
+        p: StragglerDetector(CONFIG, protocol=p).signal for p in ("bsp", "cbsp", "local", "asp", "ssp")
+    }
+    assert signals == {
+        "bsp": "compute_time",
+        "cbsp": "compute_time",
+        "local": "compute_time",
+        "asp": "step_time",
+        "ssp": "step_time",
+    }
     with pytest.raises(ValueError, match="protocol"):
-        StragglerDetector(CONFIG, protocol="ssp")
+        StragglerDetector(CONFIG, protocol="sync")

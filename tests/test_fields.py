@@ -46,6 +46,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "momentum_rule": ("scaled", ["scaled"], {}),
     "momentum_ramp_steps": (7, ["7"], {}),
     "online_policy": ("greedy", ["greedy"], {}),
+    "online_protocol": ("ssp:4", ["ssp:4"], {}),
     "max_online_switches": (3, ["3"], {}),
     "stragglers": (
         ["worker=1,start=2,duration=3,slowdown=4"],
@@ -58,6 +59,7 @@ SAMPLES: dict[str, tuple[Any, list[str], dict[str, Any]]] = {
     "stall_seconds": (45.0, ["45"], {}),
     "segment_retries": (4, ["4"], {}),
     "timing_policy": ("search", ["search"], {}),
+    "timing_protocols": (["asp", "ssp:4"], ["asp", "ssp:4"], {"timing_policy": "search"}),
     "timing_repeats": (2, ["2"], {}),
     "timing_tolerance": (0.01, ["0.01"], {}),
     "timing_floor": (0.125, ["0.125"], {}),

@@ -380,7 +380,7 @@ def test_history_import_then_show_the_table_and_search_state(tmp_path: Path) -> 
     header = next(i for i, line in enumerate(lines) if line.startswith("finished_at"))
     assert lines[header].split() == [
         *("finished_at", "run_id", "logical_date", "status", "fraction", "accuracy"),
-        *("total", "s", "bsp", "s", "asp", "s", "phase", "fingerprint"),
+        *("total", "s", "bsp", "s", "asp", "s", "other", "s", "order", "phase", "fingerprint"),
     ]
     rows = [line.split() for line in lines[header + 1 : header + 5]]
     assert [row[2] for row in rows] == [f"scheduled__2024-01-0{i}" for i in range(1, 5)]

@@ -577,6 +577,54 @@ def test_101_on_five_hosts_through_the_dag_survives_a_lost_host_in_asp_and_in_bs
     assert_no_secret(bed, layout, dag_run)
 
 
+def test_ssp_local_sgd_and_compressed_bsp_train_on_the_hosts_through_the_dag(  # noqa: ANN001
+    dag, bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """BSP, then SSP, local SGD and top-k BSP through the DAG (dag.test), each node on its own host:
+    each slot's task of the entry's protocol runs and the others skip, every handoff through the bucket
+    is exact, SSP's clocks (on the ps host) keep the workers within its bound, local SGD averages on
+    its period, and top-k sends its share."""
+    conf = {
+        "job_name": "hosts-protocols",
+        "cluster_backend": "hosts",
+        "hosts": host_params(bed),
+        "bucket_dir": bucket,
+        "switch_order": "1,ssp:2,local:3,topk:0.1",
+        "train_steps": [10, 20, 9, 10],
+        "ckpt_frequency": [0],
+        "max_online_switches": 0,
+        "evaluate_segments": False,
+        "num_workers": 3,
+        "num_ps": 1,
+    }
+    since = datetime.datetime.now(datetime.UTC)
+    dag_run = dag.test(run_conf=conf)
+
+    assert dag_run.state == "success"
+    layout = RunLayout.for_run(bucket, "hosts-protocols", dag_run.run_id)
+    state = read_state(layout)
+    protocols = ["bsp", "ssp", "local", "cbsp"]
+    assert [e["protocol"] for e in state["plan"]] == protocols
+    assert [state["segments"][str(i)]["end_step"] for i in range(4)] == [10, 30, 39, 49]
+    for slot, protocol in enumerate(protocols):
+        assert task_state(f"segment_{slot}.{protocol}", since) == "success"
+        assert task_state(f"segment_{slot}.asp", since) == "skipped"
+    for index, protocol in enumerate(protocols[1:], start=1):
+        (start,) = read_events(layout.segment_metrics(index, protocol), event="segment_start")
+        assert start["checkpoint_digest"] == start["restored_digest"], protocol
+    staleness = state["segments"]["1"]["staleness"]
+    assert staleness["bound"] == 2 and staleness["max_lead"] <= 2
+    averages = read_events(layout.segment_metrics(2, "local"), event="average")
+    assert [a["global_step"] for a in averages] == [33, 36, 39]
+    assert state["segments"]["3"]["protocol_args"] == {"compression": "topk", "ratio": 0.1}
+    assert (
+        state["segments"]["3"]["bytes_per_worker_step"] < state["segments"]["0"]["bytes_per_worker_step"] / 4
+    )
+    cluster = state["cluster"]
+    assert {h["address"] for h in cluster["hosts"]} == {h.address for h in bed.hosts}
+    assert_hosts_clean(bed)
+
+
 TEXT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text_classifier" / "text_example"
 MNIST1D_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist1d" / "mnist1d_example"
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 from syncswitch import plan as plans
 from syncswitch.plan import PlanError
+from syncswitch.protocols import Protocol
 from syncswitch.spec import JobSpec
 
 
@@ -95,8 +96,48 @@ def test_insert_switch_rejects_the_same_protocol_and_missing_entries() -> None:
         plans.insert_switch(offline_plan(), 0, "bsp")
     with pytest.raises(PlanError, match="no entry 5"):
         plans.insert_switch(offline_plan(), 5, "asp")
-    with pytest.raises(PlanError, match="protocol"):
+    with pytest.raises(PlanError, match="ssp needs its setting"):
         plans.insert_switch(offline_plan(), 0, "ssp")
+    with pytest.raises(PlanError, match="unknown protocol"):
+        plans.insert_switch(offline_plan(), 0, "sync")
+
+
+def test_a_switch_to_a_protocol_with_settings_carries_them_and_the_plan_checks_them() -> None:
+    switched = plans.insert_switch(offline_plan(), 0, "ssp:4")
+    assert switched[1] == {
+        "index": 1,
+        "protocol": "ssp",
+        "protocol_args": {"staleness": 4},
+        "until_step": 100,
+        "origin": "online",
+    }
+    assert plans.protocol_of(switched[1]) == Protocol("ssp", staleness=4)
+    assert plans.insert_switch(switched, 1, "ssp:2")[2]["protocol_args"] == {"staleness": 2}
+    with pytest.raises(PlanError, match="already runs ssp:4"):
+        plans.insert_switch(switched, 1, "ssp:4")
+    broken = copy.deepcopy(switched)
+    broken[1]["protocol_args"] = {"period": 3}
+    with pytest.raises(PlanError, match="entry 1"):
+        plans.check(broken)
+
+
+def test_a_switch_order_plans_each_segment_with_its_protocol_and_splits_the_steps() -> None:
+    """bsp_fraction goes to the BSP segments, the rest evenly to the others, whatever they run."""
+    job = JobSpec.from_params({"switch_order": "1,ssp:4,local:8", "total_steps": 400, "bsp_fraction": 0.25})
+    assert job.switch_order == "bsp,ssp:4,local:8"
+    assert [(e["protocol"], e.get("protocol_args"), e["until_step"]) for e in job.plan_entries()] == [
+        ("bsp", None, 100),
+        ("ssp", {"staleness": 4}, 250),
+        ("local", {"period": 8}, 400),
+    ]
+    spec = job.segment_spec(job.plan_entries()[1], "run", "/tmp/run")
+    assert (spec.protocol, spec.protocol_args, spec.segment_protocol.staleness) == (
+        "ssp",
+        {"staleness": 4},
+        4,
+    )
+    assert job.planned_bsp_fraction() == 0.25
+    assert JobSpec.from_params({"switch_order": "fp16"}).segment_steps() == [400]
 
 
 def test_entry_by_slot() -> None:

@@ -1,4 +1,4 @@
-"""Online policies: none, greedy, elastic, and the switch cap."""
+"""Online policies: none, greedy, elastic, the switch cap, and the protocol a switch goes to."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from syncswitch.fields import ONLINE_POLICIES
 from syncswitch_airflow.detector import Verdict
 from syncswitch_airflow.policies import (
+    ONLINE_RECOVERY,
     POLICY_NAMES,
     ElasticPolicy,
     PolicyContext,
@@ -47,6 +48,7 @@ def context(
     switches: int = 0,
     cap: int = 2,
     gap: float = 15.0,
+    online_protocol: str = "asp",
 ) -> PolicyContext:
     return PolicyContext(
         segment_index=0,
@@ -57,6 +59,7 @@ def context(
         verdict=v,
         step_time=v.step_time,
         switch_gap=gap,
+        online_protocol=online_protocol,
         online_switches=switches,
         max_online_switches=cap,
     )
@@ -178,3 +181,61 @@ def test_measured_switch_gap_prefers_gaps_then_startup_then_the_default() -> Non
     assert measured_switch_gap(segments, 15.0) == (18.0, "measured gaps between segments")
     assert measured_switch_gap({"0": segments["0"]}, 15.0) == (12.0, "measured segment start-up")
     assert measured_switch_gap({}, 15.0) == (15.0, "default estimate")
+
+
+@pytest.mark.parametrize(
+    ("online_protocol", "slowdown", "to", "label"),
+    [
+        ("asp", 3.0, "asp", "ASP"),
+        ("ssp:4", 3.0, "ssp:4", "SSP (s=4)"),
+        ("local:8", 3.0, "local:8", "local SGD (H=8)"),
+        ("auto", 3.0, "ssp:3", "SSP (s=3)"),
+        ("auto", 4.4, "ssp:5", "SSP (s=5)"),
+    ],
+)
+def test_a_switch_goes_to_the_jobs_online_protocol_or_autos_choice(
+    online_protocol: str, slowdown: float, to: str, label: str
+) -> None:
+    v = verdict(True, slowdown=slowdown)
+    decision = get_policy("greedy").decide(context(v, online_protocol=online_protocol))
+    assert decision.action == "switch" and decision.numbers["to"] == to
+    assert f"switch to {label} for the remaining" in decision.reason
+
+
+@pytest.mark.parametrize("protocol", ["ssp", "local", "asp"])
+def test_any_online_segment_switches_back_to_bsp_when_the_straggler_clears(protocol: str) -> None:
+    back = get_policy("greedy").decide(
+        context(verdict(False), protocol=protocol, origin="online", switches=1)
+    )
+    assert back.action == "switch_back" and back.numbers["to"] == "bsp"
+    stay = get_policy("greedy").decide(context(verdict(True), protocol=protocol, origin="online", switches=1))
+    assert stay.action == "stay"
+
+
+def test_elastic_counts_only_the_share_of_the_straggler_time_the_protocol_recovers() -> None:
+    long = verdict(True, lasted=600.0)
+    for online_protocol in ("asp", "ssp:3", "local:8"):
+        numbers = ElasticPolicy.estimate(context(long, online_protocol=online_protocol))
+        share = ONLINE_RECOVERY[online_protocol.split(":")[0]]
+        assert numbers["recovered_share"] == share
+        assert numbers["saving"] == pytest.approx(200.0 * share)
+
+
+def test_a_switch_decision_rewrites_the_plan_to_its_protocol(tmp_path) -> None:  # noqa: ANN001
+    from syncswitch import state as run_state
+    from syncswitch.layout import RunLayout
+    from syncswitch.spec import JobSpec
+
+    layout = RunLayout(str(tmp_path / "run"))
+    job = JobSpec(switch_order="10", total_steps=400, bsp_fraction=0.5)
+    run_state.create_run(layout, "run", job.to_params(), job.plan_entries())
+    item = job.plan_entries()[0]
+    decision = get_policy("greedy").decide(context(verdict(True), online_protocol="local:8"))
+    record = {**decision.numbers, "segment": 0, "action": decision.action, "reason": decision.reason}
+    run_state.apply_switch(layout, item, record)
+    state = run_state.apply_switch(layout, item, record)  # a repeat inserts nothing more
+    assert [(e["protocol"], e.get("protocol_args"), e["origin"]) for e in state["plan"]] == [
+        ("bsp", None, "plan"),
+        ("local", {"period": 8}, "online"),
+        ("asp", None, "plan"),
+    ]

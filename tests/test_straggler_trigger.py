@@ -25,6 +25,7 @@ from syncswitch import storage
 from syncswitch.events import EventTail, EventWriter
 from syncswitch.layout import RunLayout
 from syncswitch.plan import MAX_SEGMENTS
+from syncswitch.protocols import PROTOCOLS
 from syncswitch.spec import JobSpec
 from syncswitch.state import new_state, read_state, record_segment, update_state
 from syncswitch_airflow.sensors.straggler import DEFAULT_SWITCH_GAP_SECONDS, StragglerSensor, apply_switch
@@ -474,7 +475,7 @@ def test_the_plan_s_last_watcher_skips_every_later_slot_s_tasks(dag, layout: Run
     watcher.run_dir = layout.root  # rendered from the plan task's XCom in a run
     with pytest.raises(DownstreamTasksSkipped) as skipped:
         watcher.execute_complete(CONTEXT, {"status": "plan_ended", "index": 1, "protocol": "asp"})
-    names = ("bsp", "asp", "watch_stragglers")
+    names = (*PROTOCOLS, "watch_stragglers")
     assert sorted(skipped.value.tasks) == sorted(
         f"segment_{slot}.{name}" for slot in range(2, MAX_SEGMENTS) for name in names
     )

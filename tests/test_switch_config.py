@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from syncswitch.errors import SpecError
 from syncswitch.hparams import HParams, HParamsError, get_hparams
-from syncswitch.spec import JobSpec, SegmentSpec, second_moment_scale, switch_config
+from syncswitch.spec import JobSpec, SegmentSpec, examples_per_update, second_moment_scale, switch_config
 
 MOMENTUM = HParams(model="cnn", optimizer_momentum_momentum=0.9)
 ADAM = HParams(model="cnn", optimizer="adam", optimizer_adam_beta1=0.8)
@@ -45,6 +45,29 @@ def test_adams_second_moment_follows_the_update_batch_across_a_switch() -> None:
     assert second_moment_scale(ADAM.override("optimizer=adamw"), 512, 32) == 16.0
     assert second_moment_scale(ADAM, 32, 32) == second_moment_scale(ADAM, None, 32) == 1.0
     assert second_moment_scale(MOMENTUM, 512, 32) == 1.0
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam", "adamw"])
+@pytest.mark.parametrize(
+    ("protocol", "lr_scale", "update_batch"),
+    [("bsp", 1.0, 128), ("cbsp", 1.0, 128), ("local", 1.0, 32), ("asp", 0.25, 32), ("ssp", 0.25, 32)],
+)
+def test_every_protocol_has_a_policy_for_every_optimizer(
+    optimizer: str, protocol: str, lr_scale: float, update_batch: int
+) -> None:
+    """4 workers of 32: the global-batch protocols (BSP, compressed BSP, local SGD) keep the base LR
+    and first moment; the per-worker ones (ASP, SSP) divide the LR by N, with the momentum rule for
+    momentum SGD alone. Adam's second moment follows the update batch: the global batch for BSP and
+    compressed BSP, one worker's for ASP, SSP and a local SGD replica."""
+    hp = HParams(model="cnn", optimizer=optimizer, optimizer_momentum_momentum=0.9, optimizer_adam_beta1=0.8)
+    first = 0.9 if optimizer == "momentum" else 0.8
+    config = switch_config(protocol, hp, 4, "zero", ramp_steps=0, steps_into_segment=0)
+    per_worker = lr_scale < 1.0
+    expected = 0.0 if per_worker and optimizer == "momentum" else first
+    assert (config.learning_rate_scale, config.momentum) == pytest.approx((lr_scale, expected))
+    assert examples_per_update(protocol, 32, 4) == update_batch
+    from_bsp = second_moment_scale(hp, examples_per_update("bsp", 32, 4), update_batch)
+    assert from_bsp == (1.0 if optimizer == "momentum" else 128 / update_batch)
 
 
 def _schedule(protocol: str, hp: HParams, start_step: float, start_updates: int, per_step: int):  # noqa: ANN202

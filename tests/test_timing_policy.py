@@ -1,5 +1,6 @@
 """The offline timing policy on synthetic histories: phases, the tolerance edge, refinement, the floor,
-configuration change, drift, failed runs, completion order and overlapping runs with claims.
+configuration change, drift, failed runs, completion order, overlapping runs with claims, and the
+search over the protocol after BSP (rule 10).
 
 Accuracies and tolerances are exact binary fractions (0.75, 1/64, ...), so the means and the
 ``baseline mean - tolerance`` threshold are exact and the tests at the edge cannot flake on rounding.
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from syncswitch_airflow.timing import TimingConfig, decide, search_state
+from syncswitch_airflow.timing import TimingConfig, decide, decide_among, search_state
 
 FP = "f00dfeedcafe0001"
 NOW = 1_700_000_000.0
@@ -393,7 +394,7 @@ def test_search_state_lays_out_every_generation() -> None:
 def test_the_decision_is_a_plain_dict() -> None:
     decision = History().runs(1.0, BASE).decide(K1)
     data = json.loads(json.dumps(decision.to_dict()))
-    assert set(data) == {"bsp_fraction", "phase", "reason", "numbers"}
+    assert set(data) == {"bsp_fraction", "phase", "reason", "numbers", "protocol"}
     assert data["numbers"]["config"]["repeats"] == 1
 
 
@@ -415,3 +416,74 @@ def test_config_validation_names_the_field(changes: dict[str, Any], field_name: 
         TimingConfig(**changes).validate()
     with pytest.raises(ValueError, match=field_name):
         decide([], [], FP, TimingConfig(**changes), NOW)
+
+
+# ---- the protocol after BSP (rule 10) -------------------------------------------------------------
+
+
+def after(protocol: str) -> dict[str, Any]:
+    """A record's fields for a run that trained ``protocol`` after BSP."""
+    return {"switch_order": "10" if protocol == "asp" else f"bsp,{protocol}"}
+
+
+def among(history: History, config: TimingConfig, protocols: tuple[str, ...]):  # noqa: ANN201
+    return decide_among(history.records, history.claims, FP, config, NOW, protocols)
+
+
+PROTOCOLS = ("asp", "ssp:4")
+
+
+def test_each_protocol_is_searched_on_its_own_runs_after_a_shared_baseline() -> None:
+    history = History().runs(1.0, BASE)  # the baseline counts for every protocol
+    first = among(history, K1, PROTOCOLS)
+    assert (first.protocol, first.bsp_fraction, first.phase) == ("asp", 0.5, "search")
+    assert first.reason.startswith("Protocol after BSP asp (of asp, ssp:4): Searching candidate 0.5")
+    # ASP: 0.5 and 0.25 accepted, 0.125 rejected: its search is over; SSP's starts at 0.5.
+    for fraction, accuracy in ((0.5, BASE), (0.25, BASE), (0.125, BELOW_EDGE)):
+        history.run(fraction, accuracy, **after("asp"))
+    second = among(history, K1, PROTOCOLS)
+    assert (second.protocol, second.bsp_fraction) == ("ssp:4", 0.5)
+    # A legacy record (no switch_order) is an ASP run: it never counts for SSP's search.
+    history.run(0.5, BASE)
+    assert among(history, K1, PROTOCOLS).bsp_fraction == 0.5
+
+
+def test_runs_in_flight_on_one_protocol_send_the_next_run_to_the_next_protocol() -> None:
+    history = History().runs(1.0, BASE)
+    for run, fraction in (("a", 0.5), ("b", 0.25), ("c", 0.125), ("d", 0.0625), ("e", 0.03125)):
+        history.claims.append(
+            {
+                "run_id": run,
+                "fingerprint": FP,
+                "bsp_fraction": fraction,
+                "phase": "search",
+                "claimed_at": NOW - 60,
+                "protocol": "asp",
+            }
+        )
+    decision = among(history, K1, PROTOCOLS)
+    assert (decision.protocol, decision.bsp_fraction) == ("ssp:4", 0.5)
+
+
+def test_once_every_search_finished_the_fastest_choice_is_exploited() -> None:
+    history = History().run(1.0, BASE, total_seconds=100.0)
+    for protocol, seconds in (("asp", 60.0), ("ssp:4", 70.0)):
+        history.run(0.5, BASE, total_seconds=seconds + 10, **after(protocol))
+        history.run(0.25, BASE, total_seconds=seconds, **after(protocol))
+        history.run(0.125, BELOW_EDGE, total_seconds=seconds - 10, **after(protocol))
+    decision = among(history, K1, PROTOCOLS)
+    assert (decision.protocol, decision.bsp_fraction, decision.phase) == ("asp", 0.25, "exploit")
+    assert decision.numbers["protocols"]["ssp:4"] == {
+        "fraction": 0.25,
+        "mean_accuracy": BASE,
+        "mean_seconds": 70.0,
+    }
+    assert "the fastest choice is asp" in decision.reason
+    # SSP's runs at its choice become faster than ASP's: it takes over.
+    history.records[5]["total_seconds"] = 50.0
+    assert among(history, K1, PROTOCOLS).protocol == "ssp:4"
+
+
+def test_one_protocol_decides_as_before() -> None:
+    history = History().runs(1.0, BASE).runs(0.5, BASE)
+    assert among(history, K1, ("asp",)).to_dict() == {**history.decide(K1).to_dict(), "protocol": "asp"}

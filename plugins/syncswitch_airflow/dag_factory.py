@@ -5,9 +5,10 @@
        segment_<N-1> -> evaluate -> report -------------------------------------------+-> finalize
        segment_<N-1> -> teardown_cluster (teardown of provision_cluster) -------------+
 
-Each ``segment_<i>`` task group holds ``bsp`` and ``asp`` (the one matching plan entry ``i`` runs, the
-other skips) and ``watch_stragglers`` beside them; when the plan's last segment ends, its watcher
-skips every later group at once, so that no task of an unused group starts.
+Each ``segment_<i>`` task group holds one task per protocol (``bsp``, ``asp``, ``ssp``, ``local``,
+``cbsp``: syncswitch.protocols; the one matching plan entry ``i`` runs, the others skip, so the grid
+shows which protocol each slot ran) and ``watch_stragglers`` beside them; when the plan's last segment
+ends, its watcher skips every later group at once, so that no task of an unused group starts.
 
 The cluster starts as soon as the params are valid, beside the timing policy and the plan, because its
 nodes' start (importing TensorFlow) is the longest wait before the first step. It is torn down as soon
@@ -117,7 +118,10 @@ def _segment_slots(first_upstream: list[Any]) -> list[Any]:
         # followed by ALL_SUCCESS (the plan and the cluster, neither of which skips).
         rule = TriggerRule.ALL_SUCCESS if slot == 0 else TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
         after_previous = {"trigger_rule": rule}
-        with TaskGroup(group_id=f"segment_{slot}", tooltip=f"plan entry {slot}: BSP or ASP, and its watcher"):
+        with TaskGroup(
+            group_id=f"segment_{slot}",
+            tooltip=f"plan entry {slot}: the task of its protocol, and its watcher",
+        ):
             segments = [
                 SegmentOperator(
                     task_id=protocol,

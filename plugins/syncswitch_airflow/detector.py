@@ -9,6 +9,8 @@ in the all-reduce alike), so where workers report ``peer_rtt`` (their smallest r
 syncswitch.peers) the BSP signal is ``compute_time + (n - 1) * peer_rtt`` for n workers: a ring
 all-reduce crosses each worker's link 2(n - 1) times a step, each half a round trip. In ASP each worker
 closes its own steps, so the signal is the worker's ``step_time``, which a slow link raises directly.
+The other protocols go by their topology (syncswitch.protocols): compressed BSP and local SGD as BSP
+(a local SGD step has no wait: its own share is the step), SSP as ASP.
 A SIGSTOP duty-cycled worker and a delayed link raise exactly these.
 
 Windows. Time is cut into windows of ``window_seconds`` aligned on the first sample. A window is
@@ -37,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from syncswitch.plan import PROTOCOLS
+from syncswitch.protocols import ALLREDUCE, PROTOCOLS, family
 
 SIGNALS = ("auto", "compute_time", "step_time")
 
@@ -181,7 +183,7 @@ class StragglerDetector:
     def _choose_signal(self) -> str:
         if self.config.signal != "auto":
             return self.config.signal
-        return "compute_time" if self.protocol == "bsp" else "step_time"
+        return "compute_time" if family(self.protocol).topology == ALLREDUCE else "step_time"
 
     # ---- input ---------------------------------------------------------------------------------
 

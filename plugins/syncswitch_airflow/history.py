@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from syncswitch import storage
+from syncswitch.errors import SpecError
 from syncswitch.layout import JobHistoryLayout, safe_run_id
-from syncswitch.plan import PROTOCOLS
+from syncswitch.protocols import PROTOCOLS, parse_switch_order, switch_order_text
 from syncswitch.spec import _JOB_NAME_RE, JobSpec  # the one job-name rule, owned by the job spec
 
 from syncswitch_airflow.timing import PHASES as DECISION_PHASES
@@ -194,7 +195,7 @@ def validate_claim(claim: Any) -> dict[str, Any]:
     optionally, ``decision``: the whole TimingDecision, so that a retried task reuses it)."""
     if not isinstance(claim, dict):
         raise RecordError("claim", f"must be a JSON object, got {type(claim).__name__}")
-    _check_field_names(claim, CLAIM_FIELDS, ("decision",))
+    _check_field_names(claim, CLAIM_FIELDS, ("decision", "protocol"))
     checked = {
         "run_id": _text("run_id", claim["run_id"]),
         "fingerprint": _text("fingerprint", claim["fingerprint"]),
@@ -204,6 +205,8 @@ def validate_claim(claim: Any) -> dict[str, Any]:
     }
     if "decision" in claim:
         checked["decision"] = _object("decision", claim["decision"])
+    if "protocol" in claim:  # what the run trains after BSP (timing rule 10)
+        checked["protocol"] = _text("protocol", claim["protocol"])
     return checked
 
 
@@ -265,15 +268,22 @@ def _iso_date(name: str, value: Any) -> str:
 
 
 def _training_seconds(name: str, value: Any) -> dict[str, float]:
-    if not isinstance(value, dict) or set(value) != set(PROTOCOLS):
-        raise RecordError(name, f'must be {{"bsp": seconds, "asp": seconds}}, got {value!r}')
-    return {key: _seconds(f"{name}.{key}", value[key]) for key in PROTOCOLS}
+    """Seconds per protocol: BSP's and ASP's always, the others' where the record has them (one
+    written before they existed has not)."""
+    if not isinstance(value, dict) or not {"bsp", "asp"} <= set(value) or set(value) - set(PROTOCOLS):
+        raise RecordError(
+            name,
+            f'must be {{"bsp": seconds, "asp": seconds, ...}} of the protocols {PROTOCOLS}, got {value!r}',
+        )
+    return {key: _seconds(f"{name}.{key}", seconds) for key, seconds in value.items()}
 
 
 def _switch_order(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value or set(value) - {"0", "1"}:
-        raise RecordError(name, f"must be a string of 1 (BSP) and 0 (ASP), got {value!r}")
-    return value
+    """A switch order in its canonical text (syncswitch.protocols): "10", "bsp,ssp:4"."""
+    try:
+        return switch_order_text(parse_switch_order(value if isinstance(value, str) else None))
+    except SpecError as err:
+        raise RecordError(name, str(err).split(": ", 1)[1]) from None
 
 
 def _steps(name: str, value: Any) -> int:

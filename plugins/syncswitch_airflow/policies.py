@@ -3,34 +3,47 @@
 A policy gets a :class:`PolicyContext` (the running segment, progress, the detector's verdict, measured
 step time and switch gap, switches used) and returns a :class:`Decision`:
 
-    "switch"       stop the running BSP segment and go on in ASP to the same target
-    "switch_back"  stop the running online ASP segment and finish the BSP budget in BSP
+    "switch"       stop the running BSP segment and go on in the policy's protocol (``to``: ASP, or
+                   the job's ``online_protocol``) to the same target
+    "switch_back"  stop the running online segment and finish the BSP budget in BSP
     "stay"         do nothing; the reason and numbers are still recorded
 
 Policies (DAG param ``online_policy``):
 
     none     never switches; detections are still recorded ("policy none").
-    greedy   the paper's observed behaviour: a straggler during BSP -> ASP; when it clears during the
-             online ASP segment -> back to BSP for the rest of the BSP budget.
+    greedy   the paper's observed behaviour: a straggler during BSP -> the online protocol; when it
+             clears during the online segment -> back to BSP for the rest of the BSP budget.
     elastic  switches only when the predicted saving exceeds the cost. The saving is the measured
-             extra time per step times the steps the straggler is expected to slow down: the remaining
-             BSP steps, capped by the expected remaining straggler duration (it is assumed to last as
-             long again as it has lasted so far). The cost is the measured switch gap, twice (there and
-             back). Switches back like greedy.
+             extra time per step times the steps the straggler is expected to slow down (the remaining
+             BSP steps, capped by the expected remaining straggler duration: it is assumed to last as
+             long again as it has lasted so far), times the share of that extra time the protocol
+             recovers (ONLINE_RECOVERY). The cost is the measured switch gap, twice (there and back).
+             Switches back like greedy.
+
+The online protocol (job field ``online_protocol``): ``asp`` (the paper's), ``ssp:<s>``, ``local:<H>``,
+or ``auto``, which picks among the bounded-staleness protocols by :func:`choose_online_protocol`.
 
 Every switch counts against ``max_online_switches``; beyond it the decision is "stay" ("cap reached").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
+
+from syncswitch import protocols
 
 from syncswitch_airflow.detector import Verdict
 
 ACTIONS = ("switch", "stay", "switch_back")
 POLICY_NAMES = ("none", "greedy", "elastic")
+AUTO = "auto"
+# The share of a straggler's extra time per step that each online protocol gives back, measured with
+# one worker at a quarter speed (docs/benchmarks.md, bench/bench_protocols.py --straggler): 1 - (its
+# step time under the straggler - BSP's without) / (BSP's under it - BSP's without).
+ONLINE_RECOVERY = {"asp": 1.0, "ssp": 0.5, "local": 0.5}
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,7 @@ class PolicyContext:
     max_online_switches: int
     now: float | None = None  # decision time (epoch s); None = the verdict's window end
     switch_gap_source: str = "default estimate"
+    online_protocol: str = "asp"  # the job's: a switch order's spelling, or "auto"
 
     @property
     def remaining_steps(self) -> float:
@@ -100,16 +114,34 @@ def base_numbers(context: PolicyContext) -> dict[str, Any]:
     }
 
 
+def choose_online_protocol(context: PolicyContext) -> tuple[protocols.Protocol, str]:
+    """The protocol a switch goes to, and why. The job's ``online_protocol``, or for ``auto``: a
+    straggler during the BSP phase is met with bounded staleness, never ASP, because that phase is
+    BSP for its accuracy (the offline search keeps BSP exactly as long as ASP loses accuracy; early
+    ASP collapsed on MNIST-1D at its large learning rate): SSP with s = the straggler's slowdown
+    rounded up (the fast workers may then run ahead by as many steps as one straggler step costs
+    them), the protocol that recovered more of the straggler's time in the measurements
+    (ONLINE_RECOVERY)."""
+    if context.online_protocol != AUTO:
+        return protocols.parse_token(context.online_protocol, "online_protocol"), "the job's online_protocol"
+    staleness = max(1, math.ceil(context.verdict.slowdown))
+    return protocols.Protocol("ssp", staleness=staleness), (
+        f"auto: bounded staleness in the BSP phase, s = slowdown x{context.verdict.slowdown:.2f} rounded up"
+    )
+
+
 def _candidate(context: PolicyContext) -> tuple[str | None, str]:
     """The switch the verdict calls for in this segment (None: none), and why."""
     verdict = context.verdict
     workers = ", ".join(str(w) for w in verdict.workers)
     if verdict.straggling and context.protocol == "bsp":
         return "switch", f"straggler on worker(s) {workers} (x{verdict.slowdown:.2f}) during BSP"
-    if not verdict.straggling and context.protocol == "asp" and context.origin == "online":
-        return "switch_back", "straggler cleared during the online ASP segment"
+    title = protocols.family(context.protocol).title
+    if not verdict.straggling and context.protocol != "bsp" and context.origin == "online":
+        return "switch_back", f"straggler cleared during the online {title} segment"
     if verdict.straggling:
-        return None, f"straggler on worker(s) {workers} during ASP, which tolerates it"
+        tolerance = "tolerates it" if context.protocol == "asp" else "bounds the wait for it"
+        return None, f"straggler on worker(s) {workers} during {title}, which {tolerance}"
     return None, "no straggler"
 
 
@@ -130,9 +162,15 @@ def _switch_decision(action: str, context: PolicyContext, numbers: dict[str, Any
     steps = context.remaining_steps
     if action == "switch":
         _, why = _candidate(context)
-        return Decision("switch", f"{why}: switch to ASP for the remaining {steps:g} BSP steps", numbers)
+        target, chosen_by = choose_online_protocol(context)
+        numbers = {**numbers, "to": target.token, "to_chosen_by": chosen_by}
+        return Decision(
+            "switch", f"{why}: switch to {target.label} for the remaining {steps:g} BSP steps", numbers
+        )
     return Decision(
-        "switch_back", f"straggler cleared: back to BSP for the remaining {steps:g} BSP steps", numbers
+        "switch_back",
+        f"straggler cleared: back to BSP for the remaining {steps:g} BSP steps",
+        {**numbers, "to": "bsp"},
     )
 
 
@@ -181,6 +219,7 @@ class ElasticPolicy:
     def estimate(context: PolicyContext) -> dict[str, float]:
         """Saving and cost of switching now, in seconds, and the numbers behind them."""
         verdict = context.verdict
+        recovery = ONLINE_RECOVERY.get(choose_online_protocol(context)[0].name, 1.0)
         extra_per_step = verdict.extra_time
         if extra_per_step <= 0 and verdict.slowdown > 1:
             # No per-worker baseline: attribute the slowdown's share of the measured step time.
@@ -197,7 +236,8 @@ class ElasticPolicy:
             "straggler_elapsed": round(elapsed, 3),
             "expected_remaining": round(expected_remaining, 3),
             "affected_steps": round(affected_steps, 3),
-            "saving": round(extra_per_step * affected_steps, 3),
+            "recovered_share": recovery,
+            "saving": round(extra_per_step * affected_steps * recovery, 3),
             "cost": round(2 * context.switch_gap, 3),
         }
 

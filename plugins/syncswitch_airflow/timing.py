@@ -53,6 +53,15 @@ Rules (k = ``TimingConfig.repeats``, tol = ``TimingConfig.tolerance``):
    baseline), the second 0.5 (baseline in flight) and the third 0.25 (1.0 and 0.5 in flight). The
    exploit phase ignores claims. Deciding and claiming are one atomic step
    (``history.claim_decision``), so runs deciding in the same instant still see each other.
+10. The protocol after BSP (:func:`decide_among`, the job's ``timing_protocols``). Each candidate
+   protocol (a switch order's spelling: asp, ssp:4, local:8, ...) has its own search, rules 1-9 on the
+   records and claims of runs that trained it after BSP (a record's ``switch_order``; a claim's
+   ``protocol``; a record without either trained ASP, the only protocol before the others), and the
+   BSP baseline's runs, which count for every candidate. Candidates are searched in the order given:
+   the first whose search is unfinished decides, unless every item it could use is covered by runs in
+   flight (an extra repeat), when the next candidate's search is tried first. Once every search has
+   finished, the run exploits the candidate whose chosen fraction's runs took the least total time
+   (mean ``total_seconds``; ties go to the earlier candidate): the fastest way found to BSP's accuracy.
 
 One module past the usual length, on purpose: the rules above and the code that applies them are
 read side by side, and the replay, the generations and the decision's explanation share private
@@ -63,9 +72,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from syncswitch.protocols import parse_switch_order
 
 BASELINE_FRACTION = 1.0
 PHASES = ("baseline", "search", "exploit")
@@ -115,6 +126,7 @@ class TimingDecision:
     phase: str  # "baseline" | "search" | "exploit"
     reason: str  # one human sentence with the numbers
     numbers: dict[str, Any]  # everything behind it
+    protocol: str = "asp"  # what trains after BSP (a switch order's spelling; rule 10)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -453,6 +465,7 @@ def _exploit_decision(analysis: _Analysis) -> TimingDecision:
         **_common_numbers(analysis),
         "chosen_fraction": chosen.fraction,
         "chosen_mean": chosen.mean,
+        "chosen_runs": [r.run_id for r in chosen.counted],
         "exploit_runs": len(generation.exploit_runs),
         "exploit_recent_mean": statistics.mean(r.accuracy for r in recent) if recent else None,
     }
@@ -659,3 +672,95 @@ def _f(fraction: float) -> str:
 
 def _acc(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+# ---- the protocol after BSP (rule 10) ----------------------------------------------------------------
+
+
+def second_protocol(entry: Record) -> str | None:
+    """The protocol a record's or claim's run trained after BSP, as a switch order spells it; None for
+    a BSP baseline run; "asp" where it does not say (it was written before the other protocols)."""
+    fraction = entry.get("bsp_fraction")
+    if _is_number(fraction) and _same_fraction(float(fraction), BASELINE_FRACTION):
+        return None
+    if entry.get("protocol"):
+        return str(entry["protocol"])
+    order = entry.get("switch_order")
+    if not order:
+        return "asp"
+    after = [p for p in parse_switch_order(order) if p.name != "bsp"]
+    return after[-1].token if after else None
+
+
+def _of_protocol(entries: Iterable[Record], protocol: str) -> list[Record]:
+    """The records or claims of ``protocol``'s search: its own runs and the baseline's."""
+    return [e for e in entries if second_protocol(e) in (None, protocol)]
+
+
+def decide_among(
+    records: list[Record],
+    claims: list[Record],
+    fingerprint: str,
+    config: TimingConfig,
+    now: float,
+    protocols: Sequence[str] = ("asp",),
+) -> TimingDecision:
+    """The BSP fraction and the protocol after it of the next run (rule 10): ``decide`` for each
+    candidate protocol on its own runs and the baseline's, then the fastest finished choice."""
+    analyses = {
+        p: _analyse(_of_protocol(records, p), _of_protocol(claims, p), fingerprint, config, now)
+        for p in protocols
+    }
+    repeat: TimingDecision | None = None
+    for protocol, analysis in analyses.items():
+        if analysis.current.search.finished:
+            continue
+        decision = replace(_search_decision(analysis), protocol=protocol)
+        if not decision.numbers["extra_repeat"]:
+            return _among(decision, protocols)
+        repeat = repeat or decision
+    if repeat is not None:
+        return _among(repeat, protocols)
+    return _fastest(records, {p: _exploit_decision(a) for p, a in analyses.items()}, protocols)
+
+
+def _among(decision: TimingDecision, protocols: Sequence[str]) -> TimingDecision:
+    if len(protocols) == 1:
+        return decision
+    reason = f"Protocol after BSP {decision.protocol} (of {', '.join(protocols)}): {decision.reason}"
+    return replace(decision, reason=reason, numbers={**decision.numbers, "protocols": list(protocols)})
+
+
+def _fastest(
+    records: list[Record], choices: dict[str, TimingDecision], protocols: Sequence[str]
+) -> TimingDecision:
+    """Every search finished: the candidate whose chosen fraction's counted runs took least time."""
+    seconds = {str(r["run_id"]): r.get("total_seconds") for r in records}
+    summary = {}
+    for protocol, decision in choices.items():
+        runs = decision.numbers.get("chosen_runs") or []
+        times = [float(seconds[run]) for run in runs if _is_number(seconds.get(run))]
+        summary[protocol] = {
+            "fraction": decision.bsp_fraction,
+            "mean_accuracy": decision.numbers["chosen_mean"],
+            "mean_seconds": statistics.mean(times) if times else None,
+        }
+    best = min(
+        protocols,
+        key=lambda p: (
+            math.inf if summary[p]["mean_seconds"] is None else summary[p]["mean_seconds"],
+            protocols.index(p),
+        ),
+    )
+    decision = replace(choices[best], protocol=best)
+    if len(protocols) == 1:
+        return decision
+    times = ", ".join(
+        f"{p} at {_f(s['fraction'])} ({_seconds(s['mean_seconds'])})" for p, s in summary.items()
+    )
+    reason = f"Every protocol's search finished; the fastest choice is {best}: {times}. {decision.reason}"
+    return replace(decision, reason=reason, numbers={**decision.numbers, "protocols": summary})

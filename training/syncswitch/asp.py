@@ -1,13 +1,15 @@
-"""The ASP training loop: ParameterServerStrategy + ClusterCoordinator.
+"""The ASP training loop: ParameterServerStrategy + ClusterCoordinator. SSP is this loop with the
+clock gate of syncswitch.ssp inside its closures.
 
 The coordinator (the chief) schedules closures; a closure runs ``count`` optimizer steps on whichever
 worker takes it, in a graph loop (as TensorFlow's parameter-server tutorial and tf_keras'
 ``steps_per_execution`` do). Each inner step reads the variables from the parameter servers afresh,
 computes its gradient and applies it there at once (the optimizer's update runs on the parameter
 server), so ASP semantics are those of one step per closure. A closure takes one packed input (its
-first global update number and its step count) and returns one packed output (the worker and, per
-step, loss, own seconds and step seconds), so a closure of k steps pays the coordinator's dispatch and
-fetch round trips once instead of k times.
+first global update number and its step count) and returns one packed output (the worker, the steps
+it ran, and each step's record: syncswitch.trainer.RECORD_COLUMNS), so a closure of k steps pays the
+coordinator's dispatch and fetch round trips once instead of k times. An SSP closure may run fewer
+steps than it was given (its worker reached the staleness bound); the rest is scheduled again.
 
 Book-keeping (AspLoop) is in optimizer updates: an update is one worker's batch, 1/N of a BSP-equivalent
 step. The global step lives on the coordinator (Keras' optimizer counter loses increments under ASP),
@@ -32,9 +34,14 @@ import numpy as np
 from syncswitch import storage
 from syncswitch.context import NodeContext
 from syncswitch.events import EventWriter
+from syncswitch.exchange import gradient_exchange
 from syncswitch.reporting import WorkerTimer
 from syncswitch.spec import SegmentSpec
+from syncswitch.ssp import ClockGate, LeadTally
 from syncswitch.trainer import (
+    CLOCK_LEAD,
+    RECORD_WIDTH,
+    STEP_SECONDS,
     WARMUP_EXECUTIONS,
     Schedule,
     SegmentSession,
@@ -65,6 +72,12 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     training = build_and_restore(ctx, strategy, problem)
     state, restored, _signature = training
     spec, batch = ctx.spec, ctx.hp.batch_size
+    protocol = spec.segment_protocol
+    gate, tally = None, None
+    if protocol.name == "ssp":
+        with strategy.scope():  # before the first closure, as every variable
+            gate = ClockGate(spec.num_workers, protocol.staleness)
+        tally = LeadTally(protocol.staleness)
     loop = AspLoop(spec, batch, spec.num_workers * batch, restored["samples"], restored["updates"])
     schedule = Schedule(
         spec,
@@ -75,14 +88,21 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     )
     iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(ctx, problem, restored["samples"])))
     worker_steps = _compile_worker_steps(
-        strategy, state, schedule, restored["samples"], batch, loop.global_batch
+        strategy,
+        state,
+        schedule,
+        WorkerSteps(restored["samples"], batch, loop.global_batch),
+        gradient_exchange(protocol, state["flat"]),
+        gate,
     )
     closure_timing = ClosureTiming()
     with (
         SegmentSession(ctx, training, schedule, loop.global_batch, reports=True) as session,
         contextlib.closing(Watchdog(ctx, session.events)) as watchdog,
     ):
-        timers = {w: WorkerTimer(session.events, w) for w in range(spec.num_workers)}
+        timers = {
+            w: WorkerTimer(session.events, w, clock_leads=gate is not None) for w in range(spec.num_workers)
+        }
         sizer = ClosureSizer(ctx, session.events, watchdog)
         while True:
             if session.stop_requested:
@@ -97,9 +117,13 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
                 if loop.lost == 1:
                     print(f"[{spec.run_id}] worker lost mid-closure; rescheduling its closures", flush=True)
                 continue
-            worker, records = done
-            sizer.observe(records[:, 2])
-            closure_timing.add(records[:, 2])
+            worker, records, cut = done
+            if tally is not None:
+                tally.add(records[:, CLOCK_LEAD], cut)
+            if not len(records):  # an SSP closure whose worker was at the bound: nothing ran
+                continue
+            sizer.observe(records[:, STEP_SECONDS])
+            closure_timing.add(records[:, STEP_SECONDS])
             watchdog.seen(worker)
             session.after_steps(
                 records,
@@ -115,6 +139,8 @@ def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
         ctx.finished_objects.extend([iterator, coordinator, strategy, state, worker_steps])
         stopped_early = loop.stopping and loop.done_samples < loop.until_samples
         extra = {"closure_timing": closure_timing.summary()}
+        if tally is not None:
+            extra["staleness"] = tally.summary()
         return session.finish(
             samples=loop.done_samples, updates=loop.updates, stopped_early=stopped_early, extra=extra
         )
@@ -137,38 +163,52 @@ def _dataset_fn(ctx: NodeContext, problem: Any, start_samples: int) -> Any:
     return dataset_fn
 
 
+@dataclass(frozen=True)
+class WorkerSteps:
+    """Where a segment's updates start, in samples, and the batches that convert updates to steps."""
+
+    start_samples: int
+    batch: int
+    global_batch: int
+
+
 def _compile_worker_steps(
     strategy: Any,
     state: dict[str, Any],
     schedule: Schedule,
-    start_samples: int,
-    batch: int,
-    global_batch: int,
+    units: WorkerSteps,
+    exchange: Any,
+    gate: ClockGate | None,
 ) -> Any:
     """The graph function of one closure: ``closure`` = [first update (segment-relative), count];
-    returns [worker, then per step: loss, own seconds (input and forward/backward), step seconds
-    (with the parameter-server round trips)]."""
+    returns [worker, steps run, then per step its record (trainer.RECORD_COLUMNS: the own seconds
+    are input and forward/backward, the step seconds hold the parameter-server round trips)]. Every
+    step runs, except under an SSP ``gate``, which ends the closure at the first step its worker may
+    not start."""
     import tensorflow as tf
 
     def mean_loss(outputs: Any, labels: Any) -> Any:
         return tf.reduce_mean(state["loss"](outputs, labels))
 
-    replica_step = replica_step_fn(state["flat"], mean_loss)
+    after_update = gate.after_update if gate is not None else None
+    replica_step = replica_step_fn(state["flat"], mean_loss, exchange, after_update)
 
     def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
-        loss, own = strategy.run(replica_step, args=(x, y, config, started))
-        return tf.stack([loss, tf.cast(own, tf.float32)])
+        loss, own, sent, lead = strategy.run(replica_step, args=(x, y, config, started))
+        return tf.stack([loss, tf.cast(own, tf.float32), sent]), lead
 
     @tf.function(autograph=False)  # see timed_steps
     def worker_steps(iterator: Any, closure: Any) -> Any:
         first, count = closure[0], tf.cast(closure[1], tf.int32)
 
         def step_at(j: Any) -> Any:  # progress in BSP steps: an update is of this worker's batch only
-            return (start_samples + tf.cast(first + tf.cast(j, tf.int64), tf.float64) * batch) / global_batch
+            update = tf.cast(first + tf.cast(j, tf.int64), tf.float64)
+            return (units.start_samples + update * units.batch) / units.global_batch
 
-        records = timed_steps(iterator, count, schedule, step_at, run_step)
+        records = timed_steps(iterator, count, schedule, step_at, run_step, gate)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return tf.concat([tf.cast(tf.reshape(worker, [1]), tf.float32), tf.reshape(records, [-1])], 0)
+        head = tf.cast(tf.stack([tf.cast(worker, tf.int32), tf.shape(records)[0]]), tf.float32)
+        return tf.concat([head, tf.reshape(records, [-1])], 0)
 
     return worker_steps
 
@@ -256,6 +296,9 @@ class AspLoop:
         self.stopping = False
         self._inflight: collections.deque = collections.deque()
         self._retry: collections.deque[Closure] = collections.deque()
+        # SSP: the rest of closures whose worker was at the bound before its first step, scheduled
+        # again once another closure has run a step (a clock moved) or nothing else is in flight.
+        self._held: list[Closure] = []
 
     @property
     def finished(self) -> bool:
@@ -279,9 +322,11 @@ class AspLoop:
         return min(self.limit, (next_ckpt_samples - self.start_samples) // self.batch)
 
     def next_closure(self, size: int) -> Closure | None:
-        """The next closure to schedule (a lost one first, with its own updates), or None."""
+        """The next closure to schedule (a lost or cut one first, with its own updates), or None."""
         if len(self._inflight) >= self.window:
             return None
+        if self._held and not self._inflight:
+            self._release_held()
         if self._retry:
             return self._retry.popleft()
         count = min(size, self._next_boundary() - self.scheduled)
@@ -294,9 +339,11 @@ class AspLoop:
     def add(self, remote_value: Any, closure: Closure) -> None:
         self._inflight.append((remote_value, closure))
 
-    def collect(self) -> tuple[int, np.ndarray] | None:
-        """Fetch a finished closure: (worker, per-step records [count, 3]), preferring any that is
-        ready so a straggler's closure at the head of the queue does not stall the others.
+    def collect(self) -> tuple[int, np.ndarray, bool] | None:
+        """Fetch a finished closure: (worker, per-step records [steps run, RECORD_WIDTH], whether it
+        was cut short), preferring any that is ready so a straggler's closure at the head of the
+        queue does not stall the others. A closure cut short (SSP's bound) hands its other updates
+        back, to be scheduled again with their own update numbers.
 
         Returns None when the closure was lost with a worker: its updates are handed back to be
         scheduled again, so the segment still ends exactly on target.
@@ -312,8 +359,19 @@ class AspLoop:
             self.lost += 1
             self._retry.append(closure)
             return None
-        self.done += closure.count
-        return int(packed[0]), packed[1:].reshape(closure.count, 3)
+        worker, steps = int(packed[0]), int(packed[1])
+        self.done += steps
+        cut = steps < closure.count
+        if cut:
+            rest = Closure(closure.first + steps, closure.count - steps)
+            (self._retry if steps else self._held).append(rest)
+        if steps:
+            self._release_held()
+        return worker, packed[2:].reshape(steps, RECORD_WIDTH), cut
+
+    def _release_held(self) -> None:
+        self._retry.extend(self._held)
+        self._held.clear()
 
     def request_stop(self) -> None:
         if self.stopping:
@@ -325,7 +383,7 @@ class AspLoop:
         self.limit = min(self.limit, -(-self.scheduled // per_step) * per_step)
 
     def at_checkpoint_boundary(self) -> bool:
-        if self.ckpt_updates <= 0 or self.finished or self._inflight or self._retry:
+        if self.ckpt_updates <= 0 or self.finished or self._inflight or self._retry or self._held:
             return False
         return (self.done_samples // self.batch) % self.ckpt_updates == 0
 

@@ -1,12 +1,13 @@
 """The BSP training loop: MultiWorkerMirroredStrategy, every worker in lockstep; worker 0 is the chief.
+Compressed BSP is this loop with another gradient exchange (syncswitch.exchange).
 
 Each call of ``train_steps`` runs ``count`` optimizer steps in a graph loop. Per step: the batch, the
 LR and momentum of that step (the schedule, in the graph), forward and backward, one gradient
-all-reduce inside the optimizer, the update. Per call (not per step): one host sync and one small
-all-reduce carrying the per-step losses, the graceful-stop vote and the workers' step time, so every
-worker agrees on when to stop and on the next call's size. Every worker also times each step of its
-own: from the step's start to the end of its backward pass is its own share; the rest is waiting for
-its peers in the all-reduce, which singles out a straggler in lockstep.
+all-reduce (inside the optimizer; compressed BSP's before it), the update. Per call (not per step):
+one host sync and one small all-reduce carrying the per-step losses, the graceful-stop vote and the
+workers' step time, so every worker agrees on when to stop and on the next call's size. Every worker
+also times each step of its own: from the step's start to the end of its backward pass is its own
+share; the rest is waiting for its peers in the all-reduce, which singles out a straggler in lockstep.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import time
 from typing import Any
 
 from syncswitch.context import NodeContext
+from syncswitch.exchange import gradient_exchange
 from syncswitch.peers import PeerProbe, bsp_peers
 from syncswitch.reporting import WorkerTimer
 from syncswitch.trainer import (
+    STEP_SECONDS,
     WARMUP_EXECUTIONS,
     Schedule,
     SegmentSession,
@@ -48,7 +51,8 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     loop = BspLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
     schedule = Schedule(ctx.spec, ctx.hp, loop.samples / loop.global_batch, start_updates=loop.updates)
     iterator = iter(strategy.distribute_datasets_from_function(_dataset_fn(ctx, problem, loop.samples)))
-    train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch)
+    exchange = gradient_exchange(ctx.spec.segment_protocol, state["flat"])
+    train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch, exchange)
     # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
     peers = bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)
     with (
@@ -107,21 +111,23 @@ def _dataset_fn(ctx: NodeContext, problem: Any, samples: int) -> Any:
     return dataset_fn
 
 
-def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedule, global_batch: int) -> Any:
+def _compile_train_steps(
+    strategy: Any, state: dict[str, Any], schedule: Schedule, global_batch: int, exchange: Any
+) -> Any:
     """The graph function of one call: ``count`` steps from BSP step ``first_step``. Returns (this
-    worker's per-step [loss, own seconds, step seconds], all-reduced [per-step losses..., stop votes,
+    worker's per-step records (trainer.RECORD_COLUMNS), all-reduced [per-step losses..., stop votes,
     step seconds of all, wall seconds per step of the previous call of all])."""
     import tensorflow as tf
 
     def average_loss(outputs: Any, labels: Any) -> Any:
         return tf.nn.compute_average_loss(state["loss"](outputs, labels), global_batch_size=global_batch)
 
-    replica_step = replica_step_fn(state["flat"], average_loss)
+    replica_step = replica_step_fn(state["flat"], average_loss, exchange)
 
     def run_step(x: Any, y: Any, config: Any, started: Any) -> Any:
-        loss, own = strategy.run(replica_step, args=(x, y, config, started))
-        local = [strategy.experimental_local_results(value)[0] for value in (loss, own)]
-        return tf.stack([tf.cast(value, tf.float32) for value in local])
+        loss, own, sent, _ = strategy.run(replica_step, args=(x, y, config, started))
+        local = [strategy.experimental_local_results(value)[0] for value in (loss, own, sent)]
+        return tf.stack([tf.cast(value, tf.float32) for value in local]), tf.constant(0.0)
 
     @tf.function(autograph=False)  # see timed_steps
     def train_steps(
@@ -131,7 +137,7 @@ def _compile_train_steps(strategy: Any, state: dict[str, Any], schedule: Schedul
             return first_step + tf.cast(j, tf.float64)
 
         mine = timed_steps(iterator, count, schedule, step_at, run_step)
-        votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, 2]), last_wall])
+        votes = tf.stack([stop_vote, tf.reduce_sum(mine[:, STEP_SECONDS]), last_wall])
         totals = strategy.reduce(tf.distribute.ReduceOp.SUM, tf.concat([mine[:, 0], votes], 0), axis=None)
         return mine, totals
 
@@ -163,7 +169,7 @@ class BspLoop:
 
     @property
     def checkpoint_due(self) -> bool:
-        return _checkpoint_due(self.spec.ckpt_frequency, self.step) and not self.finished
+        return checkpoint_due_at(self.spec.ckpt_frequency, self.step) and not self.finished
 
     def next_count(self) -> int:
         warming = self.calls < WARMUP_EXECUTIONS + 1
@@ -206,5 +212,6 @@ def _steps_to_checkpoint(frequency: int, step: int) -> int:
     return frequency - step % frequency
 
 
-def _checkpoint_due(frequency: int, step: int) -> bool:
+def checkpoint_due_at(frequency: int, step: int) -> bool:
+    """Whether a checkpoint is written at ``step`` (the job's global step) every ``frequency`` steps."""
     return frequency > 0 and step % frequency == 0

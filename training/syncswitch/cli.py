@@ -27,26 +27,32 @@ import sys
 import time
 from typing import Any
 
+from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.fields import add_train_flags, params_from_flags
 from syncswitch.layout import RunLayout
-from syncswitch.plan import PROTOCOL_DIGITS, PROTOCOLS
+from syncswitch.protocols import SPELLINGS, parse_token
 from syncswitch.spec import JobSpec, SegmentSpec, SpecError
 
 DEFAULT_HPARAM_SET = {"cnn": "cnn_digits", "resnet": "resnet_cifar_20"}
-PROTOCOL_DIGIT = {protocol: digit for digit, protocol in PROTOCOL_DIGITS.items()}
 
 
 def build_train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="syncswitch train",
-        description="Run one training segment (BSP or ASP) on a local cluster of TF processes. "
+        description="Run one training segment (BSP, ASP, SSP, local SGD or compressed BSP) on a local "
+        "cluster of TF processes. "
         "Rerunning with the same --run-dir and a higher --until-step continues from the "
         "latest checkpoint, in either protocol. The job's fields take this segment's one value; "
         "a straggler's start counts from the launch.",
     )
     p.add_argument("--spec", help="a SegmentSpec JSON file (the pipeline's interface); other flags ignored")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="bsp")
+    p.add_argument(
+        "--protocol",
+        default="bsp",
+        metavar="PROTOCOL",
+        help=f"the segment's protocol, as a switch order spells one: {SPELLINGS}",
+    )
     add_train_flags(p)  # the job fields a segment takes: syncswitch.fields
     p.add_argument("--run-dir", default="runs/train", help="run folder: local folder or gs:// URI")
     p.add_argument("--run-id", default="", help="default: the run folder's name")
@@ -111,17 +117,18 @@ def _spec_from_flags(args: argparse.Namespace) -> SegmentSpec:
     for name, value in (("workers", job.num_workers), ("ps", job.num_ps), ("until-step", args.until_step)):
         if value < 1:
             raise SpecError(name, f"must be >= 1, got {value}")
+    protocol = parse_token(args.protocol, "--protocol")
     run_dir = args.run_dir.rstrip("/")
     index = args.segment_index if args.segment_index is not None else next_segment_index(run_dir)
     job = dataclasses.replace(
         job,
-        switch_order=PROTOCOL_DIGIT[args.protocol],
+        switch_order=protocol.token,
         train_steps=(args.total_steps or args.until_step,),  # the job's workload, for the LR schedule
         model=model,
         hparam_set=args.hparam_set or DEFAULT_HPARAM_SET[model],
         evaluate_segments=args.eval,
     )
-    entry = {"index": index, "protocol": args.protocol, "until_step": args.until_step, "plan_index": 0}
+    entry = {"index": index, **plans.entry_fields(protocol), "until_step": args.until_step, "plan_index": 0}
     spec = job.segment_spec(entry, args.run_id or os.path.basename(run_dir) or "run", run_dir)
     return spec.replace(watchdog_seconds=args.watchdog_seconds)
 

@@ -10,6 +10,7 @@ from typing import Any
 from syncswitch.events import EventWriter
 from syncswitch.hparams import HParams
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import ALLREDUCE
 from syncswitch.spec import SegmentSpec
 
 
@@ -33,7 +34,8 @@ class NodeContext:
 
     @property
     def is_chief(self) -> bool:
-        return (self.role, self.task) in (("chief", 0), ("worker", 0) if self.spec.protocol == "bsp" else ())
+        allreduce = self.spec.segment_protocol.topology == ALLREDUCE
+        return (self.role, self.task) in (("chief", 0), ("worker", 0) if allreduce else ())
 
     def events(self) -> EventWriter:
         return EventWriter(

@@ -469,9 +469,10 @@ def ledger(
                 rate * _overlap(span.start, span.end, window.start, window.end) / _SECONDS_PER_HOUR
             )
         per_vm.append(_vm_line(span, rate, cost, catalog))
-    per_protocol = {p: Fraction(0) for p in PROTOCOLS}
+    # BSP's and ASP's always (the paper's two), another protocol's where the run used it.
+    per_protocol = {p: Fraction(0) for p in ("bsp", "asp")}
     for window, cost in zip(windows, segment_costs, strict=True):
-        per_protocol[window.protocol] += cost
+        per_protocol[window.protocol] = per_protocol.get(window.protocol, Fraction(0)) + cost
     savings = on_demand_total - total
     return {
         "currency": catalog.currency,

@@ -5,15 +5,18 @@ Every event is one JSON object per line with these common keys:
     event       one of EVENT_TYPES
     run_id      the run folder's run id
     segment     segment index (0, 1, ...)
-    protocol    "bsp" or "asp"
+    protocol    one of syncswitch.protocols.PROTOCOLS: bsp, asp, ssp, local, cbsp
     role        "chief", "worker", "ps", or "launcher" (the local supervisor: straggler events)
     task        task index within the role
     wall_time   seconds since the epoch when the event was emitted
 
 Per event type, the extra keys are:
 
-    segment_start  start_step, until_step, num_workers, batch_per_worker, learning_rate, momentum,
-                   momentum_rule, optimizer, weight_decay, steps_per_execution (0 = automatic), restored_from
+    segment_start  protocol_args (the protocol's settings: syncswitch.protocols), start_step,
+                   until_step, num_workers, batch_per_worker, learning_rate, momentum,
+                   momentum_rule, optimizer, second_moment_scale (Adam's v at the switch: spec),
+                   weight_decay,
+                   steps_per_execution (0 = automatic), restored_from
                    (checkpoint uri or None), checkpoint_digest (from its
                    manifest) and restored_digest (of the restored weights): equal on an exact handoff
     step           (the chief only: the ASP coordinator, BSP worker 0) global_step (BSP-equivalent
@@ -23,8 +26,12 @@ Per event type, the extra keys are:
                    own share of a step: BSP = step_time minus the time blocked waiting for peers in
                    the collectives, so input, compute and a frozen process all count; ASP = the
                    closure's forward and backward pass on the worker), wait_time (BSP: waiting for
-                   peers; ASP: the rest of the closure, i.e. the PS round trip), peer_rtt (BSP,
-                   when measured: the worker's smallest TCP round trip to a peer, s; syncswitch.peers)
+                   peers; ASP: the rest of the closure, i.e. the PS round trip), bytes_sent (per
+                   step: what this worker handed to the network, counted from the tensors sent;
+                   syncswitch.exchange), clock_lead (SSP: the largest lead of the worker's clock over
+                   the slowest worker's that a step of the window started with; never above the
+                   bound s), peer_rtt (all-reduce protocols, when measured: the worker's smallest
+                   TCP round trip to a peer, s; syncswitch.peers)
     checkpoint     global_step, samples, uri, seconds
     eval           global_step, test_accuracy, test_loss (and seconds: how long it took, for an
                    evaluation at a checkpoint during training)
@@ -40,6 +47,8 @@ Per event type, the extra keys are:
                    written by the launcher as the segment fails
     steps_per_execution  steps (optimizer steps per ASP closure / BSP call, chosen automatically),
                    step_seconds (the measured time of one step behind the choice)
+    average        (local SGD's chief) global_step (where the replicas were averaged), steps (since
+                   the average before), bytes (of the state vector each worker all-reduced)
     segment_end    global_step, samples, updates, seconds, examples_per_sec, stopped_early, reason
     hook_error     (the chief) hook, method (on_checkpoint | on_evaluate), step, error, where (the
                    file:line that raised): a user's hook failed, training went on (syncswitch.hooks)
@@ -72,6 +81,7 @@ EVENT_TYPES = (
     "node_lost",
     "segment_failed",
     "steps_per_execution",
+    "average",
     "segment_end",
     "hook_error",
 )

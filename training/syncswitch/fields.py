@@ -23,6 +23,7 @@ from typing import Any
 
 from syncswitch import plan as plans
 from syncswitch.errors import SpecError
+from syncswitch.protocols import SPELLINGS
 
 MOMENTUM_RULES = ("keep", "zero", "scaled", "ramped")
 ONLINE_POLICIES = ("none", "greedy", "elastic")
@@ -110,9 +111,11 @@ FIELDS: tuple[Field, ...] = (
         "switch_order",
         "string",
         "Switch order",
-        "One digit per segment: 1 = BSP (synchronous), 0 = ASP (asynchronous). "
-        "'10' trains BSP, then switches to ASP.",
-        pattern=r"^[01]+$",
+        "One protocol per segment: digits as the original's flag (1 = BSP, 0 = ASP: '10' trains BSP, "
+        "then switches to ASP), or protocols separated by commas: '1,ssp:4,0', 'bsp,local:8', "
+        f"'bsp,topk:0.01'. Each is one of: {SPELLINGS}. ssp: stale-synchronous with staleness bound "
+        "s; local: local SGD averaging every H steps; fp16 and topk: BSP with a compressed all-reduce.",
+        # No pattern: JobSpec names the bad segment and the accepted spellings (syncswitch.protocols).
         original_flag="--switch-order",
     ),
     Field(
@@ -305,6 +308,14 @@ FIELDS: tuple[Field, ...] = (
         choices=ONLINE_POLICIES,
     ),
     Field(
+        "online_protocol",
+        "string",
+        "Online protocol",
+        "What an online switch during BSP goes to: asp (the paper's), ssp:<s> (stale-synchronous, "
+        "bound s), local:<H> (local SGD, averaging every H steps), or auto (bounded staleness: SSP "
+        "with s from the straggler's slowdown). A switch back is always to BSP.",
+    ),
+    Field(
         "max_online_switches",
         "integer",
         "Max online switches",
@@ -358,8 +369,17 @@ FIELDS: tuple[Field, ...] = (
         "Timing policy",
         "fixed: train bsp_fraction as given. search: the job's history chooses it (BSP baseline runs, "
         "then a halving search 0.5, 0.25, ... accepted while accuracy holds, then the smallest "
-        "accepted fraction); needs switch_order '10'.",
+        "accepted fraction); needs switch_order of BSP then another protocol ('10', 'bsp,ssp:4').",
         choices=TIMING_POLICIES,
+    ),
+    Field(
+        "timing_protocols",
+        "array",
+        "Timing: protocols after BSP",
+        "With timing_policy search: the protocols to search after BSP, each with its own halving "
+        "search (e.g. asp, ssp:4, local:8); once all have finished, runs take the fastest one that "
+        "keeps BSP's accuracy. Empty: switch_order's second protocol only.",
+        items="string",
     ),
     Field(
         "timing_repeats",

@@ -10,7 +10,8 @@ Placement (``place_nodes``) by the hosts' optional ``role`` (chief, worker, ps; 
     chief host      the first host with role chief, else the first host: the ASP chief, BSP worker 0
     ASP worker i    the i-th worker host, round robin (worker hosts: role worker, else role any,
                     else every host)
-    BSP worker i    (i >= 1) where ASP worker i runs
+    BSP worker i    (i >= 1) where ASP worker i runs (BSP: every all-reduce protocol; ASP: every
+                    parameter-server one, syncswitch.protocols)
     parameter server j   the j-th ps host, round robin (ps hosts: role ps, else any, else every host)
 
 Nothing here holds a secret: a host names its SSH key by path (or a ``gs://`` object), or names an
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch.errors import SpecError
+from syncswitch.protocols import ALLREDUCE, family
 
 ROLES = ("any", "chief", "worker", "ps")
 # OpenSSH's host key types, the preferred first (where a host publishes several, it is pinned).
@@ -277,7 +279,7 @@ def place_nodes(roles: list[str], protocol: str, num_workers: int, num_ps: int) 
     chief = chief_host(roles)
     workers = _candidates(roles, "worker")
     worker_host = [workers[i % len(workers)] for i in range(num_workers)]
-    if protocol == "bsp":
+    if family(protocol).topology == ALLREDUCE:
         return [("worker", i, chief if i == 0 else worker_host[i]) for i in range(num_workers)]
     ps = _candidates(roles, "ps")
     return (

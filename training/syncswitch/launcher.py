@@ -10,9 +10,10 @@
     SegmentCluster   forks chief/workers/PS, supervises, tears down
     run_segment()    preflight + cluster + result; what `syncswitch train` calls
 
-Supervision covers what TF does not: a dead PS or a dead BSP worker fails the segment (training resumes
-from the last checkpoint on rerun); a dead ASP worker is tolerated; a stalled ASP worker reported by
-the coordinator's watchdog is killed; injected stragglers are duty-cycled with SIGSTOP/SIGCONT.
+Supervision covers what TF does not: a dead PS, or a dead worker of any protocol but ASP, fails the
+segment (training resumes from the last checkpoint on rerun; syncswitch.protocols says why); a dead
+ASP worker is tolerated; a stalled ASP or SSP worker reported by the coordinator's watchdog is
+killed; injected stragglers are duty-cycled with SIGSTOP/SIGCONT.
 Nodes are forked from a fork server that has TensorFlow imported already (forkserver.py): the cluster's,
 warm since provisioning, or a private one. The server kills a node as soon as its launcher's connection
 closes, so even a SIGKILLed launcher leaves no orphan behind.
@@ -44,6 +45,7 @@ from syncswitch.nodelogs import NodeLogs
 from syncswitch.peers import host_port
 from syncswitch.plan import step_text
 from syncswitch.preflight import imports_user_code, preflight, warm_preflight
+from syncswitch.protocols import ALLREDUCE
 from syncswitch.reporting import ProgressFile
 from syncswitch.spec import SegmentSpec, StragglerSpec
 from syncswitch.stall import StallWatch
@@ -279,6 +281,8 @@ class SegmentCluster:
         """Supervise until the chief exits; returns the chief's exit code (raises SegmentFailed)."""
         last_progress = 0.0
         bsp_abort_since: float | None = None
+        protocol = self.spec.segment_protocol
+        allreduce = protocol.topology == ALLREDUCE
         while True:
             chief_rc = self.chief.poll()
             if chief_rc is not None:
@@ -288,18 +292,24 @@ class SegmentCluster:
             self._act_on_kill_requests()
             for node in self.nodes[1:]:
                 rc = node.poll()
-                if rc is None or (rc == 0 and self.spec.protocol == "bsp"):
-                    continue  # a BSP worker exits 0 once training is done and the chief is gone
+                if rc is None or (rc == 0 and allreduce):
+                    continue  # an all-reduce worker exits 0 once training is done and the chief is gone
                 if node.role == "ps":
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")
-                if self.spec.protocol == "asp" and node.task not in self._lost_workers:
+                if protocol.family.survives_worker_loss and node.task not in self._lost_workers:
                     self._lost_workers.add(node.task)
                     self._node_lost(node, rc, "ASP continues with the survivors")
-                if self.spec.protocol == "bsp" and bsp_abort_since is None:
+                elif not allreduce:  # SSP: the others' clocks would stop within s steps of its own
+                    self._node_lost(node, rc, "the segment fails")
+                    raise SegmentFailed(
+                        f"worker {node.task} exited with {rc}; {protocol.label} holds every worker within "
+                        f"{protocol.staleness} step(s) of it, so the segment fails; see {node.log_path}"
+                    )
+                if allreduce and bsp_abort_since is None:
                     # MWMS aborts every worker when one dies; give the chief time to exit on its own.
                     bsp_abort_since = time.monotonic()
-                    self._node_lost(node, rc, "BSP cannot continue without it")
+                    self._node_lost(node, rc, f"{protocol.family.title} cannot continue without it")
             if bsp_abort_since is not None and time.monotonic() - bsp_abort_since > BSP_ABORT_GRACE_SECONDS:
                 raise SegmentFailed("a BSP worker died and the chief did not exit; stopping the segment")
             if len(self._lost_workers) >= self.spec.num_workers:

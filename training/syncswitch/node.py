@@ -1,9 +1,10 @@
 """One process of a segment's TF cluster. Reads its role from TF_CONFIG, so the same code runs on
 localhost (started by syncswitch.launcher) and on separate hosts (started by a node agent/image).
 
-Roles:
-    BSP: worker i (worker 0 is the chief)  -> MultiWorkerMirroredStrategy training loop
-    ASP: chief                             -> ParameterServerStrategy coordinator loop
+Roles, by the protocol's topology (syncswitch.protocols):
+    all-reduce (BSP, compressed BSP, local SGD): worker i (worker 0 is the chief)
+                                           -> MultiWorkerMirroredStrategy: bsp.py, or local_sgd.py
+    parameter server (ASP, SSP): chief     -> ParameterServerStrategy coordinator loop (asp.py)
          worker i, ps i                    -> a tf.distribute.Server that runs what it is sent
 """
 
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 from syncswitch import peers
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import ALLREDUCE
 from syncswitch.spec import SegmentSpec
 
 
@@ -74,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
     timings["imported"] = time.time()
 
-    if role == "ps" or (role == "worker" and spec.protocol == "asp"):
+    allreduce = spec.segment_protocol.topology == ALLREDUCE
+    if role == "ps" or (role == "worker" and not allreduce):
         run_server(tf, tf_config, role, task, args.intra_op_threads, args.inter_op_threads)
         return 0
 
     from syncswitch import usercode
     from syncswitch.asp import run_asp_chief
     from syncswitch.bsp import run_bsp_worker
+    from syncswitch.local_sgd import run_local_sgd_worker
     from syncswitch.problems import get_problem
 
     # The job's user code (on other hosts, the copy shipped through the bucket), before any lookup.
@@ -104,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         timings=timings,
         user_code=user_code,
     )
-    result = run_bsp_worker(ctx, problem) if spec.protocol == "bsp" else run_asp_chief(ctx, problem)
+    loops = {"local": run_local_sgd_worker, "asp": run_asp_chief, "ssp": run_asp_chief}
+    result = loops.get(spec.protocol, run_bsp_worker)(ctx, problem)
     if result is not None:
         print(json.dumps(result), flush=True)
-    if spec.protocol == "bsp" and task != 0:
+    if allreduce and task != 0:
         # This worker's last all-reduce can end before the chief has fetched this worker's share of
         # it (each chunk is pulled from its owner's server): exiting at once would close that fetch's
         # socket and fail the chief at the segment's end ("Collective ops is aborted by: Socket

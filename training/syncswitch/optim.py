@@ -35,9 +35,11 @@ Why not Keras' optimizers:
   decay (1) and which do not (0): the flat weight groups of syncswitch.params hold kernels, batch-norm
   scales and biases side by side.
 
-The same code runs under both strategies, so BSP and ASP apply identical numerics, and the slots are
-checkpointed with the weights (syncswitch.params' per-variable templates): a checkpoint restores
-bit-identically in either protocol.
+The same code runs under every protocol (both strategies, and a local SGD replica's own variables), so
+they apply identical numerics, and the slots are checkpointed with the weights (syncswitch.params'
+per-variable templates): a checkpoint restores bit-identically in any protocol. ``apply`` returns the
+update ops, for what must follow them (SSP's clock, local SGD's average), and takes ``summed`` where
+the caller did the all-reduce (compressed BSP) or has none to do (a local SGD replica).
 """
 
 from __future__ import annotations
@@ -97,30 +99,38 @@ class SlotOptimizer(tf.Module):
         masks = decay_masks if decay_masks is not None else [0.0] * len(variables)
         self._masks = [np.asarray(m, dtype=np.float32) for m in masks]
 
-    def apply(self, grads: list[Any], variables: list[Any], config: StepConfig) -> None:
-        """One update of every variable. Call in a replica context (inside ``strategy.run``):
-        gradients are summed across replicas first (MultiWorkerMirroredStrategy's all-reduce; a no-op
-        for the single replica of a parameter-server worker)."""
+    def apply(
+        self, grads: list[Any], variables: list[Any], config: StepConfig, *, summed: bool = False
+    ) -> list[Any]:
+        """One update of every variable; returns the update ops (to order work after them). Call in
+        a replica context (inside ``strategy.run``): gradients are summed across replicas first
+        (MultiWorkerMirroredStrategy's all-reduce; a no-op for the single replica of a
+        parameter-server worker), unless ``summed`` says the caller did (a compressed all-reduce) or
+        that there is nothing to sum with (a local SGD replica)."""
         context = tf.distribute.get_replica_context()
-        if context is not None:
+        if context is not None and not summed:
             grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
         pairs = list(zip(grads, variables, strict=True))
-        tf.__internal__.distribute.interim.maybe_merge_call(
+        return tf.__internal__.distribute.interim.maybe_merge_call(
             self._update_all, tf.distribute.get_strategy(), pairs, config
         )
 
-    def _update_all(self, strategy: Any, pairs: list[tuple[Any, Any]], config: StepConfig) -> None:
+    def _update_all(self, strategy: Any, pairs: list[tuple[Any, Any]], config: StepConfig) -> list[Any]:
         # Packed once on the worker: one transfer to each parameter server instead of one per scalar.
         packed = self._pack(StepConfig(*(tf.cast(value, tf.float32) for value in config)))
+        updates = []
         for grad, variable in pairs:
             position = self._position[_key(variable)]
             slots = [self.slots[slot][position] for slot in self.SLOTS]
-            strategy.extended.update(
-                _tf_variable(variable),
-                self._update_one,
-                args=(grad, slots, self._masks[position], packed),
-                group=False,
+            updates.append(
+                strategy.extended.update(
+                    _tf_variable(variable),
+                    self._update_one,
+                    args=(grad, slots, self._masks[position], packed),
+                    group=False,
+                )
             )
+        return updates
 
     def _decayed_gradient(self, variable: Any, grad: Any, mask: np.ndarray) -> Any:
         """The gradient of the loss plus t2t's L2 term, ``weight_decay * variable`` where it decays."""

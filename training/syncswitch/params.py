@@ -9,10 +9,10 @@ slices of them through ``stateless_call``; its own variables are a local *templa
 canonical form for checkpoints and evaluation. Under MultiWorkerMirroredStrategy the same layout
 means one gradient all-reduce per step instead of one per variable.
 
-Both loops use this same code, so BSP and ASP apply identical numerics, and checkpoints stay in the
+Every protocol's loop uses this same code, so they apply identical numerics, and checkpoints stay in the
 per-variable form (``tf.train.Checkpoint(model=template, optimizer=<slots per variable>)``): a
-checkpoint written under either strategy restores bit-identically under the other, and evaluation
-reads it into a plain model.
+checkpoint written under any protocol restores bit-identically under any other, and evaluation reads
+it into a plain model.
 """
 
 from __future__ import annotations
@@ -162,12 +162,36 @@ class FlatModel(tf.Module):
         new_statistics, new_others = self._split_non_trainable(list(new_non_trainable))
         return loss, grads, (self.stats_layout.flatten(new_statistics), new_others)
 
-    def apply(self, grads: list[Any], new_state: Any, config: StepConfig) -> None:
-        self.optimizer.apply(grads, self.params, config)
+    def apply(
+        self, grads: list[Any], new_state: Any, config: StepConfig, *, summed: bool = False
+    ) -> list[Any]:
+        """The update (``summed`` as SlotOptimizer.apply's) and the new non-trainable state; returns
+        the ops that write them."""
+        updates = self.optimizer.apply(grads, self.params, config, summed=summed)
         new_statistics, new_others = new_state
-        self.stats.assign(new_statistics)
+        writes = [self.stats.assign(new_statistics)]
         for variable, value in zip(self.other_state, new_others, strict=True):
-            variable.assign(value)
+            writes.append(variable.assign(value))
+        return [op for op in [*tf.nest.flatten(updates), *writes] if op is not None]
+
+    def _slot_variables(self) -> list[Any]:
+        """Every slot's weight groups, slot by slot in the optimizer's order (SLOTS)."""
+        return [v for slot in self.optimizer.SLOTS for v in self.optimizer.slots[slot]]
+
+    def state_vector(self) -> Any:
+        """Weights, every optimizer slot (a velocity, or Adam's two moments) and batch-norm statistics
+        as one vector (what local SGD averages): a replica's slots are part of its state, so the
+        average leaves every replica with the same optimizer too."""
+        parts = [p.read_value() for p in self.params] + [v.read_value() for v in self._slot_variables()]
+        return tf.concat([*parts, self.stats.read_value()], 0)
+
+    def assign_state_vector(self, vector: Any) -> Any:
+        """Write a vector of :meth:`state_vector`'s layout back; returns the op."""
+        groups = self.weights_layout.group_sizes
+        sizes = [*groups * (1 + len(self.optimizer.SLOTS)), self.stats_layout.total]
+        parts = tf.split(vector, sizes)
+        targets = [*self.params, *self._slot_variables(), self.stats]
+        return tf.group(*[t.assign(v) for t, v in zip(targets, parts, strict=True)])
 
     # ---- the canonical (per-variable) form, for checkpoints ---------------------------------------
 

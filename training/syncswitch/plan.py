@@ -1,7 +1,8 @@
-"""Pure functions over ``state["plan"]``: a list of ``{index, protocol, until_step, origin}``.
+"""Pure functions over ``state["plan"]``: a list of ``{index, protocol, until_step, origin}``, with
+``protocol_args`` where the protocol has settings (``syncswitch.protocols``: ``{"staleness": 4}``).
 
 Online switching (docs/architecture.md): when a policy switches during segment ``i`` (target ``U``),
-entry ``i`` keeps its protocol, a new entry ``i+1`` with the other protocol and target ``U`` is
+entry ``i`` keeps its protocol, a new entry ``i+1`` with the policy's protocol and target ``U`` is
 inserted with ``origin: "online"``, and later entries shift by one. When segment ``i`` then stops
 early at step ``s``, :func:`truncate` sets entry ``i``'s ``until_step`` to ``s``. The job's workload
 (the last entry's ``until_step``) never changes, and targets never decrease along the plan.
@@ -14,10 +15,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from syncswitch.protocols import DIGITS, PROTOCOLS, Protocol, parse_token
+
 Entry = dict[str, Any]
-PROTOCOLS = ("bsp", "asp")
-# A switch order spells the plan in digits, as the original's flag did: "1" BSP, "0" ASP.
-PROTOCOL_DIGITS = {"1": "bsp", "0": "asp"}
+# A switch order's digits, as the original's flag spelled a plan: "1" BSP, "0" ASP.
+PROTOCOL_DIGITS = DIGITS
 ORIGINS = ("plan", "online")
 # A run's plan holds at most this many segments: the offline ones plus one per online switch. The DAG
 # has one task slot per segment; 6 covers "101" with 2 online switches and keeps the graph readable.
@@ -36,10 +38,15 @@ def step_text(step: float | None) -> str:
     return f"{step:,.0f}" if abs(step - round(step)) < 0.05 else f"{step:,.1f}"
 
 
-def other_protocol(protocol: str) -> str:
-    if protocol not in PROTOCOLS:
-        raise PlanError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
-    return "asp" if protocol == "bsp" else "bsp"
+def protocol_of(item: Entry) -> Protocol:
+    """The protocol an entry runs, with its settings."""
+    return Protocol.of(item["protocol"], item.get("protocol_args"))
+
+
+def entry_fields(protocol: Protocol) -> Entry:
+    """An entry's protocol keys: ``protocol``, and ``protocol_args`` where it has settings."""
+    args = protocol.args()
+    return {"protocol": protocol.name, **({"protocol_args": args} if args else {})}
 
 
 def check(plan: list[Entry]) -> None:
@@ -50,6 +57,10 @@ def check(plan: list[Entry]) -> None:
             raise PlanError(f"entry at position {position} has index {item.get('index')!r}")
         if item.get("protocol") not in PROTOCOLS:
             raise PlanError(f"entry {position}: protocol {item.get('protocol')!r} is not one of {PROTOCOLS}")
+        try:
+            protocol_of(item)
+        except ValueError as err:
+            raise PlanError(f"entry {position}: {err}") from None
         if item.get("origin") not in ORIGINS:
             raise PlanError(f"entry {position}: origin {item.get('origin')!r} is not one of {ORIGINS}")
         until = item.get("until_step")
@@ -78,12 +89,17 @@ def _require(plan: list[Entry], index: int) -> Entry:
     return item
 
 
-def insert_switch(plan: list[Entry], index: int, new_protocol: str) -> list[Entry]:
-    """The plan after switching to ``new_protocol`` during segment ``index``."""
+def insert_switch(plan: list[Entry], index: int, new_protocol: Protocol | str) -> list[Entry]:
+    """The plan after switching to ``new_protocol`` (a Protocol, or as a switch order spells one:
+    "asp", "ssp:4") during segment ``index``."""
     check(plan)
     current = _require(plan, index)
-    if new_protocol != other_protocol(current["protocol"]):
-        raise PlanError(f"segment {index} already runs {new_protocol}; a switch goes to the other protocol")
+    try:
+        target = new_protocol if isinstance(new_protocol, Protocol) else parse_token(new_protocol, "switch")
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if target == protocol_of(current):
+        raise PlanError(f"segment {index} already runs {target.token}; a switch goes to another protocol")
     switched: list[Entry] = []
     for item in plan:
         moved = copy.deepcopy(item)
@@ -94,7 +110,7 @@ def insert_switch(plan: list[Entry], index: int, new_protocol: str) -> list[Entr
             switched.append(
                 {
                     "index": index + 1,
-                    "protocol": new_protocol,
+                    **entry_fields(target),
                     "until_step": item["until_step"],
                     "origin": "online",
                 }

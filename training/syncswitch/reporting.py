@@ -186,19 +186,32 @@ class ChiefReporter:
 
 class WorkerTimer:
     """Per-worker `worker_step` events (the straggler detector's input), averaged over
-    WORKER_EVENT_INTERVAL_SECONDS."""
+    WORKER_EVENT_INTERVAL_SECONDS, with the bytes sent per step and, where ``clock_leads`` (SSP),
+    the largest clock lead of the window's steps."""
 
-    def __init__(self, events: EventWriter, worker: int, probe: PeerProbe | None = None) -> None:
+    def __init__(
+        self, events: EventWriter, worker: int, probe: PeerProbe | None = None, *, clock_leads: bool = False
+    ) -> None:
         self.events, self.worker, self.probe = events, worker, probe
-        self._steps: list[tuple[float, float, float]] = []
+        self.clock_leads = clock_leads
+        self._steps: list[tuple[float, float, float, float]] = []
+        self._max_lead = 0
         self._last_emit = time.monotonic()
         self._global_step = 0.0
 
     def record(
-        self, *, global_step: float, step_time: float, compute_time: float, wait_time: float | None = None
+        self,
+        *,
+        global_step: float,
+        step_time: float,
+        compute_time: float,
+        wait_time: float | None = None,
+        bytes_sent: float = 0.0,
+        clock_lead: float = 0.0,
     ) -> None:
         wait = max(step_time - compute_time, 0.0) if wait_time is None else wait_time
-        self._steps.append((step_time, compute_time, wait))
+        self._steps.append((step_time, compute_time, wait, bytes_sent))
+        self._max_lead = max(self._max_lead, int(clock_lead))
         self._global_step = global_step
         if time.monotonic() - self._last_emit >= WORKER_EVENT_INTERVAL_SECONDS:
             self.flush()
@@ -207,7 +220,7 @@ class WorkerTimer:
         if not self._steps:
             return
         count = len(self._steps)
-        step_time, compute_time, wait_time = (
+        step_time, compute_time, wait_time, bytes_sent = (
             sum(column) / count for column in zip(*self._steps, strict=True)
         )
         self.events.emit(
@@ -218,16 +231,20 @@ class WorkerTimer:
             step_time=step_time,
             compute_time=compute_time,
             wait_time=wait_time,
+            bytes_sent=bytes_sent,
+            **({"clock_lead": self._max_lead} if self.clock_leads else {}),
             **({"peer_rtt": self.probe.rtt} if self.probe is not None and self.probe.rtt is not None else {}),
         )
         self._steps.clear()
+        self._max_lead = 0
         self._last_emit = time.monotonic()
 
 
 class StepBook:
-    """What both loops do after each call or closure of k steps: the worker's per-step timings, the
-    chief's rate-limited step event (with the LR and momentum of the last step), and the finite-loss
-    check. ``records`` holds per step [loss, own seconds, step seconds]."""
+    """What every loop does after each call or closure of k steps: the worker's per-step timings, the
+    chief's rate-limited step event (with the LR and momentum of the last step), the bytes sent, and
+    the finite-loss check. ``records`` holds one row per step (trainer.RECORD_COLUMNS: loss, own
+    seconds, step seconds, bytes sent, clock lead)."""
 
     def __init__(
         self,
@@ -237,6 +254,13 @@ class StepBook:
     ) -> None:
         """``schedule_at(step)``: the LR and momentum at a global step (``Schedule.at``)."""
         self.schedule_at, self.global_batch, self.reporter = schedule_at, global_batch, reporter
+        self.rows, self.bytes_sent = 0, 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Bytes a worker sent per optimizer step of its own (a BSP-equivalent step, or an ASP
+        update: one per worker per step either way), over the steps this node saw."""
+        return self.bytes_sent / self.rows if self.rows else 0.0
 
     def after_steps(
         self, records: Any, timer: WorkerTimer, *, samples: int, updates: int, samples_per_step: int
@@ -245,9 +269,17 @@ class StepBook:
         ``samples_per_step`` samples (a BSP step is the global batch, an ASP update one worker's)."""
         last_step = samples / self.global_batch
         step = samples_per_step / self.global_batch
-        for j, (_loss, own, took) in enumerate(records):
+        for j, (_loss, own, took, sent, lead) in enumerate(records):
             global_step = last_step - (len(records) - 1 - j) * step
-            timer.record(global_step=global_step, step_time=float(took), compute_time=float(own))
+            timer.record(
+                global_step=global_step,
+                step_time=float(took),
+                compute_time=float(own),
+                bytes_sent=float(sent),
+                clock_lead=float(lead),
+            )
+            self.rows += 1
+            self.bytes_sent += float(sent)
         loss = float(records[-1][0])
         if self.reporter is not None:
             lr, momentum = self.schedule_at(last_step - step)

@@ -2,8 +2,9 @@
 
     JobSpec.from_params(params)            validates DAG params / CLI flags / REST conf, naming the bad field
     JobSpec.parse_params(params)           the same params as field values, parsed but not checked
-    JobSpec.plan_entries()                 the offline plan: one entry per digit of switch_order
-                                           (the plan-entry contract: syncswitch.plan)
+    JobSpec.plan_entries()                 the offline plan: one entry per segment of switch_order
+                                           (the plan-entry contract: syncswitch.plan; the grammar
+                                           and the protocols: syncswitch.protocols)
     JobSpec.segment_spec(entry, ...)       -> SegmentSpec: what one plan entry's processes run (the
                                            one builder of SegmentSpecs, `syncswitch train`'s too)
     JobSpec.plan(run_id, run_dir)          -> [SegmentSpec, ...] of the offline plan
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncswitch import plan as plans
+from syncswitch import protocols as protocol_grammar
 from syncswitch.errors import SpecError
 from syncswitch.fields import DEMO_JOB_NAME, FIELDS, JOB_NAME_PATTERN, MOMENTUM_RULES, default_job_name
 from syncswitch.gce import GceSpec
@@ -39,11 +41,14 @@ from syncswitch.hparams import (
     first_moment,
     get_hparams,
 )
+from syncswitch.protocols import Protocol
 from syncswitch.stall import DEFAULT_STALL_SECONDS
 
 # The built-in models' pairing with problems (the digits CNN takes 8x8 images, the ResNet 32x32).
 _BUILTIN_IMAGE_MODELS = {"cnn": ("digits",), "resnet": ("image_cifar10", "image_cifar100", "synthetic_cifar")}
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+# What an online switch away from BSP may go to: the protocols that do not wait for every worker each step.
+ONLINE_PROTOCOLS = ("asp", "ssp", "local")
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class SegmentSpec:
     run_id: str
     run_dir: str
     index: int
-    protocol: str  # "bsp" | "asp"
+    protocol: str  # one of syncswitch.protocols.PROTOCOLS
     until_step: int  # cumulative BSP-equivalent target; the segment ends exactly here
     total_steps: int  # the whole job's workload, for the LR schedule
     model: str
@@ -167,6 +172,12 @@ class SegmentSpec:
     stall_seconds: float = DEFAULT_STALL_SECONDS  # the floor of syncswitch.stall's rule
     stragglers: tuple[StragglerSpec, ...] = ()
     straggler_reference_time: float | None = None  # epoch seconds; None = launch time
+    protocol_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the protocol's settings
+
+    @property
+    def segment_protocol(self) -> Protocol:
+        """The protocol this segment runs, with its settings (staleness bound, period, compression)."""
+        return Protocol.of(self.protocol, self.protocol_args)
 
     def resolved_hparams(self) -> HParams:
         return get_hparams(self.hparam_set, self.model).override(self.hparams)
@@ -222,18 +233,25 @@ def switch_config(
     steps_into_segment: Any,
     ops: Any = PythonOps,
 ) -> SwitchConfig:
-    """BSP uses the base LR and momentum. ASP divides the LR by N (per-worker batch b instead of N x b)
-    and applies the momentum rule: keep m, zero, scaled m/N, or ramped (m/N rising linearly back to m
-    over ``ramp_steps`` BSP-equivalent steps). ``ops`` as in hparams.learning_rate_at.
+    """The configuration policy, per protocol (``ops`` as in hparams.learning_rate_at):
+
+    - BSP, compressed BSP and local SGD: the base LR and momentum. Each of their updates is the
+      global batch's (compressed BSP's is BSP's with a lossy all-reduce), and a local SGD replica
+      steps at that LR on its own batch: with momentum SGD, whose update is linear in the gradient,
+      averaged every step that is BSP's update exactly; with Adam, whose update is about the LR per
+      element whatever the batch, each replica steps as far as BSP would.
+    - ASP and SSP: the LR divided by N (an update is one worker's batch b instead of N x b), and the
+      momentum rule, as N updates in flight add momentum of their own: keep m, zero, scaled m/N, or
+      ramped (m/N rising linearly back to m over ``ramp_steps`` BSP-equivalent steps).
 
     Adam and AdamW take the LR scale alone; ``momentum`` is their beta1, unchanged under every rule
-    (their second moment is rescaled at the switch instead: second_moment_scale).
+    and protocol (their second moment is rescaled at the switch instead: second_moment_scale).
     The rule exists because heavy-ball momentum multiplies the step (by 1/(1-m) at steady state) on top
     of the momentum that stale asynchronous updates add; Adam's first moment is an average, which
     does not multiply the step, and its update has a size of about the LR per element, so N updates
     at LR/N move the weights as far per sample as one BSP step at the LR."""
     m = first_moment(hp)
-    if protocol == "bsp":
+    if not protocol_grammar.family(protocol).per_worker_updates:
         return SwitchConfig(1.0, m)
     scale = 1.0 / num_workers
     if hp.optimizer != "momentum":
@@ -252,9 +270,20 @@ def switch_config(
     return SwitchConfig(scale, momentum)
 
 
+def examples_per_update(protocol: str, batch_size: int, num_workers: int) -> int:
+    """The examples behind one update's gradient: the global batch where every worker's gradient is
+    summed into it (BSP, compressed BSP), one worker's batch where an update is one worker's (ASP,
+    SSP) or one replica's (local SGD, between its averages)."""
+    if protocol_grammar.family(protocol).per_worker_updates or protocol == "local":
+        return batch_size
+    return batch_size * num_workers
+
+
 def second_moment_scale(hp: HParams, previous_update_batch: int | None, update_batch: int) -> float:
     """Adam's second moment across a switch: multiplied by the previous update's batch over this
-    segment's (BSP -> ASP with N workers: N; back: 1/N), where the checkpoint records it (else 1).
+    segment's (examples_per_update: BSP -> ASP, SSP or local SGD with N workers: N; back: 1/N;
+    between two of the per-worker or two of the global-batch protocols: 1), where the checkpoint
+    records it (else 1).
 
     The second moment estimates E[g^2] of one update's gradient, which is mostly noise once training
     is under way, and noise variance goes as 1/batch: carried over unchanged from BSP's N x b batch, it
@@ -270,6 +299,7 @@ class JobSpec:
     """A validated job: the DAG params, the CLI flags and the REST conf all end up here."""
 
     job_name: str = DEMO_JOB_NAME  # none given: fields.default_job_name (parse_params)
+    # One protocol per segment (syncswitch.protocols): digits "10", or "1,ssp:4,0"; canonical text.
     switch_order: str = "10"
     train_steps: tuple[int, ...] = ()  # per segment; empty = total_steps x bsp_fraction
     total_steps: int = 400
@@ -292,6 +322,7 @@ class JobSpec:
     momentum_rule: str = "ramped"
     momentum_ramp_steps: int = 50
     online_policy: str = "none"
+    online_protocol: str = "asp"  # asp, ssp:<s>, local:<H> or auto (syncswitch_airflow.policies)
     max_online_switches: int = 2
     stragglers: tuple[StragglerSpec, ...] = ()
     seed: int = 0
@@ -303,6 +334,7 @@ class JobSpec:
     # The offline timing policy (syncswitch_airflow.timing): "fixed" runs bsp_fraction as given;
     # "search" lets the job's history choose it (halving search, then the smallest accepted fraction).
     timing_policy: str = "fixed"
+    timing_protocols: tuple[str, ...] = ()  # search: the protocols after BSP to search (canonical)
     timing_repeats: int = 3
     timing_tolerance: float = 0.005
     timing_floor: float = 1 / 32
@@ -339,10 +371,17 @@ class JobSpec:
             values["job_name"] = default_job_name(
                 str(values["model"]), str(values["problem"]), str(values["usr_dir"])
             )
+        values["switch_order"] = protocol_grammar.switch_order_text(
+            protocol_grammar.parse_switch_order(values["switch_order"])
+        )
         values["train_steps"] = _int_list("train_steps", values["train_steps"])
         values["ckpt_frequency"] = _int_list("ckpt_frequency", values["ckpt_frequency"])
         values["hparams"] = _str_list("hparams", values["hparams"])
         values["hooks"] = _name_list("hooks", values["hooks"])
+        values["timing_protocols"] = tuple(
+            protocol_grammar.parse_token(t, f"protocol {i}", "timing_protocols").token
+            for i, t in enumerate(_seq(values["timing_protocols"]))
+        )
         values["stragglers"] = tuple(StragglerSpec.parse(s) for s in _seq(values["stragglers"]))
         values["hosts"] = parse_hosts(values["hosts"])
         scalar_parsers = {"integer": _int, "number": _float, "boolean": _bool}
@@ -364,6 +403,7 @@ class JobSpec:
         self._validate_names()
         self._validate_hosts()
         self._validate_timing()
+        self._validate_online_protocol()
         self._validate_workload()
         self._validate_stragglers()
         if not self.bucket_dir:
@@ -373,15 +413,13 @@ class JobSpec:
         if not self.usr_dir:  # a usr_dir's names exist once imported: syncswitch.check checks them
             self._validate_hparams()
 
+    def protocols(self) -> tuple[Protocol, ...]:
+        """The planned protocol of each segment, from switch_order."""
+        return protocol_grammar.parse_switch_order(self.switch_order)
+
     def _validate_plan(self) -> None:
         """The switch order, and per-segment values that match it."""
-        if not self.switch_order or set(self.switch_order) - set(plans.PROTOCOL_DIGITS):
-            raise SpecError(
-                "switch_order",
-                f"{self.switch_order!r} must be a non-empty string of 1 (BSP) "
-                "and 0 (ASP), e.g. '10' or '101'",
-            )
-        n = len(self.switch_order)
+        n = len(self.protocols())  # SpecError naming the segment and the accepted spellings
         if self.train_steps and len(self.train_steps) != n:
             raise SpecError(
                 "train_steps",
@@ -404,7 +442,7 @@ class JobSpec:
             )
         if self.model == "resnet" and self.problem == "digits":
             raise SpecError("model", "problem 'digits' (8x8 images) takes model 'cnn'")
-        n = len(self.switch_order)
+        n = len(self.protocols())
         if n + self.max_online_switches > plans.MAX_SEGMENTS:
             raise SpecError(
                 "switch_order/max_online_switches",
@@ -488,57 +526,79 @@ class JobSpec:
 
     def _validate_timing(self) -> None:
         if self.timing_policy == "search":
-            # The policy chooses the BSP share of one BSP-then-ASP job, as the paper's search did.
-            if self.switch_order != "10":
+            # The policy chooses the BSP share of one BSP-then-X job, as the paper's search did.
+            protocols = self.protocols()
+            if len(protocols) != 2 or protocols[0].name != "bsp" or protocols[1].name == "bsp":
                 raise SpecError(
                     "switch_order",
-                    f"timing_policy 'search' needs switch_order '10', got {self.switch_order!r}",
+                    "timing_policy 'search' needs two segments, BSP then another protocol ('10', "
+                    f"'bsp,ssp:4'), got {self.switch_order!r}",
                 )
             if self.train_steps:
                 raise SpecError(
                     "train_steps", "timing_policy 'search' splits total_steps itself; leave it empty"
                 )
+        elif self.timing_protocols:
+            raise SpecError("timing_protocols", "only for timing_policy 'search'")
+        if "bsp" in self.timing_protocols:
+            raise SpecError(
+                "timing_protocols", "the protocols after BSP: asp, ssp:<s>, local:<H>, fp16, topk:<r>"
+            )
 
-    def with_bsp_fraction(self, fraction: float) -> JobSpec:
-        """This run's plan once a timing policy chose its BSP share: all BSP at 1.0, else BSP then
-        ASP; the choice is now fixed for this run (the decision itself is kept in state.json)."""
+    def second_protocols(self) -> tuple[str, ...]:
+        """The protocols a timing search tries after BSP: timing_protocols, else switch_order's second."""
+        return self.timing_protocols or (self.protocols()[-1].token,)
+
+    def _validate_online_protocol(self) -> None:
+        if self.online_protocol == "auto":
+            return
+        name = protocol_grammar.parse_token(self.online_protocol, "the protocol", "online_protocol").name
+        if name not in ONLINE_PROTOCOLS:
+            raise SpecError(
+                "online_protocol",
+                f"{self.online_protocol!r}: a straggler's switch goes to asp, ssp:<s>, local:<H> or auto",
+            )
+
+    def with_bsp_fraction(self, fraction: float, second: Protocol | None = None) -> JobSpec:
+        """This run's plan once a timing policy chose its BSP share (and, where it searches it, the
+        protocol after BSP; else the job's own second segment's): all BSP at 1.0, else BSP then that
+        protocol; the choice is now fixed for this run (the decision itself is kept in state.json)."""
+        second = second or self.protocols()[-1]
+        order = [Protocol("bsp")] if fraction >= 1.0 else [Protocol("bsp"), second]
         return dataclasses.replace(
-            self, bsp_fraction=fraction, switch_order="1" if fraction >= 1.0 else "10", timing_policy="fixed"
+            self,
+            bsp_fraction=fraction,
+            switch_order=protocol_grammar.switch_order_text(order),
+            timing_policy="fixed",
         )
 
     def planned_bsp_fraction(self) -> float:
         """The share of the workload planned as BSP (before any online switch)."""
         steps = self.segment_steps()
-        return sum(s for s, d in zip(steps, self.switch_order, strict=True) if d == "1") / sum(steps)
+        return sum(s for s, p in zip(steps, self.protocols(), strict=True) if p.name == "bsp") / sum(steps)
 
     # ---- planning --------------------------------------------------------------------------
 
     def segment_steps(self) -> list[int]:
         """Steps per segment. With total_steps + bsp_fraction, the BSP share is split evenly over the
-        BSP segments and the rest over the ASP segments; rounding goes to the last segment."""
+        BSP segments and the rest evenly over the others (whatever their protocols); rounding goes to
+        the last segment of each share."""
         if self.train_steps:
             return list(self.train_steps)
-        order = self.switch_order
-        n_bsp, n_asp = order.count("1"), order.count("0")
-        bsp_total = round(self.total_steps * self.bsp_fraction) if n_asp else self.total_steps
+        is_bsp = [p.name == "bsp" for p in self.protocols()]
+        n_bsp, n_other = is_bsp.count(True), is_bsp.count(False)
+        bsp_total = round(self.total_steps * self.bsp_fraction) if n_other else self.total_steps
         if n_bsp == 0:
             bsp_total = 0
-        asp_total = self.total_steps - bsp_total
-        if n_asp and asp_total < n_asp or n_bsp and bsp_total < n_bsp:
+        other_total = self.total_steps - bsp_total
+        if n_other and other_total < n_other or n_bsp and bsp_total < n_bsp:
             raise SpecError(
                 "bsp_fraction",
                 f"{self.bsp_fraction} leaves a segment of switch_order "
-                f"{order!r} with no steps out of {self.total_steps}",
+                f"{self.switch_order!r} with no steps out of {self.total_steps}",
             )
-        steps = []
-        for proto_total, digit in ((bsp_total, "1"), (asp_total, "0")):
-            count = order.count(digit)
-            if count:
-                share = [proto_total // count] * count
-                share[-1] += proto_total - sum(share)
-                steps.append((digit, share))
-        shares = {digit: list(share) for digit, share in steps}
-        return [shares[d].pop(0) for d in order]
+        shares = {True: _even_split(bsp_total, n_bsp), False: _even_split(other_total, n_other)}
+        return [shares[bsp].pop(0) for bsp in is_bsp]
 
     @property
     def workload(self) -> int:
@@ -549,17 +609,17 @@ class JobSpec:
 
     def plan_entries(self) -> list[dict[str, Any]]:
         """The offline plan (``state["plan"]`` before any online switch): one entry per
-        switch_order digit with its cumulative target. ``plan_index`` is the entry's position in
+        switch_order segment with its cumulative target. ``plan_index`` is the entry's position in
         switch_order; per-segment settings (hparams, ckpt_frequency) follow it, also after online
         switches renumber the entries."""
         until = 0
         entries = []
-        for index, (digit, steps) in enumerate(zip(self.switch_order, self.segment_steps(), strict=True)):
+        for index, (protocol, steps) in enumerate(zip(self.protocols(), self.segment_steps(), strict=True)):
             until += steps
             entries.append(
                 {
                     "index": index,
-                    "protocol": plans.PROTOCOL_DIGITS[digit],
+                    **plans.entry_fields(protocol),
                     "until_step": until,
                     "origin": "plan",
                     "plan_index": index,
@@ -584,6 +644,7 @@ class JobSpec:
             run_dir=run_dir,
             index=entry["index"],
             protocol=entry["protocol"],
+            protocol_args=dict(entry.get("protocol_args") or {}),
             until_step=entry["until_step"],
             total_steps=self.workload,
             model=self.model,
@@ -612,16 +673,25 @@ class JobSpec:
             until += steps
             if until_step <= until:
                 return position
-        return len(self.switch_order) - 1
+        return len(self.protocols()) - 1
 
     def to_params(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["stragglers"] = [s.to_text() for s in self.stragglers]
         data["hosts"] = [h.to_text() for h in self.hosts]
         data["gce"] = self.gce.to_params() if self.gce else {}
-        for key in ("train_steps", "ckpt_frequency", "hparams", "hooks"):
+        for key in ("train_steps", "ckpt_frequency", "hparams", "hooks", "timing_protocols"):
             data[key] = list(data[key])
         return data
+
+
+def _even_split(total: int, count: int) -> list[int]:
+    """``total`` in ``count`` equal shares, the remainder on the last."""
+    if not count:
+        return []
+    share = [total // count] * count
+    share[-1] += total - sum(share)
+    return share
 
 
 # ---- field parsers: each names its field in the error -------------------------------------------

@@ -3,7 +3,8 @@
     {
       "run_id", "job_name", "run_dir", "status": "running" | "success" | "failed",
       "job":       JobSpec params (JobSpec.to_params()),
-      "plan":      [{"index", "protocol", "until_step", "origin": "plan" | "online"}, ...],
+      "plan":      [{"index", "protocol", "protocol_args" (where it has settings), "until_step",
+                     "origin": "plan" | "online"}, ...],
       "segments":  {"<index>": SegmentResult dict (below)},
       "decisions": [{"time", "segment", "action", "reason", ...numbers behind it}, ...],
       "cluster":   {"backend", ...backend-specific handle},
@@ -21,9 +22,11 @@
     }
 
 A SegmentResult is what the chief writes to ``metrics/seg-ii-proto/result.json`` when a segment ends:
-index, protocol, start_step, end_step, samples, updates, started_at, first_step_at, ended_at,
-seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss, startup,
-bucket_retries (the chief process's retried bucket calls, syncswitch.storage.retry_count).
+index, protocol, protocol_args, start_step, end_step, samples, updates, started_at, first_step_at,
+ended_at, seconds, examples_per_sec, stopped_early, reason, checkpoint, test_accuracy, test_loss,
+startup, bucket_retries (the chief process's retried bucket calls, syncswitch.storage.retry_count),
+bytes_per_worker_step; SSP's ``staleness`` {bound, max_lead, steps_by_lead, cut_closures}, local
+SGD's ``averaging`` {period, averages}.
 
 Every change to state.json is one of the named operations below (record_cluster,
 record_fork_servers, create_run, record_segment, straggler_reference_time, apply_switch,
@@ -44,6 +47,7 @@ from typing import Any
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import parse_token
 
 State = dict[str, Any]
 
@@ -166,12 +170,16 @@ def segment_recorded(state: State, index: int) -> bool:
 
 def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]) -> State:
     """Record an online switch decision and rewrite the plan in one update: the entry after ``item``
-    runs the other protocol to the same target. Repeating it does not insert the switch twice.
+    runs the decision's protocol (``record["to"]``, a switch order's spelling; without one, ASP
+    after BSP and BSP after anything else) to the same target. Repeating it does not insert the
+    switch twice.
 
     Once the segment's result is recorded the plan stands (the next entry may be launched already)
     and nothing changes: the returned state then holds ``segments[index]``."""
     index = item["index"]
-    new_protocol = plans.other_protocol(item["protocol"])
+    target = record.get("to") or ("asp" if item["protocol"] == "bsp" else "bsp")
+    new_protocol = parse_token(target, "the switch's protocol")
+    new_fields = plans.entry_fields(new_protocol)
 
     def mutate(state: State) -> None:
         if segment_recorded(state, index):
@@ -181,7 +189,8 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
         already = (
             following is not None
             and following.get("origin") == "online"
-            and following.get("protocol") == new_protocol
+            and following.get("protocol") == new_fields["protocol"]
+            and following.get("protocol_args") == new_fields.get("protocol_args")
             and following.get("until_step") == item["until_step"]
         )
         if not already:

@@ -25,7 +25,7 @@ from syncswitch.events import EventWriter
 from syncswitch.hooks import HookRunner
 from syncswitch.hparams import HParams, PythonOps, learning_rate_at
 from syncswitch.reporting import ChiefReporter, StepBook, WorkerTimer
-from syncswitch.spec import SegmentSpec, second_moment_scale, switch_config
+from syncswitch.spec import SegmentSpec, examples_per_update, second_moment_scale, switch_config
 
 STOP_POLL_SECONDS = 1.0
 KEEP_CHECKPOINTS = 5
@@ -37,6 +37,14 @@ TARGET_EXECUTION_SECONDS = 0.33
 MAX_STEPS_PER_EXECUTION = 64
 # Executions of one step each, per worker, whose timing picks the automatic size.
 WARMUP_EXECUTIONS = 2
+# The record of one optimizer step, a row of what every step function returns (``timed_steps``): its
+# loss, this worker's own seconds (input, forward, backward), the step's seconds (waits included),
+# the bytes this worker sent (syncswitch.exchange), and its clock's lead over the slowest worker's
+# when it started (SSP's staleness; 0 elsewhere).
+RECORD_COLUMNS = ("loss", "own_seconds", "step_seconds", "bytes_sent", "clock_lead")
+RECORD_WIDTH = len(RECORD_COLUMNS)
+STEP_SECONDS = RECORD_COLUMNS.index("step_seconds")
+CLOCK_LEAD = RECORD_COLUMNS.index("clock_lead")
 
 
 class StopSignal:
@@ -144,28 +152,37 @@ class Schedule:
         )
 
 
-def replica_step_fn(flat: Any, loss_fn: Any) -> Any:
-    """The step both protocols run on a replica: loss and gradients, then the update (all-reduced in
-    BSP, applied on the parameter servers in ASP). The step returns its loss and the seconds from
-    ``started`` to the gradients (this worker's own compute)."""
+def replica_step_fn(flat: Any, loss_fn: Any, exchange: Any, after_update: Any = None) -> Any:
+    """The step every protocol runs on a replica: loss and gradients, their exchange
+    (syncswitch.exchange: all-reduced, compressed, or none where the update runs on the parameter
+    servers or on a local replica), then the update. Returns the loss, the seconds from ``started``
+    to the gradients (this worker's own compute), the bytes sent, and what ``after_update(update
+    ops)`` returns once the update is applied (SSP's clock; 0 without it)."""
     import tensorflow as tf
 
-    def replica_step(x: Any, y: Any, config: Any, started: Any) -> tuple[Any, Any]:
+    def replica_step(x: Any, y: Any, config: Any, started: Any) -> tuple[Any, Any, Any, Any]:
         loss, grads, statistics = flat.loss_and_gradients(x, y, loss_fn)
         with tf.control_dependencies(grads):
             computed = tf.timestamp()
-        flat.apply(grads, statistics, config)
-        return loss, computed - started
+        grads, sent = exchange.reduce(grads)
+        updates = flat.apply(grads, statistics, config, summed=exchange.summed)
+        after = after_update(updates) if after_update is not None else tf.constant(0.0)
+        return loss, computed - started, tf.constant(float(sent)), after
 
     return replica_step
 
 
-def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run_step: Any) -> Any:
+def timed_steps(
+    iterator: Any, count: Any, schedule: Schedule, step_at: Any, run_step: Any, gate: Any = None
+) -> Any:
     """The in-graph loop of one execution (call it inside a ``tf.function``): ``count`` steps, each
     timed from before it takes its input. ``step_at(j)``: the j-th step's progress for the schedule
-    (float64); ``run_step(x, y, config, started)``: its [loss, own seconds] as float32, ``config`` the
-    optimizer's StepConfig of that step (``Schedule.tensors``). Returns
-    the records [loss, own seconds, step seconds], shape [count, 3].
+    (float64); ``run_step(x, y, config, started)``: its [loss, own seconds, bytes sent] as float32,
+    and the gate's value for the next step (SSP's clock lead; 0 without a gate); ``config`` is the
+    optimizer's StepConfig of that step (``Schedule.tensors``). With a ``gate`` (syncswitch.ssp), a
+    step starts only while ``gate.allows(lead)``; the loop ends at the first that may not, so it may
+    run fewer than ``count`` steps. Returns one record per step run (RECORD_COLUMNS), shape [steps
+    run, RECORD_WIDTH].
 
     A step lasts until the next one starts (the last one until the loop has ended): an iteration
     begins only once every stateful op of the one before has run (automatic control dependencies),
@@ -182,26 +199,37 @@ def timed_steps(iterator: Any, count: Any, schedule: Schedule, step_at: Any, run
     its forward and backward pass the same way (syncswitch.check)."""
     import tensorflow as tf
 
-    def step(j: Any, records: Any, starts: Any) -> tuple[Any, Any, Any]:
+    def step(j: Any, lead: Any, records: Any, starts: Any) -> tuple[Any, Any, Any, Any]:
         started = tf.timestamp()
         with tf.control_dependencies([started]):
             x, y = next(iterator)
         config = schedule.tensors(step_at(j))
-        return j + 1, records.write(j, run_step(x, y, config, started)), starts.write(j, started)
+        row, next_lead = run_step(x, y, config, started)
+        row = tf.concat([row, tf.reshape(lead, [1])], 0)
+        return j + 1, next_lead, records.write(j, row), starts.write(j, started)
 
+    def may_step(j: Any, lead: Any, _records: Any, _starts: Any) -> Any:
+        return j < count if gate is None else tf.logical_and(j < count, gate.allows(lead))
+
+    first_lead = tf.constant(0.0) if gate is None else gate.first_lead()
     # One step at a time (parallel_iterations=1): each step's timestamps are its own.
-    _, records, starts = tf.while_loop(
-        lambda j, _records, _starts: j < count,
+    _, _, records, starts = tf.while_loop(
+        may_step,
         step,
-        (tf.constant(0), tf.TensorArray(tf.float32, size=count), tf.TensorArray(tf.float64, size=count)),
+        (
+            tf.constant(0),
+            first_lead,
+            tf.TensorArray(tf.float32, size=0, dynamic_size=True, element_shape=[RECORD_WIDTH - 1]),
+            tf.TensorArray(tf.float64, size=0, dynamic_size=True, element_shape=[]),
+        ),
         parallel_iterations=1,
     )
     records, starts = records.stack(), starts.stack()
     with tf.control_dependencies([records, starts]):
         ended = tf.timestamp()
     bounds = tf.concat([starts, tf.reshape(ended, [1])], 0)
-    seconds = tf.cast(bounds[1:] - bounds[:-1], tf.float32)
-    return tf.concat([records, tf.reshape(seconds, [-1, 1])], 1)
+    seconds = tf.reshape(tf.cast(bounds[1:] - bounds[:-1], tf.float32), [-1, 1])
+    return tf.concat([records[:, :STEP_SECONDS], seconds, records[:, STEP_SECONDS:]], 1)
 
 
 def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
@@ -219,22 +247,27 @@ def steps_per_execution(hp: HParams, step_seconds: float | None) -> int:
 
 def build_training_state(ctx: NodeContext, problem: Any, strategy: Any) -> dict[str, Any]:
     """The flat model (syncswitch.params: weights, optimizer slots and batch-norm statistics placed by
-    ``strategy``; every variable exists before PSS's first schedule) and the checkpoint, which holds
-    the canonical per-variable form: a local template model, its optimizer's slots (a velocity, or
-    Adam's two moments, per variable), and the progress."""
+    ``strategy``, or this process's own without one: a local SGD replica; every variable exists
+    before PSS's first schedule) and the checkpoint, which holds the canonical per-variable form: a
+    local template model, its optimizer's slots (a velocity, or Adam's two moments, per variable),
+    and the progress."""
+    import contextlib
+
     import keras
     import tensorflow as tf
 
     from syncswitch.models import build_model, decayed_weights, example_loss
     from syncswitch.params import FlatModel
+    from syncswitch.protocols import PARAMETER_SERVER
 
     # The same seed gives the same initial weights, so that runs are comparable and repeatable.
     keras.utils.set_random_seed(ctx.spec.seed)
     template = build_model(ctx.hp, problem)  # outside the strategy: local variables
-    with strategy.scope():
+    on_servers = ctx.spec.segment_protocol.topology == PARAMETER_SERVER
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         flat = FlatModel(
             template,
-            groups=ctx.spec.num_ps if ctx.spec.protocol == "asp" else 1,
+            groups=ctx.spec.num_ps if on_servers else 1,
             hp=ctx.hp,
             decayed=decayed_weights(template),
         )
@@ -269,7 +302,8 @@ def build_and_restore(ctx: NodeContext, strategy: Any, problem: Any) -> tuple[di
 
 def weights_digest(state: dict[str, Any]) -> str:
     """SHA-256 over the template's weights (BN statistics included) and optimizer slots, i.e. the
-    checkpoint's content: the proof that a handoff between protocols restored bit-identical state."""
+    checkpoint's content: the proof that a handoff between protocols restored bit-identical state
+    (taken after a round trip through the training form: ``restore_latest``)."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -279,8 +313,8 @@ def weights_digest(state: dict[str, Any]) -> str:
 
 
 def update_batch(spec: SegmentSpec, hp: HParams) -> int:
-    """Examples in one optimizer update: BSP's global batch, an ASP worker's own."""
-    return hp.batch_size * spec.num_workers if spec.protocol == "bsp" else hp.batch_size
+    """Examples in one optimizer update of the segment's protocol (spec.examples_per_update)."""
+    return examples_per_update(spec.protocol, hp.batch_size, spec.num_workers)
 
 
 def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str, Any]) -> dict[str, Any]:
@@ -296,6 +330,9 @@ def restore_latest(ctx: NodeContext, state: dict[str, Any], signature: dict[str,
     prefix = checkpoints.fetch(manifest, ctx.work_dir)
     state["checkpoint"].read(prefix).assert_consumed()
     state["flat"].from_template()
+    # Back from the variables training reads (on the parameter servers, mirrored, or local), so that
+    # the digest proves what the protocol trains from, not only what the file held.
+    state["flat"].to_template()
     restored_digest = weights_digest(state)
     scale = second_moment_scale(ctx.hp, manifest.get("update_batch"), update_batch(ctx.spec, ctx.hp))
     if scale != 1.0:
@@ -359,6 +396,7 @@ def segment_start_event(
     lr, momentum = schedule.at(start_step)
     events.emit(
         "segment_start",
+        protocol_args=ctx.spec.protocol_args,
         start_step=start_step,
         restored_from=restored["uri"],
         checkpoint_digest=restored.get("digest"),
@@ -546,5 +584,9 @@ class SegmentSession:
             checkpoint_uri=self.checkpoint_uri,
             start_step=self.start_step,
             evaluation=evaluation,
-            extra=extra,
+            extra={
+                "protocol_args": self.ctx.spec.protocol_args,
+                "bytes_per_worker_step": self.book.bytes_per_step,
+                **(extra or {}),
+            },
         )

@@ -18,6 +18,7 @@ from syncswitch import plan as plans
 from syncswitch.errors import SpecError
 from syncswitch.hparams import HParams, get_hparams
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import parse_token
 from syncswitch.spec import JobSpec
 from syncswitch.state import create_run, record_final
 
@@ -150,7 +151,10 @@ class PlanRunOperator(BaseOperator):
     def execute(self, context: Context) -> str:
         job = job_from_params(context)
         if job.timing_policy != "fixed":
-            job = job.with_bsp_fraction(self.timing["bsp_fraction"])
+            second = self.timing.get("protocol")  # what the search chose after BSP
+            job = job.with_bsp_fraction(
+                self.timing["bsp_fraction"], parse_token(second, "timing decision") if second else None
+            )
         run_id = run_key(context)
         layout = run_layout(job, run_id)
         params = {**job.to_params(), "bucket_dir": absolute_bucket_dir(job.bucket_dir)}
@@ -262,7 +266,7 @@ class EvaluateRunOperator(RunFolderOperator):
         from syncswitch.evaluate import evaluate_latest
 
         usercode.load(job.usr_dir)
-        hp = job_hparams(job, len(job.switch_order) - 1)
+        hp = job_hparams(job, len(job.protocols()) - 1)
         final = evaluate_latest(self.run_dir, hp, job.problem, job.data_dir, export=True)
         return {**final, "evaluated_by": "evaluate task"}
 

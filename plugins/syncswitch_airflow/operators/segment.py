@@ -1,8 +1,9 @@
 """SegmentOperator: runs one training segment of the plan, detached, and waits for it deferred.
 
-Slot ``i`` of the DAG has one SegmentOperator per protocol (``segment_<i>_bsp``, ``segment_<i>_asp``).
-The one whose protocol matches ``state["plan"]`` entry ``i`` launches the segment on the cluster and
-defers to SegmentTrigger; the other skips, and so do both when the plan has no entry ``i``. Mostly the
+Slot ``i`` of the DAG has one SegmentOperator per protocol (``segment_<i>.bsp``, ``segment_<i>.asp``,
+``.ssp``, ``.local``, ``.cbsp``). The one whose protocol matches ``state["plan"]`` entry ``i`` launches
+the segment on the cluster (with the entry's settings, ``protocol_args``) and defers to
+SegmentTrigger; the others skip, and so do all when the plan has no entry ``i``. Mostly the
 segment is running already: the trigger of segment ``i - 1`` launches entry ``i`` as soon as it has
 recorded its own result (``triggers.segment.launch_next``), and the task follows it.
 
@@ -49,7 +50,13 @@ from syncswitch_airflow.triggers.segment import (
     record_result,
 )
 
-PROTOCOL_COLORS = {"bsp": "#cfe2f3", "asp": "#fde5cc"}
+PROTOCOL_COLORS = {
+    "bsp": "#cfe2f3",
+    "asp": "#fde5cc",
+    "ssp": "#fff2cc",
+    "local": "#d9ead3",
+    "cbsp": "#d0e0e3",
+}
 
 
 class SegmentOperator(BaseOperator):

@@ -47,14 +47,16 @@ class TimingPolicyOperator(BaseOperator):
                 "phase": "fixed",
                 "reason": f"timing_policy fixed: switch_order {job.switch_order}, as given",
                 "numbers": {},
+                "protocol": job.protocols()[-1].token,
             }
         else:
             decision = self._search(job, run_id)
         self.log.info(
-            "run %s: timing policy %s: BSP fraction %s (%s): %s",
+            "run %s: timing policy %s: BSP fraction %s, then %s (%s): %s",
             run_id,
             job.timing_policy,
             decision["bsp_fraction"],
+            decision["protocol"],
             decision["phase"],
             decision["reason"],
         )
@@ -71,13 +73,15 @@ class TimingPolicyOperator(BaseOperator):
 
         def decide(claims: list[dict[str, Any]]) -> dict[str, Any]:
             now = time.time()
-            decision = timing.decide(records, claims, fingerprint, config, now).to_dict()
+            protocols = job.second_protocols()
+            decision = timing.decide_among(records, claims, fingerprint, config, now, protocols).to_dict()
             return {
                 "run_id": run_id,
                 "fingerprint": fingerprint,
                 "bsp_fraction": decision["bsp_fraction"],
                 "phase": decision["phase"],
                 "claimed_at": now,
+                "protocol": decision["protocol"],
                 "decision": decision,
             }
 

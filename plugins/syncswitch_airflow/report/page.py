@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from syncswitch.plan import step_text
+from syncswitch.protocols import family
 
 from syncswitch_airflow.report.plots import IMAGE_FILES
 
@@ -270,16 +271,23 @@ def _cost_tables(cost: dict[str, Any] | None) -> str:
     if not cost:
         return '<p class="note">No VMs: this cluster had no per-second price.</p>'
     currency = cost["currency"]
+    shown = list(cost["per_protocol"])  # BSP, ASP, and any other protocol the run used
     overview = html_table(
-        ["total", "same VMs on-demand", "saved", "saved (%)", "BSP", "ASP", "outside segments"],
+        [
+            "total",
+            "same VMs on-demand",
+            "saved",
+            "saved (%)",
+            *(family(p).title for p in shown),
+            "outside segments",
+        ],
         [
             [
                 cost["total"],
                 cost["on_demand_total"],
                 cost["savings"],
                 100 * cost["savings_fraction"],
-                cost["per_protocol"].get("bsp"),
-                cost["per_protocol"].get("asp"),
+                *(cost["per_protocol"].get(p) for p in shown),
                 cost["unattributed"],
             ]
         ],

@@ -10,7 +10,13 @@ from syncswitch_airflow.report.data import COMPLETE, RunData, SegmentView
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_COLORS = {"bsp": "#1f77b4", "asp": "#ff7f0e"}
+PROTOCOL_COLORS = {
+    "bsp": "#1f77b4",
+    "asp": "#ff7f0e",
+    "ssp": "#bcbd22",
+    "local": "#2ca02c",
+    "cbsp": "#17becf",
+}
 STRAGGLER_COLOR = "#d62728"
 GAP_COLOR = "#7f7f7f"
 DECISION_COLOR = "#9467bd"

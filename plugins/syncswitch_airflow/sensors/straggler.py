@@ -28,6 +28,7 @@ from airflow.sdk.exceptions import AirflowSkipException, DownstreamTasksSkipped
 from syncswitch import plan as plans
 from syncswitch import storage
 from syncswitch.layout import RunLayout
+from syncswitch.protocols import family
 from syncswitch.state import State, read_state, record_decision, segment_recorded
 from syncswitch.state import apply_switch as switch_plan
 
@@ -257,8 +258,9 @@ def policy_context(state: State, item: dict[str, Any], verdict: Verdict, default
     """What a policy needs, from state.json and the verdict."""
     job = state.get("job", {})
     num_workers = max(int(job.get("num_workers", 1)), 1)
-    # In ASP each worker's step is one update of 1/N of a BSP-equivalent step.
-    step_time = verdict.step_time if item["protocol"] == "bsp" else verdict.step_time / num_workers
+    # In ASP and SSP each worker's step is one update of 1/N of a BSP-equivalent step.
+    per_worker = family(item["protocol"]).per_worker_updates
+    step_time = verdict.step_time / num_workers if per_worker else verdict.step_time
     gap, gap_source = measured_switch_gap(state.get("segments", {}), default_gap)
     return PolicyContext(
         segment_index=item["index"],
@@ -272,6 +274,7 @@ def policy_context(state: State, item: dict[str, Any], verdict: Verdict, default
         switch_gap_source=gap_source,
         online_switches=sum(1 for d in state.get("decisions", []) if d.get("action") in SWITCH_ACTIONS),
         max_online_switches=int(job.get("max_online_switches", 0)),
+        online_protocol=str(job.get("online_protocol") or "asp"),
     )
 
 
@@ -303,11 +306,12 @@ def apply_switch(layout: RunLayout, item: dict[str, Any], record: dict[str, Any]
 
 
 def _straggler_behind(state: State, item: dict[str, Any]) -> tuple[float | None, list[int]]:
-    """For an online ASP segment: when the straggler that caused it began, and on which workers.
+    """For an online segment (a switch away from BSP): when the straggler that caused it began, and
+    on which workers.
 
     The detector then starts in the straggling state and reports when the straggler clears.
     """
-    if item.get("origin") != "online" or item["protocol"] != "asp":
+    if item.get("origin") != "online" or item["protocol"] == "bsp":
         return None, []
     for decision in reversed(state.get("decisions", [])):
         if decision.get("segment") == item["index"] - 1 and decision.get("action") == "switch":

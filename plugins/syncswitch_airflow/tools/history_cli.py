@@ -292,6 +292,8 @@ TABLE_COLUMNS = (
     "total s",
     "bsp s",
     "asp s",
+    "other s",
+    "order",
     "phase",
     "fingerprint",
 )
@@ -318,6 +320,8 @@ def _table_row(record: dict[str, Any]) -> tuple[str, ...]:
         _maybe(record.get("total_seconds"), ".1f"),
         _maybe(seconds.get("bsp"), ".1f"),
         _maybe(seconds.get("asp"), ".1f"),
+        _maybe(sum(v for k, v in seconds.items() if k not in ("bsp", "asp")), ".1f"),
+        record.get("switch_order") or "-",
         record.get("policy_phase") or "-",
         record["fingerprint"][:FINGERPRINT_PREFIX],
     )
