@@ -40,10 +40,11 @@ from syncswitch_airflow.detector import Verdict
 ACTIONS = ("switch", "stay", "switch_back")
 POLICY_NAMES = ("none", "greedy", "elastic")
 AUTO = "auto"
-# The share of a straggler's extra time per step that each online protocol gives back, measured with
-# one worker at a quarter speed (docs/benchmarks.md, bench/bench_protocols.py --straggler): 1 - (its
-# step time under the straggler - BSP's without) / (BSP's under it - BSP's without).
-ONLINE_RECOVERY = {"asp": 1.0, "ssp": 0.5, "local": 0.5}
+# The share of a straggler's extra time per step that each online protocol gives back: 1 - (its step
+# time under the straggler - BSP's without) / (BSP's under it - BSP's without), measured with one
+# worker at a quarter speed and rounded down (docs/benchmarks.md, "Protocols after BSP"; SSP's grows
+# with s, local SGD's with H).
+ONLINE_RECOVERY = {"asp": 1.0, "ssp": 0.85, "local": 0.9}
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,9 @@ def choose_online_protocol(context: PolicyContext) -> tuple[protocols.Protocol, 
     BSP for its accuracy (the offline search keeps BSP exactly as long as ASP loses accuracy; early
     ASP collapsed on MNIST-1D at its large learning rate): SSP with s = the straggler's slowdown
     rounded up (the fast workers may then run ahead by as many steps as one straggler step costs
-    them), the protocol that recovered more of the straggler's time in the measurements
-    (ONLINE_RECOVERY)."""
+    them). Under a straggler SSP gave back most of its time (ONLINE_RECOVERY) and kept BSP's accuracy
+    where ASP lost some and local SGD with a long period collapsed (docs/benchmarks.md, "Protocols
+    after BSP")."""
     if context.online_protocol != AUTO:
         return protocols.parse_token(context.online_protocol, "online_protocol"), "the job's online_protocol"
     staleness = max(1, math.ceil(context.verdict.slowdown))
