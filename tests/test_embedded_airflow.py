@@ -89,7 +89,7 @@ def test_a_new_instance_waits_for_dags_parsed_since_it_started(airflow: Embedded
 @pytest.mark.parametrize(
     ("conf", "param"),
     [
-        ({"switch_order": "12"}, "switch_order"),
+        ({"switch_order": 10}, "switch_order"),  # a misspelled one fails validate: test_dag_integrity
         ({"num_workers": 0}, "num_workers"),
         # An unregistered name passes the form (a run's usr_dir may register it): validate rejects it.
         ({"model": ""}, "model"),

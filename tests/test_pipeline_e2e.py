@@ -376,7 +376,7 @@ def test_schema_errors_reject_the_conf_before_the_run(dag, tmp_path: Path) -> No
 
     bucket = str(tmp_path / "runs")
     with pytest.raises(ParamValidationError, match="param switch_order"):
-        run_dag(dag, {**SMALL_JOB, "switch_order": "1x0", "bucket_dir": bucket})
+        run_dag(dag, {**SMALL_JOB, "switch_order": 10, "bucket_dir": bucket})  # a number, not a string
     assert not Path(bucket).exists()
 
 

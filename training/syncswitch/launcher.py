@@ -297,9 +297,10 @@ class SegmentCluster:
                 if node.role == "ps":
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")
-                if protocol.family.survives_worker_loss and node.task not in self._lost_workers:
-                    self._lost_workers.add(node.task)
-                    self._node_lost(node, rc, "ASP continues with the survivors")
+                if protocol.family.survives_worker_loss:
+                    if node.task not in self._lost_workers:  # reported once; the survivors go on
+                        self._lost_workers.add(node.task)
+                        self._node_lost(node, rc, "ASP continues with the survivors")
                 elif not allreduce:  # SSP: the others' clocks would stop within s steps of its own
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(
