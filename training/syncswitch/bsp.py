@@ -13,14 +13,12 @@ share; the rest is waiting for its peers in the all-reduce, which singles out a 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from typing import Any
 
 from syncswitch.context import NodeContext
 from syncswitch.exchange import gradient_exchange
-from syncswitch.peers import PeerProbe, bsp_peers
+from syncswitch.peers import probe_peers_of
 from syncswitch.reporting import WorkerTimer
 from syncswitch.trainer import (
     STEP_SECONDS,
@@ -54,10 +52,9 @@ def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     exchange = gradient_exchange(ctx.spec.segment_protocol, state["flat"])
     train_steps = _compile_train_steps(strategy, state, schedule, loop.global_batch, exchange)
     # Whose link is slow: each worker's round trip to its peers rides along with its step timings.
-    peers = bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)
     with (
         SegmentSession(ctx, training, schedule, loop.global_batch, reports=ctx.is_chief) as session,
-        contextlib.closing(PeerProbe(peers).start()) as probe,
+        contextlib.closing(probe_peers_of(ctx.task)) as probe,
     ):
         timer = WorkerTimer(session.events, ctx.task, probe=probe)
         stopped_early = False

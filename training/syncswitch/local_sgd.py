@@ -23,15 +23,13 @@ aborts.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from typing import Any
 
 from syncswitch.bsp import BspLoop, checkpoint_due_at
 from syncswitch.context import NodeContext
 from syncswitch.exchange import LocalExchange, payload_bytes
-from syncswitch.peers import PeerProbe, bsp_peers
+from syncswitch.peers import probe_peers_of
 from syncswitch.reporting import WorkerTimer
 from syncswitch.trainer import (
     RECORD_COLUMNS,
@@ -73,10 +71,9 @@ def run_local_sgd_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | Non
         )
     )
     calls = LocalCalls(strategy, state, schedule)
-    peers = bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), ctx.task)
     with (
         SegmentSession(ctx, training, schedule, loop.global_batch, reports=ctx.is_chief) as session,
-        contextlib.closing(PeerProbe(peers).start()) as probe,
+        contextlib.closing(probe_peers_of(ctx.task)) as probe,
     ):
         timer = WorkerTimer(session.events, ctx.task, probe=probe)
         stopped_early = False

@@ -12,6 +12,8 @@ still be fetching the worker's share of the last all-reduce from the worker's se
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 import time
@@ -100,3 +102,8 @@ def bsp_peers(tf_config: dict, task: int) -> list[str]:
     """The other BSP workers' addresses, from TF_CONFIG."""
     workers = tf_config.get("cluster", {}).get("worker", [])
     return [address for i, address in enumerate(workers) if i != task]
+
+
+def probe_peers_of(task: int) -> PeerProbe:
+    """A started probe of all-reduce worker ``task``'s peers, as its TF_CONFIG names them."""
+    return PeerProbe(bsp_peers(json.loads(os.environ.get("TF_CONFIG", "{}")), task)).start()
