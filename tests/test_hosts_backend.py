@@ -728,6 +728,81 @@ def test_a_lost_worker_host_fails_its_segment_naming_the_node_with_every_log_in_
     assert storage.read_text(f"{logs}/worker-2.log").startswith(home["worker-2.log"])
 
 
+def test_ssp_and_local_sgd_fail_on_a_lost_worker_host_and_their_retries_resume_from_the_checkpoint(
+    bed: tb.Testbed, bucket: str, work_root: Path
+) -> None:
+    """As documented (syncswitch.protocols), on the hosts: SSP and local SGD cannot go on without a
+    worker. Worker 1's host is lost past a checkpoint of each segment: the segment fails, the
+    launcher names the node and the documented outcome, and the checkpoint stands; back again, the
+    retry (a second launch, as the segment task's) resumes from it and ends exactly on target, local
+    SGD on its averaging period from there. Worker 2's link is slowed (+30 ms per round trip) until
+    the loss: both protocols wait on the slowest worker, so the loss lands inside the segment
+    however fast the machine is."""
+    backend = HostsBackend()
+    spec_job = job(
+        bed,
+        bucket,
+        switch_order="ssp:2,local:4",
+        train_steps=[400, 400],
+        ckpt_frequency=[20],
+        stall_seconds=180,
+    )
+    layout = RunLayout.for_run(bucket, "hosts", "protocol-host-lost")
+    lost, slow = bed.hosts[2], bed.hosts[3]  # worker 1, worker 2
+    delay = [sys.executable, "-m", "syncswitch.linkdelay", "--address", slow.address, "--delay-ms", "30"]
+    handle = backend.provision(spec_job, layout)
+    try:
+        start = 0
+        for segment in spec_job.plan("protocol-host-lost", layout.root):
+            index, name = segment.index, segment.protocol
+            delayer = bed.popen(slow, [*delay, "--duration", "600"], stdout=subprocess.DEVNULL)
+            try:
+                backend.launch_segment(handle, segment)
+                wait_for(
+                    lambda start=start: checkpoint_step(layout) >= start + 20,
+                    timeout=300,
+                    what=f"segment {index}'s first checkpoint",
+                    poll=0.2,
+                )
+                bed.kill_host(lost)
+            finally:
+                delayer.terminate()
+                delayer.wait(timeout=15)
+            try:
+                wait_until_segment_ended(backend, handle, index, timeout=300)
+            finally:
+                bed.revive_host(lost)
+            assert backend.segment_status(handle, index).exit_code != 0
+            # Each node named once; local SGD's collectives abort on the survivors too, and the
+            # launcher names those that ended with the chief.
+            events = read_events(layout.segment_metrics(index, name), event="node_lost")
+            lost_nodes = {e["node"]: (e["host"], e["outcome"]) for e in events}
+            assert len(lost_nodes) == len(events), events
+            title = segment.segment_protocol.family.title
+            assert lost_nodes["worker-1"] in {
+                (lost.name, "the segment fails"),
+                (lost.name, f"{title} cannot continue without it"),
+            }, lost_nodes
+            resume_from = checkpoint_step(layout)
+            assert resume_from >= start + 20 and resume_from % 20 == 0
+
+            backend.launch_segment(handle, segment)  # what the segment task's retry does
+            wait_until_segment_ended(backend, handle, index, timeout=300)
+            assert backend.segment_status(handle, index).exit_code == 0, backend.segment_log_tail(
+                handle, index, 40
+            )
+            result = read_state_result(layout, index, name)
+            assert (result["start_step"], result["end_step"]) == (resume_from, segment.until_step), result
+            start = segment.until_step
+        averages = [
+            a["global_step"] for a in read_events(layout.segment_metrics(1, "local"), event="average")
+        ]
+        assert averages and all((step - 400) % 4 == 0 or step == 800 for step in averages), averages
+    finally:
+        backend.teardown(handle)
+    assert_hosts_clean(bed)
+
+
 def wait_for_metric(sink: Any, name: str) -> Any:  # noqa: ANN401 - statsd_sink.Sample
     """The first sample of ``name`` (under Airflow's default prefix) that ``sink`` received."""
     wait_for(lambda: sink.received(f"airflow.{name}"), timeout=10, what=name)

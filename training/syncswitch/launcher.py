@@ -205,7 +205,8 @@ class SegmentCluster:
         self.launched_at = launched_at or time.time()
         self._stop_injection = threading.Event()
         self._injectors: list[threading.Thread] = []
-        self._lost_workers: set[int] = set()
+        self._lost_workers: set[int] = set()  # ASP workers the survivors went on without
+        self._reported_lost: set[str] = set()  # nodes with a node_lost event, each named once
         self._events: EventWriter | None = None
         self._events_lock = threading.Lock()
         self.logs = NodeLogs(work_dir, nodes)
@@ -345,6 +346,9 @@ class SegmentCluster:
     def _node_lost(self, node: Node, exit_code: int | None, outcome: str, *, log: bool = True) -> None:
         """Say that a node ended before its segment did: in the launcher's log, and as a
         ``node_lost`` event, which the report lists (which host went, at which step, what followed)."""
+        if node.name in self._reported_lost:
+            return  # an all-reduce worker first named as lost is named again among the chief's peers
+        self._reported_lost.add(node.name)
         if log:
             self._log(f"{node.role} {node.task} exited with {exit_code}; {outcome}")
         progress = self.progress.read() or {}
