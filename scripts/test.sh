@@ -16,7 +16,7 @@ uv run --frozen deptry plugins dags --config plugins/pyproject.toml
 uv run --frozen deptry testing --config testing/pyproject.toml
 # Two xdist workers by default, for CI's 2 cores (--dist loadgroup: tests/conftest.py keeps each file
 # on one worker and every test of the session's embedded Airflow on one, and queues the longest groups
-# first): about 20 min from a clean clone on a quiet machine here, 20-33 min on CI (docs/benchmarks.md,
+# first): 34-42 min from a clean clone on a quiet machine here, 29-33 min on CI (docs/benchmarks.md,
 # "The test suite").
 # SYNCSWITCH_TEST_WORKERS=0 runs it in one process, in the files' order.
 # -p no:cacheprovider: no .pytest_cache in the checkout; --durations: where the minutes go.
