@@ -299,9 +299,8 @@ class SegmentCluster:
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(f"parameter server {node.task} exited with {rc}; see {node.log_path}")
                 if protocol.family.survives_worker_loss:
-                    if node.task not in self._lost_workers:  # reported once; the survivors go on
-                        self._lost_workers.add(node.task)
-                        self._node_lost(node, rc, "ASP continues with the survivors")
+                    self._lost_workers.add(node.task)
+                    self._node_lost(node, rc, "ASP continues with the survivors")
                 elif not allreduce:  # SSP: the others' clocks would stop within s steps of its own
                     self._node_lost(node, rc, "the segment fails")
                     raise SegmentFailed(
