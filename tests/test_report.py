@@ -412,6 +412,53 @@ def test_report_of_a_segment_that_a_retry_resumed_from_its_own_checkpoint(tmp_pa
     assert "<td>2 (resumed at 200)</td>" in (tmp_path / "run" / "report" / "index.html").read_text()
 
 
+def test_report_names_each_segments_protocol_settings_and_bytes_per_worker_step(tmp_path) -> None:
+    """An SSP (s=2) segment, then top-k BSP: the report names each with its settings (from the plan
+    entry) and gives the bytes a worker sent per step (from the segment's result); a segment folder
+    that no plan entry names takes its settings from its result."""
+    layout = RunLayout(str(tmp_path / "run"))
+    job = JobSpec(job_name="report-protocols", switch_order="ssp:2,topk:0.01", total_steps=400, num_workers=2)
+    state = new_state(layout, RUN_ID, job.to_params())
+    ssp = SegmentTiming(0, "ssp", 0, 100, T0, T0 + 10.0, T0 + 29.8, T0 + 30.5)
+    topk = SegmentTiming(1, "cbsp", 100, 400, T0 + 31.0, T0 + 45.0, T0 + 99.5, T0 + 100.0)
+    local = SegmentTiming(2, "local", 400, 500, T0 + 101.0, T0 + 105.0, T0 + 119.5, T0 + 120.0)
+    state["plan"] = [
+        {"index": 0, "protocol": "ssp", "protocol_args": {"staleness": 2}, "until_step": 100},
+        {
+            "index": 1,
+            "protocol": "cbsp",
+            "protocol_args": {"compression": "topk", "ratio": 0.01},
+            "until_step": 400,
+        },
+    ]
+    sent = {0: 99_152.0, 1: 1_744.0, 2: 25_580.0}
+    args = {0: {"staleness": 2}, 1: {"compression": "topk", "ratio": 0.01}, 2: {"period": 4}}
+    for seg in (ssp, topk, local):
+        _emit_segment(layout, seg, announce_straggler=False)
+        result = {
+            **_result(seg, 0.9, SEG0_STARTUP),
+            "protocol_args": args[seg.index],
+            "bytes_per_worker_step": sent[seg.index],
+        }
+        storage.write_json(layout.segment_result(seg.index, seg.protocol), result)
+    storage.write_json(layout.state, state)
+
+    summary = build_report(layout.root)
+
+    named = [
+        (s["protocol_token"], s["protocol_label"], s["bytes_per_worker_step"]) for s in summary["segments"]
+    ]
+    assert named == [
+        ("ssp:2", "SSP (s=2)", 99_152.0),
+        ("topk:0.01", "compressed BSP (top-k 0.01)", 1_744.0),
+        ("local:4", "local SGD (H=4)", 25_580.0),
+    ]
+    assert any(line.startswith("segment 0 SSP (s=2) steps 0-100") for line in format_summary_lines(summary))
+    page = (tmp_path / "run" / "report" / "index.html").read_text()
+    assert "<th>bytes / worker / step</th>" in page
+    assert "<td>compressed BSP (top-k 0.01)</td>" in page
+
+
 def test_straggler_windows_fall_back_to_the_job_spec_without_straggler_events(tmp_path) -> None:
     # The window is start=60 s after the first BSP segment's start (state timings.first_bsp_start).
     layout = write_run(str(tmp_path / "run"), announce_straggler=False)

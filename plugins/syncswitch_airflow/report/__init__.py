@@ -138,7 +138,7 @@ def _segment_line(s: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"segment {s['index']} {s['protocol'].upper()} steps {steps}: {fmt(s['seconds'], 1)} s, "
+        f"segment {s['index']} {s['protocol_label']} steps {steps}: {fmt(s['seconds'], 1)} s, "
         f"{fmt(s['examples_per_sec'], 1)} examples/s, accuracy {fmt(s['test_accuracy'], 4)}{retries}{status}"
     )
 

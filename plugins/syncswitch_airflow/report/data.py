@@ -11,6 +11,8 @@ from syncswitch import storage
 from syncswitch.costs import run_ledger
 from syncswitch.events import read_events
 from syncswitch.layout import RunLayout
+from syncswitch.plan import protocol_of
+from syncswitch.protocols import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class SegmentView:
     protocol: str
     origin: str = "plan"
     until_step: float | None = None
+    protocol_args: dict[str, Any] | None = None  # the plan entry's; else result.json's
     result: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -145,6 +148,16 @@ class SegmentView:
         return None
 
     @property
+    def settings(self) -> Protocol | None:
+        """The protocol with its settings (SSP's s, local SGD's H, the compression); None where the
+        plan and result name settings that no switch order spells (a folder of a newer version)."""
+        args = self.protocol_args if self.protocol_args is not None else self._from_result("protocol_args")
+        try:
+            return protocol_of({"protocol": self.protocol, "protocol_args": args})
+        except ValueError:
+            return None
+
+    @property
     def reason(self) -> str | None:
         value = self._from_result("reason")
         if value is None and self.status == INCOMPLETE:
@@ -152,9 +165,12 @@ class SegmentView:
         return value
 
     def to_summary(self) -> dict[str, Any]:
+        settings = self.settings
         return {
             "index": self.index,
             "protocol": self.protocol,
+            "protocol_token": settings.token if settings else self.protocol,
+            "protocol_label": settings.label if settings else self.protocol.upper(),
             "origin": self.origin,
             "status": self.status,
             "start_step": self.start_step,
@@ -166,6 +182,7 @@ class SegmentView:
             "ended_at": self.ended_at,
             "seconds": self.seconds,
             "examples_per_sec": self.examples_per_sec,
+            "bytes_per_worker_step": self._from_result("bytes_per_worker_step"),
             "stopped_early": self._from_result("stopped_early"),
             "reason": self.reason,
             "test_accuracy": (self.result or {}).get("test_accuracy"),
@@ -260,7 +277,12 @@ def _collect_segments(
     views: dict[tuple[int, str], SegmentView] = {}
     for entry in state.get("plan") or []:
         key = (int(entry["index"]), entry["protocol"])
-        views[key] = SegmentView(*key, origin=entry.get("origin", "plan"), until_step=entry.get("until_step"))
+        views[key] = SegmentView(
+            *key,
+            origin=entry.get("origin", "plan"),
+            until_step=entry.get("until_step"),
+            protocol_args=entry.get("protocol_args") or {},
+        )
     for name in storage.list_dirs(layout.metrics):
         match = _SEGMENT_DIR_RE.match(name)
         if match:

@@ -114,11 +114,15 @@ def _model_table(summary: dict[str, Any]) -> str:
     return html_table(list(row), [list(row.values())])
 
 
+def _whole(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
 def _segment_table(segments: list[dict[str, Any]]) -> str:
     rows = [
         {
             "#": s["index"],
-            "protocol": s["protocol"].upper(),
+            "protocol": s["protocol_label"],
             "origin": s["origin"],
             "status": s["status"].replace("_", " "),
             "steps": _steps(s["steps"]),
@@ -126,6 +130,8 @@ def _segment_table(segments: list[dict[str, Any]]) -> str:
             "to step": _steps(s["end_step"]),
             "seconds": s["seconds"],
             "examples/s": s["examples_per_sec"],
+            # What a worker hands to the network per step, as the segment counted it.
+            "bytes / worker / step": _whole(s["bytes_per_worker_step"]),
             "stopped early": s["stopped_early"],
             "reason": s["reason"],
             "test accuracy": _accuracy(s["test_accuracy"]),
