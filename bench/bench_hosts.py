@@ -1,9 +1,11 @@
-"""Hosts backend vs local backend (issue 10): switch gap and BSP/ASP throughput over emulated links.
+"""Hosts backend vs local backend (issue 10): switch gap and each protocol's throughput over emulated links.
 
     .venv/bin/python bench/bench_hosts.py                      # root: brings up its own testbed
     .venv/bin/python bench/bench_hosts.py --steps 200 --links same-zone cross-zone cross-region
     .venv/bin/python bench/bench_hosts.py --switch-order 10 --links lan delay=1 delay=5 delay=20 \
         rate=1000 rate=100 rate=20                           # latency alone, then bandwidth alone
+    .venv/bin/python bench/bench_hosts.py --switch-order bsp,fp16,topk:0.01,local:4,ssp:2,asp \
+        --links lan rate=50 rate=10                          # do fewer bytes buy time on a thin link?
     .venv/bin/python bench/bench_hosts.py --model resnet --steps 40 --switch-order 10 --links ...
 
 One job (switch order --switch-order, "1010" by default, of --steps steps per segment; the digits CNN
@@ -19,13 +21,14 @@ scheduling in the way), once per configuration, side by side in one run:
                     apart; rate in each direction of each host's link)
 
 Per configuration it prints the measured round trip between two worker hosts (fastest of five TCP
-connects), BSP and ASP examples/s (mean over the segments of that protocol), ASP/BSP, each against
-local, and the switch gaps (previous segment's end to the next one's first step, as the report
-measures them): their mean, the longest, and the mean hand-off (previous segment's result to the
-next launcher's start; the rest is the next segment's start-up). The hosts here are namespaces of
-one 2-core machine: the processes compete for the same cores as in the local run, so the differences
-are the network's and the launch path's (SSH, TCP fork servers, per-host data staging), not more
-compute.
+connects); per protocol of the order, its examples/s (mean over its segments), against the order's
+first protocol on the same cluster and against itself on the local cluster, and the bytes a worker
+sent per step (the segments' own count); and the switch gaps (previous segment's end to the next
+one's first step, as the report measures them): their mean, the longest, and the mean hand-off
+(previous segment's result to the next launcher's start; the rest is the next segment's start-up).
+The hosts here are namespaces of one 2-core machine: the processes compete for the same cores as in
+the local run, so the differences are the network's and the launch path's (SSH, TCP fork servers,
+per-host data staging), not more compute.
 """
 
 from __future__ import annotations
@@ -70,23 +73,71 @@ def run_job(backend: Any, job: Any, run_id: str) -> dict[str, Any]:  # noqa: ANN
     return summarize(load_run(layout.root))
 
 
-def measures(summary: dict[str, Any]) -> dict[str, float | None]:
+def measures(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per protocol as the switch order spells it ('bsp', 'fp16', 'ssp:2'): examples/s and bytes a
+    worker sent per step, each the mean over the segments that ran it; and the switch gaps."""
+
     def mean(values: list[float]) -> float | None:
         return statistics.mean(values) if values else None
 
-    by_protocol: dict[str, list[float]] = {"bsp": [], "asp": []}
+    speed: dict[str, list[float]] = {}
+    sent: dict[str, list[float]] = {}
     for segment in summary["segments"]:
+        token = segment["protocol_token"]
         if segment.get("examples_per_sec"):
-            by_protocol[segment["protocol"]].append(segment["examples_per_sec"])
+            speed.setdefault(token, []).append(segment["examples_per_sec"])
+        if segment.get("bytes_per_worker_step") is not None:
+            sent.setdefault(token, []).append(segment["bytes_per_worker_step"])
     gaps = [g for g in summary.get("switch_gaps_seconds", []) if g["seconds"] is not None]
     return {
-        "bsp": mean(by_protocol["bsp"]),
-        "asp": mean(by_protocol["asp"]),
+        "speed": {token: mean(values) for token, values in speed.items()},
+        "bytes": {token: mean(values) for token, values in sent.items()},
         "gap": mean([g["seconds"] for g in gaps]),
         "gap_max": max((g["seconds"] for g in gaps), default=None),
         # The part of the gap before the next launcher started (old nodes stopped, launcher start).
         "handoff": mean([g["handoff_seconds"] for g in gaps if g.get("handoff_seconds") is not None]),
     }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def speed_rows(results: dict[str, dict[str, Any]], protocols: list[str]) -> list[list[str]]:
+    """One row per cluster and protocol: examples/s, against the first protocol of the order on the
+    same cluster and against the same protocol on the local cluster, and bytes per worker-step."""
+    local, first = results["local"], protocols[0]
+    rows = []
+    for name, r in results.items():
+        for token in protocols:
+            speed = r["speed"].get(token)
+            rows.append(
+                [
+                    name,
+                    fmt(r.get("rtt"), 2),
+                    fmt(r.get("rate"), 0),
+                    token,
+                    fmt(speed, 0),
+                    fmt(ratio(speed, r["speed"].get(first)), 2),
+                    fmt(ratio(speed, local["speed"].get(token)), 2),
+                    fmt(r["bytes"].get(token), 0),
+                ]
+            )
+    return rows
+
+
+def gap_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    local = results["local"]
+    return [
+        [
+            name,
+            fmt(r["gap"], 2),
+            fmt(r["gap_max"], 2),
+            fmt(r["handoff"], 2),
+            fmt(r["gap"] - local["gap"] if r["gap"] is not None and local["gap"] is not None else None, 2),
+        ]
+        for name, r in results.items()
+    ]
 
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -127,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="steps per segment")
     p.add_argument("--model", choices=sorted(MODELS), default="digits")
-    p.add_argument("--switch-order", default="1010", help="one segment per digit, 1 = BSP, 0 = ASP")
+    p.add_argument(
+        "--switch-order",
+        default="1010",
+        help="the job's switch order: digits (1 = BSP, 0 = ASP) or protocols ('bsp,fp16,topk:0.01,ssp:2')",
+    )
     p.add_argument(
         "--links",
         "--profiles",
@@ -141,14 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     import testbed as tb
     from gcs_emulator import GcsEmulator, free_port
     from syncswitch import storage
-    from syncswitch.spec import JobSpec
+    from syncswitch.protocols import parse_switch_order
+    from syncswitch.spec import JobSpec, SpecError
     from syncswitch_airflow.backends.hosts import HostsBackend
     from syncswitch_airflow.backends.local import LocalBackend
     from syncswitch_airflow.settings import setting
 
     try:
         links = {text: link_shape(text, tb.PROFILES) for text in args.links}
-    except argparse.ArgumentTypeError as exc:
+        protocols = [protocol.token for protocol in parse_switch_order(args.switch_order)]
+    except (argparse.ArgumentTypeError, SpecError) as exc:
         p.error(str(exc))
     reason = tb.ensure_prerequisites()
     if reason:
@@ -164,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[setting("ssh_known_hosts").env] = bed.known_hosts_path
     os.environ["SYNCSWITCH_WORK_DIR"] = str(work / "local")
     results: dict[str, dict[str, float | None]] = {}
-    segments = len(args.switch_order)
+    segments = len(protocols)
     try:
         bucket = f"bench-hosts-{uuid.uuid4().hex[:8]}"
         storage.gcs_client().create_bucket(bucket)
@@ -207,46 +264,28 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    local = results["local"]
-    rows = []
-    for name, r in results.items():
-        rows.append(
-            [
-                name,
-                fmt(r.get("rtt"), 2),
-                fmt(r.get("rate"), 0),
-                fmt(r["bsp"], 0),
-                fmt(r["asp"], 0),
-                fmt(r["asp"] / r["bsp"] if r["asp"] and r["bsp"] else None, 2),
-                fmt(r["bsp"] / local["bsp"] if r["bsp"] and local["bsp"] else None, 2),
-                fmt(r["asp"] / local["asp"] if r["asp"] and local["asp"] else None, 2),
-                fmt(r["gap"], 2),
-                fmt(r["gap_max"], 2),
-                fmt(r["handoff"], 2),
-                fmt(
-                    r["gap"] - local["gap"] if r["gap"] is not None and local["gap"] is not None else None, 2
-                ),
-            ]
-        )
     model = {"digits": "digits CNN", "resnet": "ResNet-20 synthetic CIFAR, 32 per worker"}[args.model]
     print(f"# bench_hosts: {model}, 3 workers + 1 PS, '{args.switch_order}'")
     print(f"machine: {machine}; {args.steps} steps per segment; testbed delays by {bed.delay_mechanism}")
     print()
+    order = list(dict.fromkeys(protocols))
     headers = [
         "cluster",
         "host RTT ms",
         "Mbit/s",
-        "BSP ex/s",
-        "ASP ex/s",
-        "ASP/BSP",
-        "BSP/local",
-        "ASP/local",
-        "switch gap s",
-        "max gap s",
-        "hand-off s",
-        "gap - local s",
+        "protocol",
+        "ex/s",
+        f"vs {order[0]}",
+        "vs local",
+        "bytes/worker/step",
     ]
-    print(markdown_table(headers, rows))
+    print(markdown_table(headers, speed_rows(results, order)))
+    print()
+    print(
+        markdown_table(
+            ["cluster", "switch gap s", "max gap s", "hand-off s", "gap - local s"], gap_rows(results)
+        )
+    )
     return 0
 
 
