@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_workers": 3,
             "num_ps": 1,
             "evaluate_segments": False,
+            "max_online_switches": 0,  # no online policy here; lets a plan use all six segments
             **MODELS[args.model],
         }
         host_list = [

@@ -218,16 +218,18 @@ def test_local_sgd_averaging_every_step_follows_bsps_trajectory(forkserver_dir: 
     assert all(np.abs(v).max() > 0 for n, v in bsp.items() if n.startswith("optimizer/")), "it trained"
 
 
-# ---- Adam through every kind of handoff -----------------------------------------------------------------
+# ---- AdamW through every kind of handoff ----------------------------------------------------------------
 
 
-def test_adam_hands_off_exactly_through_ssp_local_sgd_and_compressed_bsp(
+def test_adamw_hands_off_exactly_through_ssp_local_sgd_and_compressed_bsp(
     forkserver_dir: str, tmp_path: Path
 ) -> None:
-    """Adam's two moments cross every switch bit for bit (the digest is of the state as restored,
-    before the second moment's rescale), the rescale follows each protocol's update batch (2 workers
-    of 32: BSP and compressed BSP 64, SSP, local SGD and ASP 32), and the job's update count (Adam's
-    bias correction) goes on across them: one per step for the all-reduce protocols, N for ASP and SSP."""
+    """AdamW (Adam's slots and rescale, plus the decoupled weight decay; plain Adam crosses BSP and ASP
+    in test_runtime_cluster): its two moments cross every switch bit for bit (the digest is of the
+    state as restored, before the second moment's rescale), the rescale follows each protocol's update
+    batch (2 workers of 32: BSP and compressed BSP 64, SSP, local SGD and ASP 32), and the job's update
+    count (Adam's bias correction) goes on across them: one per step for the all-reduce protocols, N
+    for ASP and SSP."""
     run_dir = tmp_path / "run"
     walk = ("bsp", "ssp:1", "local:2", "topk:0.1", "asp", "fp16")
     update_batch = {"bsp": 64, "cbsp": 64, "ssp": 32, "local": 32, "asp": 32}
@@ -241,20 +243,20 @@ def test_adam_hands_off_exactly_through_ssp_local_sgd_and_compressed_bsp(
             forkserver_dir,
             *("--protocol", spelled, "--workers", "2", "--run-dir", str(run_dir)),
             *("--until-step", str(step), "--segment-index", str(index), "--ckpt-frequency", "0"),
-            *("--hparams", "optimizer=adam,learning_rate=0.003,steps_per_execution=2"),
+            *("--hparams", "optimizer=adamw,learning_rate=0.003,weight_decay=0.01,steps_per_execution=2"),
         )
         assert summary["global_step"] == step
     for index in range(1, len(walk)):
         before, protocol = (parse_token(walk[i], "test").name for i in (index - 1, index))
         previous = result(run_dir, index - 1, before)
         (start,) = events(run_dir, index, protocol, "segment_start")
-        assert start["optimizer"] == "adam"
+        assert start["optimizer"] == "adamw"
         assert start["restored_from"] == previous["checkpoint"]
         assert start["checkpoint_digest"] == start["restored_digest"], (walk[index - 1], walk[index])
         assert start["second_moment_scale"] == update_batch[before] / update_batch[protocol]
     assert result(run_dir, len(walk) - 1, "cbsp")["updates"] == updates
     manifest = checkpoints.latest(RunLayout(str(run_dir)))
-    assert manifest["signature"]["optimizer"] == "adam" and manifest["update_batch"] == 64
+    assert manifest["signature"]["optimizer"] == "adamw" and manifest["update_batch"] == 64
     tensors = checkpoint_tensors(run_dir, tmp_path)
     for slot in ("first_moments", "second_moments"):
         moments = [v for n, v in tensors.items() if n.startswith(f"optimizer/{slot}/")]
