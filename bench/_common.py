@@ -121,6 +121,11 @@ def fmt(value: Any, digits: int = 1) -> str:
     return report_cell(value, digits)
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None where either is missing or zero (a cell left as a dash)."""
+    return numerator / denominator if numerator and denominator else None
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown pipe table with right-aligned columns after the first."""
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]

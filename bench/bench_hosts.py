@@ -44,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import BenchError, fmt, log, machine_line, markdown_table
+from _common import BenchError, fmt, log, machine_line, markdown_table, ratio
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 ROLES = ("chief", "worker", "worker", "worker", "ps")
@@ -97,10 +97,6 @@ def measures(summary: dict[str, Any]) -> dict[str, Any]:
         # The part of the gap before the next launcher started (old nodes stopped, launcher start).
         "handoff": mean([g["handoff_seconds"] for g in gaps if g.get("handoff_seconds") is not None]),
     }
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
 
 
 def speed_rows(results: dict[str, dict[str, Any]], protocols: list[str]) -> list[list[str]]:

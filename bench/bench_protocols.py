@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import BenchError, log, machine_line, markdown_table, run_json_command, syncswitch_command
+from _common import BenchError, log, machine_line, markdown_table, ratio, run_json_command, syncswitch_command
 from syncswitch import forkserver_client, storage
 from syncswitch.layout import RunLayout
 from syncswitch.spec import JobSpec
@@ -172,9 +172,9 @@ def table(runs: list[dict[str, Any]], labels: list[str], baseline: str, target: 
                 f"{accuracy:.4f}" + (f" ± {sd:.4f}" if sd is not None else ""),
                 paired,
                 seconds,
-                seconds / base_time if base_time else None,
+                ratio(seconds, base_time),
                 to_target,
-                to_target / base_target if to_target and base_target else None,
+                ratio(to_target, base_target),
                 f"{len(reached)}/{len(done)}",
                 mean_sd([r["examples_per_sec"] for r in done])[0],
                 mean_sd([r["bytes_per_step"] for r in done if r["bytes_per_step"] is not None])[0],

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
-from _common import log, machine_line, markdown_table, run_json_command, syncswitch_command
+from _common import fmt, log, machine_line, markdown_table, ratio, run_json_command, syncswitch_command
 from bench_runtime import chief_steps, steady_rate
 
 USER_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user_models", "bench_models")
@@ -89,10 +89,6 @@ def mean(values: list[float | None]) -> float | None:
     return statistics.mean(present) if present else None
 
 
-def ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
-
-
 def report(results: dict[str, list[dict[str, Any]]]) -> None:
     rows, builtin = [], None
     for model, runs in results.items():
@@ -105,9 +101,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
                 model,
                 bsp,
                 asp,
-                ratio(asp, bsp),
-                ratio(bsp, builtin[0]),
-                ratio(asp, builtin[1]),
+                fmt(ratio(asp, bsp), 2),
+                fmt(ratio(bsp, builtin[0]), 2),
+                fmt(ratio(asp, builtin[1]), 2),
                 *(mean([r[p] for r in runs]) for p in STARTUP_PARTS),
                 switch,
             ]

@@ -33,7 +33,7 @@ class SegmentView:
     protocol: str
     origin: str = "plan"
     until_step: float | None = None
-    protocol_args: dict[str, Any] | None = None  # the plan entry's; else result.json's
+    protocol_args: dict[str, Any] | None = None  # the plan entry's (result.json has them too)
     result: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -151,7 +151,7 @@ class SegmentView:
     def settings(self) -> Protocol | None:
         """The protocol with its settings (SSP's s, local SGD's H, the compression); None where the
         plan and result name settings that no switch order spells (a folder of a newer version)."""
-        args = self.protocol_args if self.protocol_args is not None else self._from_result("protocol_args")
+        args = self.protocol_args or self._from_result("protocol_args")
         try:
             return protocol_of({"protocol": self.protocol, "protocol_args": args})
         except ValueError:
@@ -281,7 +281,7 @@ def _collect_segments(
             *key,
             origin=entry.get("origin", "plan"),
             until_step=entry.get("until_step"),
-            protocol_args=entry.get("protocol_args") or {},
+            protocol_args=entry.get("protocol_args"),
         )
     for name in storage.list_dirs(layout.metrics):
         match = _SEGMENT_DIR_RE.match(name)
