@@ -95,7 +95,8 @@ class ProgressThrottle(Poller):
     cycles, as the launcher's injector does) from the moment they appear until ``cleared()`` is true.
     One pid makes a straggler; all of a segment's nodes, stopped and continued together, make the
     whole segment slower without making any worker look slower than the others. A clock-timed
-    episode means something else on a machine twice as slow (it can end before the first step)."""
+    episode means something else on a machine twice as slow (it can end before the first step).
+    ``hold()`` stops them outright from then on (a SIGKILL still ends them; the exit continues them)."""
 
     CYCLE_SECONDS = 0.2
 
@@ -105,6 +106,11 @@ class ProgressThrottle(Poller):
         super().__init__(every=0.0)
         self.find_pids, self.cleared, self.slowdown = find_pids, cleared, slowdown
         self.slowed: set[int] = set()
+        self.held = False
+
+    def hold(self) -> None:
+        """No progress at all from now on, however long what follows takes."""
+        self.held = True
 
     def poll(self) -> bool:
         """One duty cycle; True (done) once cleared."""
@@ -118,7 +124,8 @@ class ProgressThrottle(Poller):
         self.slowed.update(pids)
         self._signal(pids, signal.SIGSTOP)
         self._stop.wait(self.CYCLE_SECONDS - run_for)
-        self._signal(pids, signal.SIGCONT)
+        if not self.held:
+            self._signal(pids, signal.SIGCONT)
         self._stop.wait(run_for)
         return False
 

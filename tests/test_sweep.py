@@ -126,9 +126,10 @@ def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and
         if line.startswith("[2/2]") and ": run " in line:
             raise Killed
 
-    # The ASP run's nodes run at a sixteenth of their speed until the run is failed and torn down
-    # below, so that its 300 steps cannot end before the mark lands, however fast the machine and
-    # however long the API takes to answer it (it may wait out a database lock first).
+    # The ASP run's nodes run at a sixteenth of their speed until the Ctrl-C below, and stand still
+    # from then until the run is failed and torn down, so that its 300 steps cannot end before the
+    # mark lands, however fast the machine and however long the API takes to answer it (it may wait
+    # out a database lock first).
     brake = ProgressThrottle(LocalSegmentNodes("resumable-asp", 0), lambda: False, slowdown=16)
     with brake:
         with pytest.raises(Killed):
@@ -150,6 +151,7 @@ def test_a_sweep_started_again_keeps_its_finished_runs_follows_a_running_one_and
                     poll=0.2,
                     what="the followed run's segment training",
                 )
+                brake.hold()
                 raise KeyboardInterrupt
 
         lines.clear()
