@@ -36,14 +36,21 @@ from syncswitch.trainer import (
 MAX_CALL_SECONDS = 1.0
 
 
-def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
-    """One MultiWorkerMirroredStrategy worker. Returns the segment result on the chief."""
+def ring_all_reduce_strategy() -> Any:
+    """MultiWorkerMirroredStrategy over TF_CONFIG's workers, its collectives by ring (gRPC on CPU)."""
     import tensorflow as tf
 
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING
     )
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def run_bsp_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
+    """One MultiWorkerMirroredStrategy worker. Returns the segment result on the chief."""
+    import tensorflow as tf
+
+    strategy = ring_all_reduce_strategy()
     training = build_and_restore(ctx, strategy, problem)
     state, restored, _signature = training
     loop = BspLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])

@@ -26,7 +26,7 @@ import contextlib
 import time
 from typing import Any
 
-from syncswitch.bsp import BspLoop, checkpoint_due_at
+from syncswitch.bsp import BspLoop, checkpoint_due_at, ring_all_reduce_strategy
 from syncswitch.context import NodeContext
 from syncswitch.exchange import LocalExchange, payload_bytes
 from syncswitch.peers import probe_peers_of
@@ -49,12 +49,7 @@ BYTES_SENT = RECORD_COLUMNS.index("bytes_sent")
 def run_local_sgd_worker(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
     """One local SGD worker (MultiWorkerMirroredStrategy for the averages only). Returns the segment
     result on the chief."""
-    import tensorflow as tf
-
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING
-    )
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = ring_all_reduce_strategy()
     training = build_and_restore(ctx, None, problem)  # this worker's own replica
     state, restored, _signature = training
     loop = LocalSgdLoop(ctx.spec, ctx.hp, restored["samples"], restored["updates"])
