@@ -19,7 +19,8 @@ Per config: final test accuracy (mean ± sd, and the mean difference to the base
 seed ± its standard error), total seconds (first launch to last segment's end: start-ups and switches
 included) and its ratio to the baseline's, training seconds to the target accuracy (evaluations taken
 out), examples/s over the whole run, and bytes a worker sent per BSP-equivalent step (the segments'
-own counts, syncswitch.exchange). ``--log`` keeps one JSON line per run, so an interrupted run goes on
+own counts, syncswitch.exchange). Where the sweep runs its baseline under a straggler too, a second
+table gives each straggler config's share of that slowdown it gives back. ``--log`` keeps one JSON line per run, so an interrupted run goes on
 where it stopped and ``--report-only`` prints the tables again.
 """
 
@@ -197,6 +198,66 @@ def table(runs: list[dict[str, Any]], labels: list[str], baseline: str, target: 
     return markdown_table(headers, rows)
 
 
+def straggler_baseline(configs: dict[str, JobSpec], baseline: str, labels: list[str]) -> str | None:
+    """The config that runs the baseline's switch order under a straggler, if the sweep has one."""
+    base = configs[baseline]
+    for label in labels:
+        job = configs[label]
+        if job.stragglers and not base.stragglers and job.switch_order == base.switch_order:
+            return label
+    return None
+
+
+def straggler_table(
+    runs: list[dict[str, Any]], configs: dict[str, JobSpec], baseline: str, labels: list[str]
+) -> str:
+    """Per straggler config, the share of the straggler's cost to the baseline it gives back.
+
+    Per seed: 1 - (its time per example - the baseline's without a straggler) / (the baseline's under
+    the straggler - without), then mean ± sd; 1 is all of it, above 1 faster than the baseline without
+    a straggler. The online policies' ONLINE_RECOVERY holds these shares."""
+    slowed = straggler_baseline(configs, baseline, labels)
+    if slowed is None:
+        return ""
+    by_run = {(r["label"], r["seed"]): r for r in runs}
+
+    def per_example(label: str, seed: int) -> float:
+        return 1.0 / by_run[(label, seed)]["examples_per_sec"]
+
+    rows = []
+    for label in labels:
+        if not configs[label].stragglers or label == slowed:
+            continue
+        seeds = [
+            r["seed"]
+            for r in runs
+            if r["label"] == label and {(baseline, r["seed"]), (slowed, r["seed"])} <= by_run.keys()
+        ]
+        shares = [
+            1
+            - (per_example(label, seed) - per_example(baseline, seed))
+            / (per_example(slowed, seed) - per_example(baseline, seed))
+            for seed in seeds
+        ]
+        share, sd = mean_sd(shares)
+        if share is not None:
+            rows.append(
+                [
+                    label,
+                    configs[label].switch_order,
+                    str(len(shares)),
+                    f"{share:.2f}" + (f" ± {sd:.2f}" if sd is not None else ""),
+                ]
+            )
+    headers = [
+        "config",
+        "switch order",
+        "seeds",
+        f"gives back of the straggler's cost to {baseline} (mean ± sd)",
+    ]
+    return markdown_table(headers, rows) if rows else ""
+
+
 def read_log(path: str | None) -> list[dict[str, Any]]:
     if not path or not os.path.exists(path):
         return []
@@ -257,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = [remeasure(r, sweep.configs[r["label"]], args, target) for r in runs if r["label"] in labels]
     print(f"# bench_protocols: {sweep.name}, scale {scale}, {repeats} repeat(s)\n# {machine_line()}\n")
     print(table(runs, labels, sweep.baseline, target))
+    recovery = straggler_table(runs, sweep.configs, sweep.baseline, labels)
+    if recovery:
+        print(f"\n{recovery}")
     return 0
 
 
