@@ -20,8 +20,9 @@ seed ± its standard error), total seconds (first launch to last segment's end: 
 included) and its ratio to the baseline's, training seconds to the target accuracy (evaluations taken
 out), examples/s over the whole run, and bytes a worker sent per BSP-equivalent step (the segments'
 own counts, syncswitch.exchange). Where the sweep runs its baseline under a straggler too, a second
-table gives each straggler config's share of that slowdown it gives back. ``--log`` keeps one JSON line per run, so an interrupted run goes on
-where it stopped and ``--report-only`` prints the tables again.
+table gives each straggler config's share of that slowdown it gives back. ``--log`` keeps one JSON
+line per run, so an interrupted run goes on where it stopped and ``--report-only`` prints the tables
+again.
 """
 
 from __future__ import annotations
