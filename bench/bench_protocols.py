@@ -202,9 +202,10 @@ def table(runs: list[dict[str, Any]], labels: list[str], baseline: str, target: 
 def straggler_baseline(configs: dict[str, JobSpec], baseline: str, labels: list[str]) -> str | None:
     """The config that runs the baseline's switch order under a straggler, if the sweep has one."""
     base = configs[baseline]
+    if base.stragglers:
+        return None
     for label in labels:
-        job = configs[label]
-        if job.stragglers and not base.stragglers and job.switch_order == base.switch_order:
+        if configs[label].stragglers and configs[label].switch_order == base.switch_order:
             return label
     return None
 
