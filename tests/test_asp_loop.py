@@ -1,6 +1,7 @@
 """AspLoop's bookkeeping: exact targets, drained checkpoints, early stops on whole BSP steps, closures
 of several updates sized to the boundaries, lost closures rescheduled with their own updates, and
-SSP's closures cut short at the staleness bound (the rest scheduled again, held while nothing moved).
+SSP's closures cut short at the staleness bound (the rest scheduled again, held while nothing moved),
+and an output whose copy failed in transit fetched again rather than its closure run again.
 
 The loop only calls ``fetch()`` on what ClusterCoordinator.schedule returns, so a finished value
 stands in for TF's RemoteValue here; the real thing runs in test_runtime_cluster.py.
@@ -159,6 +160,41 @@ def test_a_broken_step_is_not_mistaken_for_a_lost_worker() -> None:
         loop.add(LostValue(error), Closure(0, 1))
         with pytest.raises(type(error)):
             loop.collect()
+
+
+class CopyFailsOnce(FinishedValue):
+    """A closure that ran, whose output's copy back to the coordinator failed once in transit (as
+    in a CI run: the worker's gRPC server could not parse the copy's request)."""
+
+    def __init__(self, closure: Closure) -> None:
+        super().__init__(closure)
+        self.fetches = 0
+
+    def fetch(self) -> np.ndarray:
+        import tensorflow as tf
+
+        self.fetches += 1
+        if self.fetches == 1:
+            raise tf.errors.InternalError(
+                None,
+                None,
+                "2 root error(s) found.\n (0) INTERNAL: Unable to parse request\nAdditional GRPC error "
+                "information from remote target /job:worker/replica:0/task:1/device:CPU:0 while calling "
+                "/tensorflow.eager.EagerService/RunComponentFunction",
+            )
+        return super().fetch()
+
+
+def test_an_output_whose_copy_failed_in_transit_is_fetched_again_not_run_again() -> None:
+    loop = AspLoop(spec(2, 10, 0), 32, 64, 0)
+    closure = loop.next_closure(4)
+    value = CopyFailsOnce(closure)
+    loop.add(value, closure)
+    _worker, records, cut = loop.collect()
+    assert value.fetches == 2 and loop.refetched == 1
+    assert records.shape == (4, 5) and not cut
+    assert loop.done == 4 and loop.lost == 0
+    assert loop.next_closure(4) == Closure(4, 4), "its updates are not handed out again"
 
 
 def test_an_ssp_closure_cut_at_the_bound_hands_back_the_rest_of_its_updates() -> None:

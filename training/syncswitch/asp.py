@@ -57,6 +57,9 @@ from syncswitch.trainer import (
 MAX_LOST_CLOSURES = 1000
 # The watchdog allows a stalled closure at least this many times its expected length.
 WATCHDOG_CLOSURE_MULTIPLE = 20
+# Copying a finished closure's output back is one more RPC, which can fail in transit while the
+# closure's updates stand; the copy (a read) is tried this many times before the error is raised.
+FETCH_ATTEMPTS = 3
 
 
 def run_asp_chief(ctx: NodeContext, problem: Any) -> dict[str, Any] | None:
@@ -293,6 +296,8 @@ class AspLoop:
         self.scheduled = 0  # updates handed out (the high-water mark)
         self.done = 0
         self.lost = 0  # closures handed back after their worker was lost
+        self.refetched = 0  # outputs whose copy back failed once and was tried again
+        self.run_id = spec.run_id
         self.stopping = False
         self._inflight: collections.deque = collections.deque()
         self._retry: collections.deque[Closure] = collections.deque()
@@ -352,7 +357,7 @@ class AspLoop:
         remote_value, closure = self._inflight[index]
         del self._inflight[index]
         try:
-            packed = np.asarray(remote_value.fetch())
+            packed = self._fetch(remote_value)
         except Exception as exc:
             if not is_lost_worker_error(exc) or self.lost >= MAX_LOST_CLOSURES:
                 raise
@@ -368,6 +373,27 @@ class AspLoop:
         if steps:
             self._release_held()
         return worker, packed[2:].reshape(steps, RECORD_WIDTH), cut
+
+    def _fetch(self, remote_value: Any) -> np.ndarray:
+        """The closure's packed output, fetched again after an error other than a lost worker's: a
+        copy that failed in transit (gRPC's "Unable to parse request" from a busy worker) succeeds
+        the second time, and a closure that failed raises its error again at once. Scheduling the
+        closure again instead would apply its updates twice."""
+        for attempt in range(1, FETCH_ATTEMPTS):
+            try:
+                return np.asarray(remote_value.fetch())
+            except Exception as exc:
+                if is_lost_worker_error(exc):
+                    raise
+                self.refetched += 1
+                said = next(iter(str(exc).splitlines()), "")
+                print(
+                    f"[{self.run_id}] fetching a closure's output failed ({type(exc).__name__}: {said}); "
+                    "fetching again",
+                    flush=True,
+                )
+                time.sleep(0.2 * attempt)
+        return np.asarray(remote_value.fetch())
 
     def _release_held(self) -> None:
         self._retry.extend(self._held)
