@@ -296,7 +296,6 @@ class AspLoop:
         self.scheduled = 0  # updates handed out (the high-water mark)
         self.done = 0
         self.lost = 0  # closures handed back after their worker was lost
-        self.refetched = 0  # outputs whose copy back failed once and was tried again
         self.run_id = spec.run_id
         self.stopping = False
         self._inflight: collections.deque = collections.deque()
@@ -375,17 +374,16 @@ class AspLoop:
         return worker, packed[2:].reshape(steps, RECORD_WIDTH), cut
 
     def _fetch(self, remote_value: Any) -> np.ndarray:
-        """The closure's packed output, fetched again after an error other than a lost worker's: a
-        copy that failed in transit (gRPC's "Unable to parse request" from a busy worker) succeeds
-        the second time, and a closure that failed raises its error again at once. Scheduling the
-        closure again instead would apply its updates twice."""
+        """The closure's packed output, fetched again after an error other than a lost worker's. A
+        copy that failed in transit (gRPC's "Unable to parse request": the worker never ran it) can
+        succeed on another try, and a closure that failed raises its stored error again at once.
+        Scheduling the closure again instead would apply its updates twice."""
         for attempt in range(1, FETCH_ATTEMPTS):
             try:
                 return np.asarray(remote_value.fetch())
             except Exception as exc:
                 if is_lost_worker_error(exc):
                     raise
-                self.refetched += 1
                 said = next(iter(str(exc).splitlines()), "")
                 print(
                     f"[{self.run_id}] fetching a closure's output failed ({type(exc).__name__}: {said}); "
