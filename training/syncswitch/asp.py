@@ -384,7 +384,8 @@ class AspLoop:
             except Exception as exc:
                 if is_lost_worker_error(exc):
                     raise
-                said = next(iter(str(exc).splitlines()), "")
+                # TF's first line is often only "2 root error(s) found."; the status follows it.
+                said = " ".join(str(exc).split())[:300]
                 print(
                     f"[{self.run_id}] fetching a closure's output failed ({type(exc).__name__}: {said}); "
                     "fetching again",
